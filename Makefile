@@ -1,0 +1,29 @@
+# `make demo` and `make test` create .venv and install on first use; later runs reuse it.
+PYTHON ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test test-fast gpu-check install clean
+
+$(STAMP): pyproject.toml scripts/install.sh
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	PYTHON=$(VPY) bash scripts/install.sh test
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VPY) examples/train_synthetic_dlrm.py
+
+test: $(STAMP)
+	$(VPY) -m pytest tests -q
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest tests/unit -q
+
+gpu-check: $(STAMP)
+	$(VPY) -m pytest tests -q -m gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache lightning_logs

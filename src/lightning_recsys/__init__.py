@@ -1,0 +1,14 @@
+"""lightning-recsys: a PyTorch Lightning strategy for embedding-heavy recommendation models."""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_recsys.parallel import EmbeddingOptimizerConfig
+from lightning_recsys.planner import TableConstraints
+from lightning_recsys.strategies import TwoDRecStrategy
+
+__version__ = "0.1.0"
+
+if TwoDRecStrategy.strategy_name not in StrategyRegistry:
+    TwoDRecStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["EmbeddingOptimizerConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]

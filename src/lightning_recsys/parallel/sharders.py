@@ -1,0 +1,81 @@
+"""TorchRec sharders that expose every sharding type that runs on the current device."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torchrec.distributed.embedding import EmbeddingCollectionSharder
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+from torchrec.distributed.types import ModuleSharder, ShardingType
+
+ALL_SHARDING_TYPES: tuple[str, ...] = (
+    ShardingType.DATA_PARALLEL.value,
+    ShardingType.TABLE_WISE.value,
+    ShardingType.ROW_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_ROW_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+)
+# TorchRec's stock sharders offer RW/TWRW only on CUDA, but both run forward and backward on
+# CPU/gloo (checked in DESIGN.md), so we add them back there.
+_CPU_EXTRA_TYPES: tuple[str, ...] = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+
+def _with_cpu_extras(stock: list[str], compute_device_type: str, candidates: tuple[str, ...]) -> list[str]:
+    if compute_device_type != "cpu":
+        return list(stock)
+    return list(stock) + [t for t in candidates if t not in stock]
+
+
+class RecSysEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
+    """EmbeddingBagCollection sharder with row-wise types on CPU and an optional allow-list."""
+
+    def __init__(self, allowed_sharding_types: list[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._allowed = allowed_sharding_types
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = _with_cpu_extras(super().sharding_types(compute_device_type), compute_device_type, _CPU_EXTRA_TYPES)
+        return [t for t in types if self._allowed is None or t in self._allowed]
+
+
+class RecSysEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+    """EmbeddingCollection (sequence) sharder with an optional allow-list."""
+
+    def __init__(self, allowed_sharding_types: list[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._allowed = allowed_sharding_types
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        return [t for t in types if self._allowed is None or t in self._allowed]
+
+
+def supported_sharding_types(compute_device_type: str) -> list[str]:
+    """Sharding types the EmbeddingBagCollection sharder can use on ``compute_device_type``."""
+    return RecSysEmbeddingBagCollectionSharder().sharding_types(compute_device_type)
+
+
+def validate_sharding_types(sharding_types: list[str], compute_device_type: str, argument: str) -> None:
+    """Raise if ``sharding_types`` names a type that is unknown or does not run on this device."""
+    supported = supported_sharding_types(compute_device_type)
+    for sharding_type in sharding_types:
+        if sharding_type not in ALL_SHARDING_TYPES:
+            raise ValueError(f"{argument} contains {sharding_type!r}, which is not one of {list(ALL_SHARDING_TYPES)}.")
+        if sharding_type not in supported:
+            raise ValueError(
+                f"{argument} contains {sharding_type!r}, which TorchRec does not support on "
+                f"{compute_device_type!r}; supported there: {supported}."
+            )
+
+
+def make_sharders(
+    fused_params: dict[str, Any],
+    allowed_sharding_types: list[str] | None = None,
+) -> list[ModuleSharder[nn.Module]]:
+    """Sharders for EmbeddingBagCollection and EmbeddingCollection, sharing one fused optimizer."""
+    return [
+        RecSysEmbeddingBagCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params)),
+        RecSysEmbeddingCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params)),
+    ]

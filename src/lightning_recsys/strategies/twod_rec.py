@@ -1,0 +1,327 @@
+"""TwoDRecStrategy: TorchRec model parallelism for the embedding tables, data parallelism for the rest."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_recsys.parallel import (
+    EmbeddingOptimizerConfig,
+    ParallelTopology,
+    ShardedModel,
+    make_sharders,
+    shard_model,
+)
+from lightning_recsys.parallel.sharders import validate_sharding_types
+from lightning_recsys.planner import TableConstraints, make_sharding_plan, summarize_plan
+
+log = logging.getLogger(__name__)
+
+_NO_CHECKPOINTS_YET = (
+    "TwoDRecStrategy cannot write checkpoints yet: sharded tables need a distributed (DCP) checkpoint, "
+    "and a rank-0 torch.save would silently keep only rank 0's shards. Pass "
+    "Trainer(enable_checkpointing=False) and do not call trainer.save_checkpoint()."
+)
+
+
+class TwoDRecStrategy(ParallelStrategy):
+    """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
+
+    The strategy finds every ``EmbeddingBagCollection``/``EmbeddingCollection`` in the module, plans
+    it with TorchRec's planner, and wraps the module in ``DistributedModelParallel``: embedding
+    lookups go through TorchRec's all-to-all, dense parameters are synced by DDP.
+
+    Optimizers: model-parallel tables are updated inside backward by FBGEMM's fused optimizer
+    (``embedding_optimizer``); data-parallel tables get the same rule as a torch optimizer, stepped
+    with the dense optimizers. What ``configure_optimizers`` returns is used for the dense
+    parameters only (embedding parameters are removed from it), so LR schedulers and gradient
+    clipping keep working on them.
+
+    Args:
+        embedding_optimizer: optimizer of the embedding tables (default: row-wise Adagrad, lr 0.05).
+        sharding_types: sharding types the planner may use for every table; default: all that run on
+            the device (data_parallel, table_wise, row_wise, column_wise, table_row_wise,
+            table_column_wise).
+        table_constraints: per-table planner constraints, keyed by table name.
+        process_group_timeout: seconds a collective may wait before the job fails (default 1800,
+            which leaves room for planning large models).
+        process_group_backend: ``gloo`` or ``nccl``; default: nccl on CUDA, gloo on CPU.
+    """
+
+    strategy_name = "twod_rec"
+
+    def __init__(
+        self,
+        *,
+        embedding_optimizer: Optional[EmbeddingOptimizerConfig] = None,
+        sharding_types: Optional[list[str]] = None,
+        table_constraints: Optional[dict[str, TableConstraints]] = None,
+        process_group_timeout: float = 1800.0,
+        process_group_backend: Optional[str] = None,
+        accelerator: Optional[Accelerator] = None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if embedding_optimizer is not None and not isinstance(embedding_optimizer, EmbeddingOptimizerConfig):
+            raise TypeError(
+                f"embedding_optimizer={embedding_optimizer!r} must be an EmbeddingOptimizerConfig, "
+                "e.g. EmbeddingOptimizerConfig(name='sgd', lr=0.1)."
+            )
+        if sharding_types is not None and not sharding_types:
+            raise ValueError("sharding_types=[] allows no sharding type; pass None to allow all.")
+        for sharding_type in sharding_types or []:
+            validate_sharding_types([sharding_type], "cuda", "sharding_types")
+        if not process_group_timeout > 0:
+            raise ValueError(f"process_group_timeout={process_group_timeout} must be > 0 seconds.")
+        if process_group_backend not in (None, "gloo", "nccl"):
+            raise ValueError(f"process_group_backend={process_group_backend!r} must be 'gloo', 'nccl' or None.")
+        self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
+        self._sharding_types = list(sharding_types) if sharding_types is not None else None
+        self._table_constraints = dict(table_constraints or {})
+        self._timeout = timedelta(seconds=process_group_timeout)
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._sharded: Optional[ShardedModel] = None
+        self._data_parallel_table_optimizer: Optional[Optimizer] = None
+
+    # ----------------------------------------------------------------- ranks and devices
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> Optional[str]:
+        return self._process_group_backend
+
+    @property
+    def sharded_model(self) -> ShardedModel:
+        """The sharded model, its plan and its embedding optimizer; available after setup."""
+        if self._sharded is None:
+            raise RuntimeError("TwoDRecStrategy.sharded_model is available only after the Trainer has set up the model.")
+        return self._sharded
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._validate_backend()
+        self.set_world_ranks()
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    def _validate_backend(self) -> None:
+        device_type = self.root_device.type
+        if device_type not in ("cpu", "cuda"):
+            raise ValueError(f"TwoDRecStrategy runs on accelerator 'cpu' or 'cuda', not {device_type!r}.")
+        if device_type == "cpu" and self._process_group_backend == "nccl":
+            raise ValueError("process_group_backend='nccl' needs CUDA devices; use 'gloo' (or None) with accelerator='cpu'.")
+        if self._sharding_types is not None:
+            validate_sharding_types(self._sharding_types, device_type, "sharding_types")
+        for table, constraints in self._table_constraints.items():
+            validate_sharding_types(constraints.sharding_types or [], device_type, f"table_constraints[{table!r}].sharding_types")
+
+    # ----------------------------------------------------------------- model and optimizers
+    @override
+    def setup(self, trainer: Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self._validate_trainer(trainer)
+        self.model = self._shard(self.lightning_module).dmp
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def _validate_trainer(self, trainer: Trainer) -> None:
+        if type(self.precision_plugin) is not Precision:
+            raise ValueError(
+                f"TwoDRecStrategy supports precision='32-true' only; got {type(self.precision_plugin).__name__}. "
+                "Embedding communication precision is set separately (QComms)."
+            )
+        if trainer.accumulate_grad_batches != 1:
+            raise ValueError(
+                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not supported: the fused "
+                "embedding optimizer updates the tables in every backward pass. Use accumulate_grad_batches=1 "
+                "and a larger batch instead."
+            )
+        if any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks):  # type: ignore[attr-defined]
+            raise ValueError(_NO_CHECKPOINTS_YET)
+
+    def _shard(self, module: LightningModule) -> ShardedModel:
+        if self._sharded is not None and self._sharded.dmp.module is module:
+            return self._sharded  # a later fit/validate/test call on the same, already sharded module
+        topology = ParallelTopology(world_size=self.world_size, sharding_group_size=self.world_size)
+        sharders = make_sharders(self.embedding_optimizer_config.fused_params(), self._sharding_types)
+        plan = make_sharding_plan(
+            module,
+            sharders,
+            sharding_group_size=topology.sharding_group_size,
+            local_world_size=self.num_processes,
+            compute_device=self.root_device.type,
+            constraints=self._table_constraints,
+        )
+        rank_zero_info(f"TwoDRecStrategy sharding plan ({topology.world_size} ranks):\n{summarize_plan(plan)}")
+        self._sharded = shard_model(module, topology=topology, device=self.root_device, sharders=sharders, plan=plan)
+        return self._sharded
+
+    @override
+    def setup_optimizers(self, trainer: Trainer) -> None:
+        super().setup_optimizers(trainer)
+        sharded = self.sharded_model
+        removed = 0
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                kept = [p for p in group["params"] if not sharded.is_embedding_param(p)]
+                removed += len(group["params"]) - len(kept)
+                group["params"] = kept
+        if removed:
+            log.debug("TwoDRecStrategy: removed %d embedding parameters from the dense optimizers", removed)
+        params = sharded.data_parallel_table_params
+        self._data_parallel_table_optimizer = self.embedding_optimizer_config.make_torch_optimizer(params) if params else None
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: Optional[Union[LightningModule, Module]] = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        first_optimizer = self.optimizers[0] if self.optimizers else None
+        dp_optimizer = self._data_parallel_table_optimizer
+        if dp_optimizer is not None and _unwrap_optimizer(optimizer) is _unwrap_optimizer(first_optimizer):
+            dp_optimizer.step()
+            dp_optimizer.zero_grad(set_to_none=True)
+        return output
+
+    @property
+    def data_parallel_table_optimizer(self) -> Optional[Optimizer]:
+        """The torch optimizer of the tables planned as data_parallel, or None if there are none."""
+        return self._data_parallel_table_optimizer
+
+    @override
+    def model_to_device(self) -> None:
+        # DistributedModelParallel places every shard on the root device when it is built.
+        pass
+
+    # ----------------------------------------------------------------- collectives
+    @override
+    def barrier(self, name: Optional[str] = None) -> None:
+        if not _distributed_is_initialized():
+            return
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[self.root_device.index])
+        else:
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        container = [obj]
+        dist.broadcast_object_list(container, src)
+        return container[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ----------------------------------------------------------------- checkpoints and teardown
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        raise NotImplementedError(_NO_CHECKPOINTS_YET)
+
+    @override
+    def teardown(self) -> None:
+        # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
+        assert self.cluster_environment is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        assert self.accelerator is not None
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            cls.strategy_name,
+            cls,
+            description="TorchRec-sharded embeddings with data-parallel dense layers (lightning-recsys)",
+        )
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    return getattr(optimizer, "_optimizer", optimizer)
