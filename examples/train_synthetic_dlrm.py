@@ -29,7 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tables", type=int, default=8)
     parser.add_argument("--table-rows", type=int, default=1000)
     parser.add_argument("--embedding-dim", type=int, default=16)
+    parser.add_argument("--embedding-optimizer", default="rowwise_adagrad", choices=["sgd", "rowwise_adagrad", "adagrad", "adam"])
     parser.add_argument("--embedding-lr", type=float, default=0.1)
+    parser.add_argument("--sharding-type", action="append", default=None, help="restrict the planner (repeatable)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-json", default=None, help="also write the final metrics to this file (rank 0)")
     parser.add_argument("--tiny", action="store_true", help="a few tiny batches; for smoke tests")
@@ -60,7 +62,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         over_arch_layer_sizes=[32, 16, 1],
         embedding_device="meta",
     )
-    strategy = TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=args.embedding_lr))
+    strategy = TwoDRecStrategy(
+        embedding_optimizer=EmbeddingOptimizerConfig(name=args.embedding_optimizer, lr=args.embedding_lr),
+        sharding_types=args.sharding_type,
+    )
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,

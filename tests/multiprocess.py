@@ -54,22 +54,32 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
     deadline = time.monotonic() + timeout
+    grace_until: float | None = None  # after a first failure, a moment to learn which ranks died
     try:
-        while len(outputs) < world_size:
+        while len(outputs) + len(failures) < world_size:
+            now = time.monotonic()
+            if (grace_until is not None and now > grace_until) or now > deadline:
+                break
             try:
-                rank, status, value = results.get(timeout=1.0)
+                rank, status, value = results.get(timeout=0.5)
             except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if not p.is_alive() and r not in outputs and p.exitcode != 0]
-                if dead:
-                    raise AssertionError(f"rank(s) {dead} died without a result (exit codes {[procs[r].exitcode for r in dead]})")
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(world_size)) - set(outputs))
-                    raise AssertionError(f"rank(s) {missing} did not finish within {timeout:.0f}s")
+                for r, p in enumerate(procs):
+                    if r not in outputs and r not in failures and not p.is_alive() and p.exitcode != 0:
+                        failures[r] = f"rank {r} died without a result (exit code {p.exitcode})"
+                        grace_until = grace_until or time.monotonic() + 3.0
                 continue
             if status == "error":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
-            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+                failures[rank] = f"rank {rank} failed:\n{value}"
+                grace_until = grace_until or time.monotonic() + 3.0
+            else:
+                outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
+        if failures:
+            raise AssertionError("\n".join(failures[r] for r in sorted(failures)))
+        missing = sorted(set(range(world_size)) - set(outputs))
+        if missing:
+            raise AssertionError(f"rank(s) {missing} did not finish within {timeout:.0f}s")
     finally:
         for p in procs:
             p.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))

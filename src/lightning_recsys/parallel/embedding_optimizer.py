@@ -18,6 +18,9 @@ _FUSED_TYPES: dict[str, EmbOptimType] = {
     "adam": EmbOptimType.ADAM,
 }
 
+# FBGEMM's CPU TBE asserts "Optimizer adam is not supported in CPU mode" (fbgemm-gpu-cpu 1.8.0).
+_CPU_UNSUPPORTED: frozenset[str] = frozenset({"adam"})
+
 
 @dataclass(kw_only=True)
 class EmbeddingOptimizerConfig:
@@ -56,6 +59,16 @@ class EmbeddingOptimizerConfig:
         for field, value in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0 <= value < 1:
                 raise ValueError(f"EmbeddingOptimizerConfig({field}={value}) must be in [0, 1).")
+
+    def check_device(self, device_type: str, sharding_types: list[str] | None) -> None:
+        """Raise if FBGEMM cannot run this optimizer for the tables that may be model-parallel."""
+        model_parallel_possible = sharding_types is None or any(t != "data_parallel" for t in sharding_types)
+        if device_type == "cpu" and self.name in _CPU_UNSUPPORTED and model_parallel_possible:
+            raise ValueError(
+                f"EmbeddingOptimizerConfig(name={self.name!r}) is not supported by FBGEMM's fused CPU kernels. "
+                f"On CPU use one of {sorted(set(_FUSED_TYPES) - _CPU_UNSUPPORTED)}, or restrict "
+                "sharding_types to ['data_parallel']; on CUDA every optimizer works."
+            )
 
     def fused_params(self) -> dict[str, Any]:
         """Keyword arguments for TorchRec sharders (``fused_params``), i.e. FBGEMM's TBE optimizer."""

@@ -183,6 +183,7 @@ class TwoDRecStrategy(ParallelStrategy):
             raise ValueError(f"TwoDRecStrategy runs on accelerator 'cpu' or 'cuda', not {device_type!r}.")
         if device_type == "cpu" and self._process_group_backend == "nccl":
             raise ValueError("process_group_backend='nccl' needs CUDA devices; use 'gloo' (or None) with accelerator='cpu'.")
+        self.embedding_optimizer_config.check_device(device_type, self._sharding_types)
         if self._sharding_types is not None:
             validate_sharding_types(self._sharding_types, device_type, "sharding_types")
         for table, constraints in self._table_constraints.items():

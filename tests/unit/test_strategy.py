@@ -1,0 +1,55 @@
+"""TwoDRecStrategy without a process group: registration and Trainer-level checks."""
+
+from types import SimpleNamespace
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import StrategyRegistry
+
+import lightning_recsys  # noqa: F401 - registers "twod_rec"
+from lightning_recsys import TwoDRecStrategy
+from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
+
+
+def test_registered_by_name_with_description():
+    assert "twod_rec" in StrategyRegistry
+    assert "TorchRec" in StrategyRegistry["twod_rec"]["description"]
+
+
+def test_trainer_resolves_the_name():
+    trainer = Trainer(strategy="twod_rec", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, TwoDRecStrategy)
+    assert trainer.strategy.num_processes == 2
+
+
+def test_cpu_exposes_row_wise_types():
+    assert set(supported_sharding_types("cpu")) == {
+        "data_parallel", "table_wise", "column_wise", "table_column_wise", "row_wise", "table_row_wise",
+    }
+
+
+def test_sharding_type_unknown_on_device_is_rejected():
+    with pytest.raises(ValueError, match=r"'grid_shard', which is not one of"):
+        validate_sharding_types(["grid_shard"], "cpu", "sharding_types")
+
+
+def _fake_trainer(**overrides):
+    return SimpleNamespace(**{"accumulate_grad_batches": 1, "callbacks": [], **overrides})
+
+
+def test_gradient_accumulation_is_refused():
+    strategy = TwoDRecStrategy()
+    strategy.precision_plugin = Precision()
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=4\) is not supported"):
+        strategy._validate_trainer(_fake_trainer(accumulate_grad_batches=4))
+
+
+def test_checkpointing_is_refused_up_front():
+    strategy = TwoDRecStrategy()
+    strategy.precision_plugin = Precision()
+    with pytest.raises(ValueError, match=r"enable_checkpointing=False"):
+        strategy._validate_trainer(_fake_trainer(callbacks=[ModelCheckpoint()]))
+    with pytest.raises(NotImplementedError, match=r"cannot write checkpoints yet"):
+        strategy.save_checkpoint({}, "x.ckpt")
