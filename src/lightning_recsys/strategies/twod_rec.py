@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
@@ -168,8 +169,13 @@ class TwoDRecStrategy(ParallelStrategy):
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
+        if _distributed_is_initialized():
+            return  # the user (or a previous Trainer) owns the process group
         device_id = self.root_device if self.root_device.type != "cpu" else None
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+        # Workaround: torch 2.13 aborts at interpreter exit ("terminate called without an active
+        # exception", SIGABRT) when the default process group is never destroyed.
+        atexit.register(_destroy_process_group_at_exit)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -322,6 +328,11 @@ class TwoDRecStrategy(ParallelStrategy):
             cls,
             description="TorchRec-sharded embeddings with data-parallel dense layers (lightning-recsys)",
         )
+
+
+def _destroy_process_group_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
