@@ -3,6 +3,7 @@
 from types import SimpleNamespace
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
@@ -53,3 +54,18 @@ def test_checkpointing_is_refused_up_front():
         strategy._validate_trainer(_fake_trainer(callbacks=[ModelCheckpoint()]))
     with pytest.raises(NotImplementedError, match=r"cannot write checkpoints yet"):
         strategy.save_checkpoint({}, "x.ckpt")
+
+
+def test_nccl_on_cpu_is_refused_before_any_process_group():
+    strategy = TwoDRecStrategy(process_group_backend="nccl", parallel_devices=[torch.device("cpu")])
+    with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices"):
+        strategy._validate_backend()
+
+
+def test_adam_on_cpu_is_refused_before_any_process_group():
+    strategy = TwoDRecStrategy(
+        embedding_optimizer=lightning_recsys.EmbeddingOptimizerConfig(name="adam"),
+        parallel_devices=[torch.device("cpu")],
+    )
+    with pytest.raises(ValueError, match=r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"):
+        strategy._validate_backend()
