@@ -23,6 +23,8 @@ def test_trainer_resolves_the_name():
     trainer = Trainer(strategy="twod_rec", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, TwoDRecStrategy)
     assert trainer.strategy.num_processes == 2
+    # Without this, Lightning silently ignores self.log(..., sync_dist=True) under the strategy.
+    assert trainer._accelerator_connector.is_distributed
 
 
 def test_cpu_exposes_row_wise_types():

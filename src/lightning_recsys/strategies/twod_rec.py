@@ -137,6 +137,12 @@ class TwoDRecStrategy(ParallelStrategy):
         self._num_nodes = num_nodes
 
     @property
+    def is_distributed(self) -> bool:
+        # Lightning only honours self.log(sync_dist=True) and injects distributed samplers for
+        # strategies it knows, or ones that say so through this property.
+        return True
+
+    @property
     def num_processes(self) -> int:
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
