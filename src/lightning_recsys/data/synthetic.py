@@ -184,3 +184,7 @@ class SyntheticClickLogDataModule(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader("test", self.config.test_batches)
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test split (labels included, ignored by ``predict_step``)."""
+        return self._loader("test", self.config.test_batches)
