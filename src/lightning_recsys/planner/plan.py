@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.types import KernelConfig, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
@@ -95,8 +96,6 @@ def make_sharding_plan(
 
 
 def _table_names(module: nn.Module) -> list[str]:
-    from torchrec import EmbeddingBagCollection, EmbeddingCollection
-
     names: list[str] = []
     for sub in module.modules():
         if isinstance(sub, EmbeddingBagCollection):
