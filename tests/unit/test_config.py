@@ -9,19 +9,38 @@ from lightning_recsys.data import SyntheticClickLogConfig
 from lightning_recsys.models import DLRMRanker
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"name": "lamb"}, r"name='lamb'\) is not supported; choose one of"),
-        ({"lr": 0.0}, r"lr=0.0\) must be > 0"),
-        ({"eps": -1.0}, r"eps=-1.0\) must be > 0"),
-        ({"weight_decay": -0.1}, r"weight_decay=-0.1\) must be >= 0"),
-        ({"beta1": 1.0}, r"beta1=1.0\) must be in \[0, 1\)"),
-    ],
-)
-def test_embedding_optimizer_config_rejects(kwargs, message):
+# Each row: the constructor, the bad keyword arguments, and the error it must raise.
+_INVALID_CONSTRUCTIONS = [
+        (EmbeddingOptimizerConfig, {"name": "lamb"}, r"name='lamb'\) is not supported; choose one of"),
+        (EmbeddingOptimizerConfig, {"lr": 0.0}, r"lr=0.0\) must be > 0"),
+        (EmbeddingOptimizerConfig, {"eps": -1.0}, r"eps=-1.0\) must be > 0"),
+        (EmbeddingOptimizerConfig, {"weight_decay": -0.1}, r"weight_decay=-0.1\) must be >= 0"),
+        (EmbeddingOptimizerConfig, {"beta1": 1.0}, r"beta1=1.0\) must be in \[0, 1\)"),
+        (TwoDRecStrategy, {"sharding_types": ["diagonal"]}, r"sharding_types contains 'diagonal', which is not one of"),
+        (TwoDRecStrategy, {"sharding_types": []}, r"sharding_types=\[\] allows no sharding type"),
+        (TwoDRecStrategy, {"process_group_timeout": 0}, r"process_group_timeout=0 must be > 0 seconds"),
+        (TwoDRecStrategy, {"process_group_backend": "mpi"}, r"process_group_backend='mpi' must be 'gloo', 'nccl' or None"),
+        (TableConstraints, {"sharding_types": ["row_wise", "bogus"]}, r"sharding_types=\[..., 'bogus', ...\]\): not one of"),
+        (TableConstraints, {"compute_kernels": ["magic"]}, r"compute_kernels=\[..., 'magic', ...\]\): not one of"),
+        (TableConstraints, {"min_partition": 0}, r"min_partition=0\) must be >= 1"),
+        (TableConstraints, {"pooling_factor": 0.0}, r"pooling_factor=0.0\) must be > 0"),
+        (SyntheticClickLogConfig, {"table_sizes": [10, 0]}, r"table_sizes=\[10, 0\] must be a non-empty list of positive row counts"),
+        (SyntheticClickLogConfig, {"pooling_factors": [1.0, 2.0]}, r"pooling_factors has 2 entries but table_sizes has 8"),
+        (SyntheticClickLogConfig, {"pooling_factors": 0.5}, r"pooling_factors=0.5 must all be >= 1"),
+        (SyntheticClickLogConfig, {"zipf_exponent": -1.0}, r"zipf_exponent=-1.0 must be >= 0"),
+        (SyntheticClickLogConfig, {"global_batch_size": 0}, r"global_batch_size=0 must be >= 1"),
+        (DLRMRanker, {"table_sizes": []}, r"table_sizes=\[\] gives the model no embedding table"),
+        (DLRMRanker, {"table_sizes": [5], "embedding_dim": 8, "dense_arch_layer_sizes": [16, 4]}, r"must end in embedding_dim=8"),
+        (DLRMRanker, {"table_sizes": [5], "over_arch_layer_sizes": [8, 2]}, r"over_arch_layer_sizes=\[8, 2\] must end in 1"),
+        (DLRMRanker, {"table_sizes": [5, 6], "feature_names": ["a"]}, r"feature_names has 1 entries but table_sizes has 2"),
+        (DLRMRanker, {"table_sizes": [5], "dense_optimizer": "lbfgs"}, r"dense_optimizer='lbfgs' is not one of"),
+]
+
+
+@pytest.mark.parametrize(("constructor", "kwargs", "message"), _INVALID_CONSTRUCTIONS)
+def test_invalid_arguments_are_rejected_with_their_rule(constructor, kwargs, message):
     with pytest.raises(ValueError, match=message):
-        EmbeddingOptimizerConfig(**kwargs)
+        constructor(**kwargs)
 
 
 def test_embedding_optimizer_maps_to_fbgemm_and_torch():
@@ -40,67 +59,9 @@ def test_adam_is_refused_on_cpu_for_model_parallel_tables():
     config.check_device("cuda", None)
 
 
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"sharding_types": ["diagonal"]}, r"sharding_types contains 'diagonal', which is not one of"),
-        ({"sharding_types": []}, r"sharding_types=\[\] allows no sharding type"),
-        ({"process_group_timeout": 0}, r"process_group_timeout=0 must be > 0 seconds"),
-        ({"process_group_backend": "mpi"}, r"process_group_backend='mpi' must be 'gloo', 'nccl' or None"),
-    ],
-)
-def test_strategy_rejects(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        TwoDRecStrategy(**kwargs)
-
-
 def test_strategy_rejects_wrong_embedding_optimizer_type():
     with pytest.raises(TypeError, match=r"embedding_optimizer='sgd' must be an EmbeddingOptimizerConfig"):
         TwoDRecStrategy(embedding_optimizer="sgd")  # type: ignore[arg-type]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"sharding_types": ["row_wise", "bogus"]}, r"sharding_types=\[..., 'bogus', ...\]\): not one of"),
-        ({"compute_kernels": ["magic"]}, r"compute_kernels=\[..., 'magic', ...\]\): not one of"),
-        ({"min_partition": 0}, r"min_partition=0\) must be >= 1"),
-        ({"pooling_factor": 0.0}, r"pooling_factor=0.0\) must be > 0"),
-    ],
-)
-def test_table_constraints_reject(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        TableConstraints(**kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"table_sizes": [10, 0]}, r"table_sizes=\[10, 0\] must be a non-empty list of positive row counts"),
-        ({"pooling_factors": [1.0, 2.0]}, r"pooling_factors has 2 entries but table_sizes has 8"),
-        ({"pooling_factors": 0.5}, r"pooling_factors=0.5 must all be >= 1"),
-        ({"zipf_exponent": -1.0}, r"zipf_exponent=-1.0 must be >= 0"),
-        ({"global_batch_size": 0}, r"global_batch_size=0 must be >= 1"),
-    ],
-)
-def test_synthetic_config_rejects(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        SyntheticClickLogConfig(**kwargs)
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"table_sizes": []}, r"table_sizes=\[\] gives the model no embedding table"),
-        ({"table_sizes": [5], "embedding_dim": 8, "dense_arch_layer_sizes": [16, 4]}, r"must end in embedding_dim=8"),
-        ({"table_sizes": [5], "over_arch_layer_sizes": [8, 2]}, r"over_arch_layer_sizes=\[8, 2\] must end in 1"),
-        ({"table_sizes": [5, 6], "feature_names": ["a"]}, r"feature_names has 1 entries but table_sizes has 2"),
-        ({"table_sizes": [5], "dense_optimizer": "lbfgs"}, r"dense_optimizer='lbfgs' is not one of"),
-    ],
-)
-def test_dlrm_rejects(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        DLRMRanker(**kwargs)
 
 
 def test_dlrm_builds_on_meta_device():
