@@ -1,16 +1,32 @@
-"""Sharding a model's TorchRec embedding modules with DistributedModelParallel."""
+"""Sharding a model's TorchRec embedding modules with DistributedModelParallel, in 1D or 2D.
+
+2D is built from TorchRec's public pieces (its own ``DMPCollection`` asserts CUDA): DMP gets a
+``ShardingEnv`` over this rank's sharding group and a plan made for one group whose shard
+placements are remapped to global ranks; the dense part is wrapped in DDP over the global group.
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
-
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.remote_device import _remote_device
+from torch.nn.parallel import DistributedDataParallel
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed import DistributedModelParallel
-from torchrec.distributed.types import ModuleSharder, ShardingEnv, ShardingPlan
+from torchrec.distributed.model_parallel import DefaultDataParallelWrapper
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    EnumerableShardingSpec,
+    ModuleSharder,
+    ShardingEnv,
+    ShardingPlan,
+)
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_recsys.parallel.topology import ParallelTopology
@@ -69,17 +85,19 @@ def shard_model(
             f"{type(module).__name__} has no torchrec EmbeddingBagCollection or EmbeddingCollection, so there "
             "is nothing for TwoDRecStrategy to shard. Use strategy='ddp' for dense-only models."
         )
-    if not topology.is_1d:
-        raise NotImplementedError(
-            f"sharding_group_size={topology.sharding_group_size} < world size {topology.world_size} (2D) is not "
-            "implemented yet; use sharding_group_size equal to the world size."
-        )
     initial_values = {
         fqn: {k: v.detach().clone() for k, v in sub.state_dict().items() if not v.is_meta}
         for fqn, sub in embedding_modules.items()
     }
     env = ShardingEnv.from_process_group(topology.sharding_process_group())
-    dmp = DistributedModelParallel(module, env=env, device=device, plan=plan, sharders=sharders)
+    dmp = DistributedModelParallel(
+        module,
+        env=env,
+        device=device,
+        plan=remap_plan_to_global_ranks(plan, topology, dist.get_rank(), device),
+        sharders=sharders,
+        data_parallel_wrapper=GlobalDataParallelWrapper(),
+    )
     unwrapped = dmp.module
     for fqn, values in initial_values.items():
         _copy_into_shards(unwrapped.get_submodule(fqn).state_dict(), values)
@@ -93,6 +111,47 @@ def shard_model(
         data_parallel_table_params=data_parallel_params,
         embedding_param_ids=frozenset(id(p) for p in embedding_params),
     )
+
+
+def remap_plan_to_global_ranks(
+    plan: ShardingPlan, topology: ParallelTopology, rank: int, device: torch.device
+) -> ShardingPlan:
+    """A copy of ``plan`` (made for one sharding group) whose shard placements name global ranks.
+
+    ``ParameterSharding.ranks`` stay group-local: TorchRec indexes tables by them against the
+    ShardingEnv's rank. The placements are global because ShardedTensor checks them against the
+    sharding process group's global ranks.
+    """
+    group = topology.sharding_group_of(rank)
+    remapped = copy.deepcopy(plan)
+    for module_plan in remapped.plan.values():
+        if not isinstance(module_plan, EmbeddingModuleShardingPlan):
+            continue
+        for sharding in module_plan.values():
+            spec = sharding.sharding_spec
+            if not isinstance(spec, EnumerableShardingSpec):
+                continue
+            for shard in spec.shards:
+                assert shard.placement is not None
+                global_rank = group[shard.placement.rank()]
+                placement_device = "cpu" if device.type == "cpu" else f"{device.type}:{global_rank % topology.node_size}"
+                shard.placement = _remote_device(f"rank:{global_rank}/{placement_device}")
+    return remapped
+
+
+class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
+    """DDP for the unsharded parameters over the global group, not the sharding group DMP was given.
+
+    The all-reduce goes through a Python comm hook, so communication accounting can see its bytes.
+    """
+
+    def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
+        world = dist.group.WORLD
+        super().wrap(dmp, ShardingEnv.from_process_group(world), device)  # type: ignore[arg-type]
+        ddp = dmp._dmp_wrapped_module
+        if isinstance(ddp, DistributedDataParallel):
+            # Same arithmetic as DDP's built-in C++ all-reduce, but issued from Python.
+            ddp.register_comm_hook(world, default_hooks.allreduce_hook)
 
 
 @torch.no_grad()

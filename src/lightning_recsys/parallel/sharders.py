@@ -20,6 +20,9 @@ ALL_SHARDING_TYPES: tuple[str, ...] = (
 # TorchRec's stock sharders offer RW/TWRW only on CUDA, but both run forward and backward on
 # CPU/gloo (checked in DESIGN.md), so we add them back there.
 _CPU_EXTRA_TYPES: tuple[str, ...] = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+# TorchRec's table_row_wise builds its intra-/cross-node process groups over the whole world unless
+# given its own 2D environment, so inside one sharding group of a 2D layout it would mix replicas.
+_1D_ONLY_TYPES: tuple[str, ...] = (ShardingType.TABLE_ROW_WISE.value,)
 
 
 def _with_cpu_extras(stock: list[str], compute_device_type: str, candidates: tuple[str, ...]) -> list[str]:
@@ -52,17 +55,26 @@ class RecSysEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         return [t for t in types if self._allowed is None or t in self._allowed]
 
 
-def supported_sharding_types(compute_device_type: str) -> list[str]:
-    """Sharding types the EmbeddingBagCollection sharder can use on ``compute_device_type``."""
-    return RecSysEmbeddingBagCollectionSharder().sharding_types(compute_device_type)
+def supported_sharding_types(compute_device_type: str, *, two_d: bool = False) -> list[str]:
+    """Sharding types the EmbeddingBagCollection sharder can use on ``compute_device_type`` (under 2D)."""
+    types = RecSysEmbeddingBagCollectionSharder().sharding_types(compute_device_type)
+    return [t for t in types if not (two_d and t in _1D_ONLY_TYPES)]
 
 
-def validate_sharding_types(sharding_types: list[str], compute_device_type: str, argument: str) -> None:
-    """Raise if ``sharding_types`` names a type that is unknown or does not run on this device."""
-    supported = supported_sharding_types(compute_device_type)
+def validate_sharding_types(
+    sharding_types: list[str], compute_device_type: str, argument: str, *, two_d: bool = False
+) -> None:
+    """Raise if ``sharding_types`` names a type that is unknown or does not run on this device (or 2D)."""
+    supported = supported_sharding_types(compute_device_type, two_d=two_d)
     for sharding_type in sharding_types:
         if sharding_type not in ALL_SHARDING_TYPES:
             raise ValueError(f"{argument} contains {sharding_type!r}, which is not one of {list(ALL_SHARDING_TYPES)}.")
+        if two_d and sharding_type in _1D_ONLY_TYPES:
+            raise ValueError(
+                f"{argument} contains {sharding_type!r}, which is not supported under 2D parallelism "
+                "(sharding_group_size < world size): TorchRec builds its node-level groups over the whole world. "
+                f"Use 'row_wise' instead; supported under 2D: {supported}."
+            )
         if sharding_type not in supported:
             raise ValueError(
                 f"{argument} contains {sharding_type!r}, which TorchRec does not support on "

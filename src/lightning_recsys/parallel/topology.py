@@ -2,18 +2,32 @@
 
 This module is the one owner of the parallel degrees. A sharding group is the set of ranks the
 embedding tables are sharded over (the all-to-all runs inside it); a replica group is the set of
-ranks that hold the same shard in different sharding groups.
+ranks that hold the same shard in different sharding groups. The two are the axes of one
+``DeviceMesh``: ``("replicate", "shard")``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Literal
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 Layout = Literal["all_to_all_optimized", "all_reduce_optimized"]
 LAYOUTS: tuple[str, ...] = ("all_to_all_optimized", "all_reduce_optimized")
+
+
+class MeshAxis(str, Enum):
+    """Names of the device-mesh axes, used everywhere a mesh dimension is named."""
+
+    REPLICATE = "replicate"
+    SHARD = "shard"
+
+
+MESH_AXES: tuple[str, str] = (MeshAxis.REPLICATE.value, MeshAxis.SHARD.value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,14 +35,18 @@ class ParallelTopology:
     """Rank layout for ``world_size`` ranks split into sharding groups of ``sharding_group_size``.
 
     ``all_to_all_optimized`` makes sharding groups contiguous ranks (one node each when the group
-    size equals the devices per node); ``all_reduce_optimized`` strides them across nodes.
-    ``sharding_group_size == world_size`` is plain 1D sharding.
+    size equals the devices per node), so the embedding all-to-all stays inside a node and the
+    replica all-reduce crosses nodes. ``all_reduce_optimized`` strides the groups across nodes: the
+    all-to-all crosses nodes and replicas sit inside a node. ``sharding_group_size == world_size`` is
+    plain 1D sharding. ``ranks_per_node`` (default: the whole world on one node) tells which
+    collectives cross a node boundary.
     """
 
     world_size: int
     sharding_group_size: int
     layout: Layout = "all_to_all_optimized"
-    _groups: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+    ranks_per_node: int | None = None
+    _mesh: dict[str, DeviceMesh] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -41,13 +59,16 @@ class ParallelTopology:
                 f"({self.world_size}); use at most {self.world_size}."
             )
         if self.world_size % self.sharding_group_size:
-            divisors = [d for d in range(1, self.world_size + 1) if self.world_size % d == 0]
             raise ValueError(
                 f"sharding_group_size={self.sharding_group_size} must divide the world size "
-                f"({self.world_size}); valid sizes are {divisors}."
+                f"({self.world_size}); valid sizes are {_divisors(self.world_size)}."
             )
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout={self.layout!r} is not one of {list(LAYOUTS)}.")
+        if self.ranks_per_node is not None and (self.ranks_per_node < 1 or self.world_size % self.ranks_per_node):
+            raise ValueError(
+                f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the world size ({self.world_size})."
+            )
 
     @property
     def num_replicas(self) -> int:
@@ -56,6 +77,10 @@ class ParallelTopology:
     @property
     def is_1d(self) -> bool:
         return self.num_replicas == 1
+
+    @property
+    def node_size(self) -> int:
+        return self.ranks_per_node or self.world_size
 
     def sharding_groups(self) -> list[list[int]]:
         """All sharding groups, as lists of global ranks; the index is the replica index."""
@@ -79,23 +104,61 @@ class ParallelTopology:
         """The rank's index inside its sharding group (what TorchRec's plan calls its rank)."""
         return self.sharding_group_of(rank).index(rank)
 
-    def sharding_process_group(self) -> dist.ProcessGroup:
-        """The process group of this rank's sharding group (WORLD when 1D). Creates it on first use.
+    def node_of(self, rank: int) -> int:
+        return rank // self.node_size
 
-        Every rank must call this the first time, since ``new_subgroups_by_enumeration`` is collective.
-        """
-        if self.is_1d:
-            return dist.group.WORLD
-        if "shard" not in self._groups:
-            group, _ = dist.new_subgroups_by_enumeration(self.sharding_groups())
-            self._groups["shard"] = group
-        return self._groups["shard"]  # type: ignore[return-value]
+    def spans_nodes(self, ranks: list[int] | tuple[int, ...]) -> bool:
+        return len({self.node_of(r) for r in ranks}) > 1
+
+    def sharding_group_ranks_per_node(self) -> int:
+        """How many ranks of one sharding group share a node (the planner's local world size)."""
+        group = self.sharding_groups()[0]
+        return sum(1 for r in group if self.node_of(r) == self.node_of(group[0]))
+
+    def layout_warnings(self) -> list[str]:
+        """Layouts that work but defeat their purpose; the strategy logs these."""
+        if self.is_1d or self.ranks_per_node is None:
+            return []
+        name = "sharding group" if self.layout == "all_to_all_optimized" else "replica group"
+        groups = self.sharding_groups() if self.layout == "all_to_all_optimized" else self.replica_groups()
+        if any(self.spans_nodes(g) for g in groups):
+            return [
+                f"layout={self.layout!r} with sharding_group_size={self.sharding_group_size} and "
+                f"{self.ranks_per_node} ranks per node puts a {name} across nodes, so the traffic this layout "
+                "keeps inside a node will cross the network."
+            ]
+        return []
+
+    # ----------------------------------------------------------------- process groups
+    def device_mesh(self, device_type: str) -> DeviceMesh:
+        """The ``("replicate", "shard")`` mesh; row i is sharding group i. Collective on first call."""
+        if "mesh" not in self._mesh:
+            if not dist.is_initialized():
+                raise RuntimeError("ParallelTopology.device_mesh() needs an initialized default process group.")
+            if dist.get_world_size() != self.world_size:
+                raise ValueError(
+                    f"ParallelTopology(world_size={self.world_size}) does not match the process group's world "
+                    f"size ({dist.get_world_size()})."
+                )
+            mesh = DeviceMesh(device_type, torch.tensor(self.sharding_groups()), mesh_dim_names=MESH_AXES)
+            self._mesh["mesh"] = mesh
+        return self._mesh["mesh"]
+
+    def sharding_process_group(self) -> dist.ProcessGroup:
+        """This rank's sharding group, from the mesh (call ``device_mesh`` first on every rank)."""
+        return self._built_mesh().get_group(MeshAxis.SHARD.value)
 
     def replica_process_group(self) -> dist.ProcessGroup | None:
-        """The process group of this rank's replica group; None when 1D (no replicas to sync)."""
+        """This rank's replica group; None when 1D (no replicas to sync)."""
         if self.is_1d:
             return None
-        if "replicate" not in self._groups:
-            group, _ = dist.new_subgroups_by_enumeration(self.replica_groups())
-            self._groups["replicate"] = group
-        return self._groups["replicate"]  # type: ignore[return-value]
+        return self._built_mesh().get_group(MeshAxis.REPLICATE.value)
+
+    def _built_mesh(self) -> DeviceMesh:
+        if "mesh" not in self._mesh:
+            raise RuntimeError("ParallelTopology.device_mesh(device_type) must be called (on every rank) first.")
+        return self._mesh["mesh"]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -26,9 +26,10 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -40,7 +41,10 @@ from lightning_recsys.parallel import (
     make_sharders,
     shard_model,
 )
-from lightning_recsys.parallel.sharders import validate_sharding_types
+from lightning_recsys.parallel.comm_accounting import CommAccountant
+from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
+from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
+from lightning_recsys.parallel.topology import LAYOUTS, Layout
 from lightning_recsys.planner import TableConstraints, make_sharding_plan, summarize_plan
 
 log = logging.getLogger(__name__)
@@ -57,7 +61,13 @@ class TwoDRecStrategy(ParallelStrategy):
 
     The strategy finds every ``EmbeddingBagCollection``/``EmbeddingCollection`` in the module, plans
     it with TorchRec's planner, and wraps the module in ``DistributedModelParallel``: embedding
-    lookups go through TorchRec's all-to-all, dense parameters are synced by DDP.
+    lookups go through TorchRec's all-to-all, dense parameters are synced by DDP over all ranks.
+
+    2D parallelism: the world is split into sharding groups of ``sharding_group_size`` ranks (by
+    default one node each). Tables are sharded inside a group, so the all-to-all stays on the
+    node's links; every group holds a full replica, and replicas are averaged over the replica
+    group (an all-reduce across nodes) every ``sync_every_n_steps`` steps, and before validation,
+    test, predict and the end of training.
 
     Optimizers: model-parallel tables are updated inside backward by FBGEMM's fused optimizer
     (``embedding_optimizer``); data-parallel tables get the same rule as a torch optimizer, stepped
@@ -74,6 +84,14 @@ class TwoDRecStrategy(ParallelStrategy):
         process_group_timeout: seconds a collective may wait before the job fails (default 1800,
             which leaves room for planning large models).
         process_group_backend: ``gloo`` or ``nccl``; default: nccl on CUDA, gloo on CPU.
+        sharding_group_size: ranks the tables are sharded over; default: the devices per node.
+            Equal to the world size means 1D (no replicas).
+        layout: ``all_to_all_optimized`` (default: contiguous, node-local sharding groups; the
+            replica all-reduce crosses nodes) or ``all_reduce_optimized`` (strided groups; the
+            all-to-all crosses nodes and replicas sit inside a node).
+        sync_every_n_steps: how often the replica all-reduce runs (default every step).
+        sync_optimizer_state: also average the fused optimizer state, e.g. row-wise Adagrad's
+            accumulators (default True).
     """
 
     strategy_name = "twod_rec"
@@ -86,6 +104,10 @@ class TwoDRecStrategy(ParallelStrategy):
         table_constraints: Optional[dict[str, TableConstraints]] = None,
         process_group_timeout: float = 1800.0,
         process_group_backend: Optional[str] = None,
+        sharding_group_size: Optional[int] = None,
+        layout: Layout = "all_to_all_optimized",
+        sync_every_n_steps: int = 1,
+        sync_optimizer_state: bool = True,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -112,7 +134,21 @@ class TwoDRecStrategy(ParallelStrategy):
             raise ValueError(f"process_group_timeout={process_group_timeout} must be > 0 seconds.")
         if process_group_backend not in (None, "gloo", "nccl"):
             raise ValueError(f"process_group_backend={process_group_backend!r} must be 'gloo', 'nccl' or None.")
+        if sharding_group_size is not None and (isinstance(sharding_group_size, bool) or sharding_group_size < 1):
+            raise ValueError(f"sharding_group_size={sharding_group_size!r} must be an integer >= 1, or None for the devices per node.")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout={layout!r} is not one of {list(LAYOUTS)}.")
+        if isinstance(sync_every_n_steps, bool) or not isinstance(sync_every_n_steps, int) or sync_every_n_steps < 1:
+            raise ValueError(f"sync_every_n_steps={sync_every_n_steps!r} must be an integer >= 1.")
         self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
+        self._sharding_group_size = sharding_group_size
+        self._layout: Layout = layout
+        self._sync_every_n_steps = sync_every_n_steps
+        self._sync_optimizer_state = bool(sync_optimizer_state)
+        self._topology: Optional[ParallelTopology] = None
+        self._comm: Optional[CommAccountant] = None
+        self._replica_sync: Optional[ReplicaSynchronizer] = None
+        self._steps_since_sync = 0
         self._sharding_types = list(sharding_types) if sharding_types is not None else None
         self._table_constraints = dict(table_constraints or {})
         self._timeout = timedelta(seconds=process_group_timeout)
@@ -162,6 +198,25 @@ class TwoDRecStrategy(ParallelStrategy):
             raise RuntimeError("TwoDRecStrategy.sharded_model is available only after the Trainer has set up the model.")
         return self._sharded
 
+    @property
+    def topology(self) -> ParallelTopology:
+        """The 2D rank layout (sharding and replica groups); available once the environment is set up."""
+        if self._topology is None:
+            raise RuntimeError("TwoDRecStrategy.topology is available only after the Trainer has set up the environment.")
+        return self._topology
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The ``("replicate", "shard")`` device mesh; also readable as ``LightningModule.device_mesh``."""
+        return self.topology.device_mesh(self.root_device.type)
+
+    @property
+    def comm_accounting(self) -> CommAccountant:
+        """Bytes per collective in the last training step and in total; available after setup."""
+        if self._comm is None:
+            raise RuntimeError("TwoDRecStrategy.comm_accounting is available only after the Trainer has set up the model.")
+        return self._comm
+
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -170,18 +225,36 @@ class TwoDRecStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._validate_backend()
         self.set_world_ranks()
+        self._topology = self._make_topology()
+        self._validate_backend()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        if _distributed_is_initialized():
-            return  # the user (or a previous Trainer) owns the process group
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
-        # Workaround: torch 2.13 aborts at interpreter exit ("terminate called without an active
-        # exception", SIGABRT) when the default process group is never destroyed.
-        atexit.register(_destroy_process_group_at_exit)
+        if not _distributed_is_initialized():  # else the user (or a previous Trainer) owns the process group
+            device_id = self.root_device if self.root_device.type != "cpu" else None
+            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+            # Workaround: torch 2.13 aborts at interpreter exit ("terminate called without an active
+            # exception", SIGABRT) when the default process group is never destroyed.
+            atexit.register(_destroy_process_group_at_exit)
+        for warning in self._topology.layout_warnings():
+            rank_zero_warn(warning)
+        mesh = self.device_mesh  # collective: every rank builds it here
+        if self.lightning_module is not None:
+            self.lightning_module._device_mesh = mesh
+
+    def _make_topology(self) -> ParallelTopology:
+        group_size = self._sharding_group_size or self.num_processes
+        world = self.num_nodes * self.num_processes
+        if world % group_size or group_size > world:
+            valid = [d for d in range(1, world + 1) if world % d == 0]
+            raise ValueError(
+                f"TwoDRecStrategy(sharding_group_size={group_size}) must divide the world size {world} "
+                f"(devices={self.num_processes} x num_nodes={self.num_nodes}); valid sizes are {valid}."
+            )
+        return ParallelTopology(
+            world_size=world, sharding_group_size=group_size, layout=self._layout, ranks_per_node=self.num_processes
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -196,10 +269,12 @@ class TwoDRecStrategy(ParallelStrategy):
         if device_type == "cpu" and self._process_group_backend == "nccl":
             raise ValueError("process_group_backend='nccl' needs CUDA devices; use 'gloo' (or None) with accelerator='cpu'.")
         self.embedding_optimizer_config.check_device(device_type, self._sharding_types)
+        two_d = not self.topology.is_1d
         if self._sharding_types is not None:
-            validate_sharding_types(self._sharding_types, device_type, "sharding_types")
+            validate_sharding_types(self._sharding_types, device_type, "sharding_types", two_d=two_d)
         for table, constraints in self._table_constraints.items():
-            validate_sharding_types(constraints.sharding_types or [], device_type, f"table_constraints[{table!r}].sharding_types")
+            argument = f"table_constraints[{table!r}].sharding_types"
+            validate_sharding_types(constraints.sharding_types or [], device_type, argument, two_d=two_d)
 
     # ----------------------------------------------------------------- model and optimizers
     @override
@@ -208,6 +283,7 @@ class TwoDRecStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         self._validate_trainer(trainer)
         self.model = self._shard(self.lightning_module).dmp
+        self.comm_accounting.start()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -230,19 +306,39 @@ class TwoDRecStrategy(ParallelStrategy):
     def _shard(self, module: LightningModule) -> ShardedModel:
         if self._sharded is not None and self._sharded.dmp.module is module:
             return self._sharded  # a later fit/validate/test call on the same, already sharded module
-        topology = ParallelTopology(world_size=self.world_size, sharding_group_size=self.world_size)
-        sharders = make_sharders(self.embedding_optimizer_config.fused_params(), self._sharding_types)
+        topology = self.topology
+        allowed = self._sharding_types
+        if allowed is None and not topology.is_1d:
+            allowed = supported_sharding_types(self.root_device.type, two_d=True)
+        sharders = make_sharders(self.embedding_optimizer_config.fused_params(), allowed)
         plan = make_sharding_plan(
             module,
             sharders,
             sharding_group_size=topology.sharding_group_size,
-            local_world_size=self.num_processes,
+            local_world_size=topology.sharding_group_ranks_per_node(),
             compute_device=self.root_device.type,
             constraints=self._table_constraints,
         )
-        rank_zero_info(f"TwoDRecStrategy sharding plan ({topology.world_size} ranks):\n{summarize_plan(plan)}")
-        self._sharded = shard_model(module, topology=topology, device=self.root_device, sharders=sharders, plan=plan)
-        return self._sharded
+        rank_zero_info(f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks):\n{summarize_plan(plan)}")
+        sharded = shard_model(module, topology=topology, device=self.root_device, sharders=sharders, plan=plan)
+        replica_group = topology.replica_process_group()
+        self._replica_sync = None
+        if replica_group is not None:
+            self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
+                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
+                sharded.fused_optimizer,
+                replica_group,
+                include_optimizer_state=self._sync_optimizer_state,
+            )
+        if self._comm is not None:
+            self._comm.stop()
+        self._comm = CommAccountant(
+            topology,
+            {"shard": topology.sharding_process_group(), "replicate": replica_group, "world": dist.group.WORLD},
+        )
+        self._sharded = sharded
+        self._steps_since_sync = 0
+        return sharded
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
@@ -270,10 +366,51 @@ class TwoDRecStrategy(ParallelStrategy):
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         first_optimizer = self.optimizers[0] if self.optimizers else None
         dp_optimizer = self._data_parallel_table_optimizer
-        if dp_optimizer is not None and _unwrap_optimizer(optimizer) is _unwrap_optimizer(first_optimizer):
-            dp_optimizer.step()
-            dp_optimizer.zero_grad(set_to_none=True)
+        if _unwrap_optimizer(optimizer) is _unwrap_optimizer(first_optimizer):
+            if dp_optimizer is not None:
+                dp_optimizer.step()
+                dp_optimizer.zero_grad(set_to_none=True)
+            self._steps_since_sync += 1
+            if self._steps_since_sync >= self._sync_every_n_steps:
+                self.sync_replicas()
+            if self._comm is not None:
+                self._comm.end_step()
         return output
+
+    def sync_replicas(self) -> None:
+        """Average the embedding shards (and fused optimizer state) over the replica groups now.
+
+        Runs automatically every ``sync_every_n_steps`` steps and before evaluation and the end of
+        training; a no-op in 1D. Every rank must call it.
+        """
+        if self._replica_sync is not None:
+            self._replica_sync.sync()
+        self._steps_since_sync = 0
+
+    def _sync_if_pending(self) -> None:
+        if self._steps_since_sync:
+            self.sync_replicas()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._comm is not None:
+            self._comm.begin_step()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._sync_if_pending()
+
+    @override
+    def on_test_start(self) -> None:
+        self._sync_if_pending()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._sync_if_pending()
+
+    @override
+    def on_train_end(self) -> None:
+        self._sync_if_pending()
 
     @property
     def data_parallel_table_optimizer(self) -> Optional[Optimizer]:
@@ -319,6 +456,8 @@ class TwoDRecStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
+        if self._comm is not None:
+            self._comm.stop()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -334,6 +473,15 @@ class TwoDRecStrategy(ParallelStrategy):
             cls,
             description="TorchRec-sharded embeddings with data-parallel dense layers (lightning-recsys)",
         )
+
+
+def _describe_topology(topology: ParallelTopology) -> str:
+    if topology.is_1d:
+        return f"1D sharding over {topology.world_size} ranks"
+    return (
+        f"2D {topology.layout}: {topology.num_replicas} replicas x sharding groups of {topology.sharding_group_size} "
+        f"ranks; sharding groups {topology.sharding_groups()}, replica groups {topology.replica_groups()}"
+    )
 
 
 def _destroy_process_group_at_exit() -> None:

@@ -1,0 +1,225 @@
+"""Bytes each collective moves: which operation, over which process group, and across nodes or not.
+
+TorchRec issues its all-to-alls and reduce-scatters through ``torch.distributed``'s Python functions
+and offers no hook for them, so while an accountant is active those functions are wrapped (the only
+patch in this package). DDP's gradient all-reduce runs in C++; it becomes visible by routing it
+through a Python comm hook (``sharded_model`` does that).
+
+What is counted, per call on this rank:
+
+* ``payload_bytes``: the bytes this rank hands to the collective (its input tensors).
+* ``inter_node_bytes``: for all-to-alls, exactly the part addressed to ranks on other nodes; for the
+  other collectives, the whole payload when the group spans nodes, else 0 (the backend's algorithm
+  decides the real wire bytes; a ring all-reduce sends about 2(n-1)/n of the payload).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_recsys.parallel.topology import ParallelTopology
+
+COLLECTIVE_OPS: tuple[str, ...] = ("all_to_all", "reduce_scatter", "all_reduce", "all_gather", "broadcast")
+
+# torch.distributed function -> (operation, payload position, payload keyword, group position)
+_WRAPPED: dict[str, tuple[str, int, str, int]] = {
+    "all_to_all_single": ("all_to_all", 1, "input", 4),
+    "all_to_all": ("all_to_all", 1, "input_tensor_list", 2),
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "input", 3),
+    "reduce_scatter": ("reduce_scatter", 1, "input_list", 3),
+    "all_reduce": ("all_reduce", 0, "tensor", 2),
+    "all_gather": ("all_gather", 1, "tensor", 2),
+    "all_gather_into_tensor": ("all_gather", 1, "input_tensor", 2),
+    "broadcast": ("broadcast", 0, "tensor", 2),
+}
+
+
+@dataclass(frozen=True)
+class TrafficKey:
+    """One row of the accounting: the operation, the group's name, and whether the group spans nodes."""
+
+    op: str
+    group: str
+    spans_nodes: bool
+
+
+@dataclass
+class Traffic:
+    calls: int = 0
+    payload_bytes: int = 0
+    inter_node_bytes: int = 0
+
+    def add(self, other: Traffic) -> None:
+        self.calls += other.calls
+        self.payload_bytes += other.payload_bytes
+        self.inter_node_bytes += other.inter_node_bytes
+
+
+class CommAccountant:
+    """Records the collectives this rank issues while active, per training step and in total.
+
+    Groups are named by what they are in the topology: ``shard`` (the sharding group: embedding
+    all-to-all and reduce-scatter), ``replicate`` (the replica sync), ``world`` (dense gradients,
+    metrics); any other group is named by its ranks.
+    """
+
+    def __init__(self, topology: ParallelTopology, named_groups: dict[str, dist.ProcessGroup | None]) -> None:
+        self.topology = topology
+        self._named_groups = {name: group for name, group in named_groups.items() if group is not None}
+        self._group_info: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._lock = threading.Lock()
+        self._current: dict[TrafficKey, Traffic] = {}
+        self.last_step: dict[TrafficKey, Traffic] = {}
+        self.total: dict[TrafficKey, Traffic] = {}
+        self.steps = 0
+
+    # ----------------------------------------------------------------- step boundaries
+    def begin_step(self) -> None:
+        """Start a training step: collectives from now to ``end_step`` count as this step's."""
+        with self._lock:
+            self._current = {}
+
+    def end_step(self) -> None:
+        with self._lock:
+            self.last_step, self._current = self._current, {}
+            self.steps += 1
+
+    # ----------------------------------------------------------------- reading
+    def bytes_by(self, *, op: str | None = None, group: str | None = None, step: str = "last") -> tuple[int, int]:
+        """(payload bytes, inter-node bytes) for the matching rows of the last step (or ``step='total'``)."""
+        table = self.last_step if step == "last" else self.total
+        rows = [t for k, t in table.items() if (op is None or k.op == op) and (group is None or k.group == group)]
+        return sum(t.payload_bytes for t in rows), sum(t.inter_node_bytes for t in rows)
+
+    def as_metrics(self, prefix: str = "comm") -> dict[str, float]:
+        """The last step as flat metrics: bytes per (operation, group), and intra/inter-node totals."""
+        metrics: dict[str, float] = {}
+        for key, traffic in sorted(self.last_step.items(), key=lambda kv: (kv[0].op, kv[0].group)):
+            metrics[f"{prefix}/{key.op}/{key.group}/bytes"] = float(traffic.payload_bytes)
+        payload, inter = self.bytes_by()
+        metrics[f"{prefix}/inter_node_bytes"] = float(inter)
+        metrics[f"{prefix}/intra_node_bytes"] = float(payload - inter)
+        return metrics
+
+    def summary(self, step: str = "last") -> str:
+        """A fixed-width table of the last step's (or all) traffic, for logs and benchmarks."""
+        table = self.last_step if step == "last" else self.total
+        header = ("op", "group", "spans_nodes", "calls", "payload_bytes", "inter_node_bytes")
+        rows = [
+            (k.op, k.group, str(k.spans_nodes), str(t.calls), str(t.payload_bytes), str(t.inter_node_bytes))
+            for k, t in sorted(table.items(), key=lambda kv: (kv[0].op, kv[0].group))
+        ]
+        widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
+        return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
+
+    # ----------------------------------------------------------------- recording
+    def record(self, op: str, group: Any, payload: Any, input_splits: list[int] | None = None) -> None:
+        name, ranks = self._describe(group)
+        payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
+        traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
+        key = TrafficKey(op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
+        with self._lock:
+            self._current.setdefault(key, Traffic()).add(traffic)
+            self.total.setdefault(key, Traffic()).add(traffic)
+
+    def _describe(self, group: Any) -> tuple[str, tuple[int, ...]]:
+        group = group if group is not None else dist.group.WORLD
+        cached = self._group_info.get(id(group))
+        if cached is None:
+            ranks = tuple(dist.get_process_group_ranks(group))
+            name = next((n for n, g in self._named_groups.items() if g is group), None)
+            if name is None:
+                name = "world" if len(ranks) == dist.get_world_size() else "ranks" + ",".join(map(str, ranks))
+            cached = self._group_info[id(group)] = (name, ranks)
+        return cached
+
+    @contextmanager
+    def active(self) -> Iterator[CommAccountant]:
+        self.start()
+        try:
+            yield self
+        finally:
+            self.stop()
+
+    def start(self) -> None:
+        with _PATCH_LOCK:
+            if self not in _ACTIVE:
+                _ACTIVE.append(self)
+            _install()
+
+    def stop(self) -> None:
+        with _PATCH_LOCK:
+            if self in _ACTIVE:
+                _ACTIVE.remove(self)
+            if not _ACTIVE:
+                _uninstall()
+
+
+def _tensor_bytes(payload: Any) -> int:
+    if isinstance(payload, torch.Tensor):
+        return payload.numel() * payload.element_size()
+    if isinstance(payload, (list, tuple)):
+        return sum(_tensor_bytes(p) for p in payload)
+    return 0
+
+
+def _payload_and_inter_node_bytes(
+    op: str, payload: Any, input_splits: list[int] | None, ranks: tuple[int, ...], topology: ParallelTopology
+) -> tuple[int, int]:
+    total = _tensor_bytes(payload)
+    if not topology.spans_nodes(ranks):
+        return total, 0
+    if op != "all_to_all":
+        return total, total
+    my_node = topology.node_of(dist.get_rank())
+    if isinstance(payload, (list, tuple)):
+        per_destination = [_tensor_bytes(p) for p in payload]
+    elif input_splits:
+        row_bytes = total // payload.shape[0] if payload.shape[0] else 0
+        per_destination = [split * row_bytes for split in input_splits]
+    else:
+        per_destination = [total // len(ranks)] * len(ranks)
+    inter = sum(b for r, b in zip(ranks, per_destination) if topology.node_of(r) != my_node)
+    return total, inter
+
+
+_ACTIVE: list[CommAccountant] = []
+_ORIGINALS: dict[str, Callable[..., Any]] = {}
+_PATCH_LOCK = threading.RLock()
+
+
+def _install() -> None:
+    for name, spec in _WRAPPED.items():
+        if name not in _ORIGINALS:
+            _ORIGINALS[name] = getattr(dist, name)
+            setattr(dist, name, _recording(_ORIGINALS[name], *spec))
+
+
+def _uninstall() -> None:
+    for name, original in _ORIGINALS.items():
+        setattr(dist, name, original)
+    _ORIGINALS.clear()
+
+
+def _recording(original: Callable[..., Any], op: str, position: int, keyword: str, group_position: int) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def recording_collective(*args: Any, **kwargs: Any) -> Any:
+        if _ACTIVE:
+            payload = args[position] if len(args) > position else kwargs.get(keyword)
+            group = args[group_position] if len(args) > group_position else kwargs.get("group")
+            splits = None
+            if original.__name__ == "all_to_all_single":
+                splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
+            for accountant in list(_ACTIVE):
+                accountant.record(op, group, payload, splits)
+        return original(*args, **kwargs)
+
+    return recording_collective
