@@ -21,15 +21,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, results: Any, args: tuple) -> None:
+def _rank_entry(
+    fn: Callable[..., Any], rank: int, world_size: int, ranks_per_node: int, port: int, results: Any, args: tuple
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         WORLD_SIZE=str(world_size),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        NODE_RANK="0",
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+        NODE_RANK=str(rank // ranks_per_node),
     )
     try:
         # Bytes, not tensors: a tensor in a queue is shared through a file descriptor that dies with the rank.
@@ -41,8 +43,13 @@ def _rank_entry(fn: Callable[..., Any], rank: int, world_size: int, port: int, r
         raise SystemExit(1)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, ranks_per_node: int | None = None
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return results by rank.
+
+    ``ranks_per_node`` emulates several nodes on this machine: NODE_RANK and LOCAL_RANK are set as
+    a launcher would for ``world_size // ranks_per_node`` nodes (default: one node).
 
     Fails (never hangs) when a rank raises, dies, or the whole run exceeds ``timeout`` seconds; the
     error names the ranks. Every process is killed before this returns.
@@ -50,7 +57,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_entry, args=(fn, r, world_size, port, results, args)) for r in range(world_size)]
+    per_node = ranks_per_node or world_size
+    procs = [
+        ctx.Process(target=_rank_entry, args=(fn, r, world_size, per_node, port, results, args)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     outputs: dict[int, Any] = {}

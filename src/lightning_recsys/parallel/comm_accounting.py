@@ -5,6 +5,10 @@ and offers no hook for them, so while an accountant is active those functions ar
 patch in this package). DDP's gradient all-reduce runs in C++; it becomes visible by routing it
 through a Python comm hook (``sharded_model`` does that).
 
+Each call is filed under its purpose: code in this package labels its own collectives
+(``dense_grads``, ``replica_sync``, ``metrics``) with ``comm_purpose``; unlabelled collectives on the
+sharding group are TorchRec's ``embedding`` traffic, the rest ``other``.
+
 What is counted, per call on this rank:
 
 * ``payload_bytes``: the bytes this rank hands to the collective (its input tensors).
@@ -42,10 +46,25 @@ _WRAPPED: dict[str, tuple[str, int, str, int]] = {
 }
 
 
+_LABEL = threading.local()
+
+
+@contextmanager
+def comm_purpose(name: str) -> Iterator[None]:
+    """File the collectives issued inside this block (on this thread) under ``name``."""
+    previous = getattr(_LABEL, "purpose", None)
+    _LABEL.purpose = name
+    try:
+        yield
+    finally:
+        _LABEL.purpose = previous
+
+
 @dataclass(frozen=True)
 class TrafficKey:
-    """One row of the accounting: the operation, the group's name, and whether the group spans nodes."""
+    """One row of the accounting: why, which operation, which group, and whether the group spans nodes."""
 
+    purpose: str
     op: str
     group: str
     spans_nodes: bool
@@ -93,17 +112,23 @@ class CommAccountant:
             self.steps += 1
 
     # ----------------------------------------------------------------- reading
-    def bytes_by(self, *, op: str | None = None, group: str | None = None, step: str = "last") -> tuple[int, int]:
-        """(payload bytes, inter-node bytes) for the matching rows of the last step (or ``step='total'``)."""
+    def bytes_by(
+        self, *, purpose: str | None = None, op: str | None = None, group: str | None = None, step: str = "last"
+    ) -> tuple[int, int]:
+        """(payload bytes, inter-node bytes) of the matching rows in the last step (or ``step='total'``)."""
         table = self.last_step if step == "last" else self.total
-        rows = [t for k, t in table.items() if (op is None or k.op == op) and (group is None or k.group == group)]
+        rows = [
+            t
+            for k, t in table.items()
+            if (purpose is None or k.purpose == purpose) and (op is None or k.op == op) and (group is None or k.group == group)
+        ]
         return sum(t.payload_bytes for t in rows), sum(t.inter_node_bytes for t in rows)
 
     def as_metrics(self, prefix: str = "comm") -> dict[str, float]:
-        """The last step as flat metrics: bytes per (operation, group), and intra/inter-node totals."""
+        """The last step as flat metrics: bytes per (purpose, operation, group), and intra/inter-node totals."""
         metrics: dict[str, float] = {}
-        for key, traffic in sorted(self.last_step.items(), key=lambda kv: (kv[0].op, kv[0].group)):
-            metrics[f"{prefix}/{key.op}/{key.group}/bytes"] = float(traffic.payload_bytes)
+        for key, traffic in sorted(self.last_step.items(), key=_row_order):
+            metrics[f"{prefix}/{key.purpose}/{key.op}/{key.group}/bytes"] = float(traffic.payload_bytes)
         payload, inter = self.bytes_by()
         metrics[f"{prefix}/inter_node_bytes"] = float(inter)
         metrics[f"{prefix}/intra_node_bytes"] = float(payload - inter)
@@ -112,10 +137,10 @@ class CommAccountant:
     def summary(self, step: str = "last") -> str:
         """A fixed-width table of the last step's (or all) traffic, for logs and benchmarks."""
         table = self.last_step if step == "last" else self.total
-        header = ("op", "group", "spans_nodes", "calls", "payload_bytes", "inter_node_bytes")
+        header = ("purpose", "op", "group", "spans_nodes", "calls", "payload_bytes", "inter_node_bytes")
         rows = [
-            (k.op, k.group, str(k.spans_nodes), str(t.calls), str(t.payload_bytes), str(t.inter_node_bytes))
-            for k, t in sorted(table.items(), key=lambda kv: (kv[0].op, kv[0].group))
+            (k.purpose, k.op, k.group, str(k.spans_nodes), str(t.calls), str(t.payload_bytes), str(t.inter_node_bytes))
+            for k, t in sorted(table.items(), key=_row_order)
         ]
         widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(header)]
         return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in [header, *rows])
@@ -125,7 +150,8 @@ class CommAccountant:
         name, ranks = self._describe(group)
         payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
         traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
-        key = TrafficKey(op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
+        purpose = getattr(_LABEL, "purpose", None) or ("embedding" if name == "shard" else "other")
+        key = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
         with self._lock:
             self._current.setdefault(key, Traffic()).add(traffic)
             self.total.setdefault(key, Traffic()).add(traffic)
@@ -161,6 +187,10 @@ class CommAccountant:
                 _ACTIVE.remove(self)
             if not _ACTIVE:
                 _uninstall()
+
+
+def _row_order(row: tuple[TrafficKey, Traffic]) -> tuple[str, str, str]:
+    return (row[0].purpose, row[0].op, row[0].group)
 
 
 def _tensor_bytes(payload: Any) -> int:

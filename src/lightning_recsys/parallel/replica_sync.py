@@ -8,6 +8,8 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.optim.keyed import KeyedOptimizer
 
+from lightning_recsys.parallel.comm_accounting import comm_purpose
+
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
 
@@ -60,6 +62,10 @@ class ReplicaSynchronizer:
 
     @torch.no_grad()
     def sync(self) -> None:
+        with comm_purpose("replica_sync"):
+            self._all_reduce_mean()
+
+    def _all_reduce_mean(self) -> None:
         for bucket in self._buckets:
             if len(bucket) == 1 and bucket[0].is_contiguous():
                 flat = bucket[0]

@@ -5,8 +5,7 @@
 placements are remapped to global ranks; the dense part is wrapped in DDP over the global group.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP checks the comm hook's `bucket` annotation at runtime.
 import copy
 import logging
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torchrec.distributed.types import (
 )
 from torchrec.optim.keyed import KeyedOptimizer
 
+from lightning_recsys.parallel.comm_accounting import comm_purpose
 from lightning_recsys.parallel.topology import ParallelTopology
 
 log = logging.getLogger(__name__)
@@ -150,8 +150,13 @@ class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
         super().wrap(dmp, ShardingEnv.from_process_group(world), device)  # type: ignore[arg-type]
         ddp = dmp._dmp_wrapped_module
         if isinstance(ddp, DistributedDataParallel):
-            # Same arithmetic as DDP's built-in C++ all-reduce, but issued from Python.
-            ddp.register_comm_hook(world, default_hooks.allreduce_hook)
+            ddp.register_comm_hook(world, _dense_grads_allreduce_hook)
+
+
+def _dense_grads_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # Same arithmetic as DDP's built-in C++ all-reduce, but issued from Python, so it is accounted.
+    with comm_purpose("dense_grads"):
+        return default_hooks.allreduce_hook(process_group, bucket)
 
 
 @torch.no_grad()

@@ -41,7 +41,7 @@ from lightning_recsys.parallel import (
     make_sharders,
     shard_model,
 )
-from lightning_recsys.parallel.comm_accounting import CommAccountant
+from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
@@ -445,7 +445,8 @@ class TwoDRecStrategy(ParallelStrategy):
         self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
     ) -> Tensor:
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with comm_purpose("metrics"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     # ----------------------------------------------------------------- checkpoints and teardown

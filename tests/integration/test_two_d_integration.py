@@ -1,0 +1,101 @@
+"""2D parallelism with 4 processes emulating 2 nodes of 2 ranks (gloo): equivalence, replica sync, traffic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+
+from multiprocess import run_ranks
+from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
+
+WORLD_SIZE, NODES, PER_NODE = 4, 2, 2
+
+
+def _traffic(strategy) -> list[dict]:
+    return [
+        {"purpose": k.purpose, "op": k.op, "group": k.group, "spans_nodes": k.spans_nodes,
+         "payload": t.payload_bytes, "inter_node": t.inter_node_bytes}
+        for k, t in strategy.comm_accounting.last_step.items()
+    ]
+
+
+def _fit_1d_and_both_2d_layouts(rank: int, world_size: int, sharding_type: str) -> dict:
+    results = {}
+    for name, kwargs in {
+        "1d": {"sharding_group_size": WORLD_SIZE},
+        "all_to_all_optimized": {"sharding_group_size": PER_NODE},
+        "all_reduce_optimized": {"sharding_group_size": PER_NODE, "layout": "all_reduce_optimized"},
+    }.items():
+        strategy = sgd_strategy(sharding_types=[sharding_type], **kwargs)
+        model, trainer, predictions = fit_sharded(rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES)
+        assert trainer.global_step == STEPS
+        results[name] = {
+            "shards": shards_of(model),
+            "predictions": predictions,
+            "traffic": _traffic(strategy),
+            "mesh": model.device_mesh.mesh.tolist(),
+            "shard_group": sorted(torch.distributed.get_process_group_ranks(model.device_mesh.get_group("shard"))),
+        }
+    return results
+
+
+def _assert_replicas_identical(shards_by_rank: list[Shards], replica_groups: list[list[int]]) -> None:
+    for group in replica_groups:
+        first = shards_by_rank[group[0]]
+        for other in group[1:]:
+            assert first.keys() == shards_by_rank[other].keys()
+            for key, pieces in first.items():
+                for (offsets, tensor), (other_offsets, other_tensor) in zip(pieces, shards_by_rank[other][key]):
+                    assert offsets == other_offsets
+                    assert torch.equal(tensor, other_tensor), f"{key} differs between replica ranks {group[0]} and {other}"
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return train_unsharded()
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "column_wise"])
+def test_2d_matches_1d_and_unsharded_and_keeps_embedding_traffic_inside_a_node(sharding_type, oracle):
+    expected_state, expected_predictions = oracle
+    results = run_ranks(_fit_1d_and_both_2d_layouts, WORLD_SIZE, sharding_type, timeout=300, ranks_per_node=PER_NODE)
+
+    one_d_shards = [r["1d"]["shards"] for r in results]
+    for name, replica_groups in {
+        "1d": [[0], [1], [2], [3]],
+        "all_to_all_optimized": [[0, 2], [1, 3]],
+        "all_reduce_optimized": [[0, 1], [2, 3]],
+    }.items():
+        shards = [r[name]["shards"] for r in results]
+        predictions = [r[name]["predictions"] for r in results]
+        _assert_replicas_identical(shards, replica_groups)
+        # Each sharding group holds a whole replica: assemble it from rank 0's group alone.
+        group = results[0][name]["shard_group"]
+        assert_matches([shards[r] for r in group], predictions, expected_state, expected_predictions)
+        for key, like in expected_state.items():
+            key = key.removeprefix("dlrm.")
+            torch.testing.assert_close(assemble([shards[r] for r in group], key, like), assemble(one_d_shards, key, like))
+        torch.testing.assert_close(torch.cat(predictions), torch.cat([r["1d"]["predictions"] for r in results]))
+    assert results[0]["all_to_all_optimized"]["mesh"] == [[0, 1], [2, 3]]
+    assert results[0]["all_reduce_optimized"]["mesh"] == [[0, 2], [1, 3]]
+
+    for rank, result in enumerate(results):
+        _assert_traffic(result["all_to_all_optimized"]["traffic"], crossing={"replica_sync", "dense_grads"}, rank=rank)
+        _assert_traffic(result["all_reduce_optimized"]["traffic"], crossing={"embedding", "dense_grads"}, rank=rank)
+
+
+def _assert_traffic(rows: list[dict], *, crossing: set[str], rank: int) -> None:
+    """From the recorded bytes of the last training step: exactly the ``crossing`` purposes cross nodes."""
+    by_purpose: dict[str, list[dict]] = {}
+    for row in rows:
+        by_purpose.setdefault(row["purpose"], []).append(row)
+    assert {"embedding", "replica_sync", "dense_grads"} <= set(by_purpose), f"rank {rank}: {rows}"
+    assert {r["op"] for r in by_purpose["embedding"]} >= {"all_to_all"}, f"rank {rank}: {rows}"
+    for purpose, purpose_rows in by_purpose.items():
+        assert sum(r["payload"] for r in purpose_rows) > 0, f"rank {rank}: no {purpose} bytes: {rows}"
+        inter = sum(r["inter_node"] for r in purpose_rows)
+        if purpose in crossing:
+            assert inter > 0, f"rank {rank}: {purpose} should cross nodes: {purpose_rows}"
+        else:
+            assert inter == 0, f"rank {rank}: {purpose} crossed nodes: {purpose_rows}"
