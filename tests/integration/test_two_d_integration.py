@@ -6,6 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback
 
+from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
 from multiprocess import run_ranks
 from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
@@ -99,3 +100,64 @@ def _assert_traffic(rows: list[dict], *, crossing: set[str], rank: int) -> None:
             assert inter > 0, f"rank {rank}: {purpose} should cross nodes: {purpose_rows}"
         else:
             assert inter == 0, f"rank {rank}: {purpose} crossed nodes: {purpose_rows}"
+
+
+class _ShardsAfterEachStep(Callback):
+    def __init__(self) -> None:
+        self.per_step: list[Shards] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.per_step.append(shards_of(pl_module))
+
+
+def _optimizer_state_shards(strategy) -> Shards:
+    state: Shards = {}
+    for param_state in strategy.sharded_model.fused_optimizer.state.values():
+        for name, value in param_state.items():
+            if hasattr(value, "local_shards"):
+                state[name] = [(tuple(s.metadata.shard_offsets), s.tensor.detach().clone()) for s in value.local_shards()]
+    return state
+
+
+def _fit_with_sync_settings(rank: int, world_size: int) -> dict:
+    every_2 = _ShardsAfterEachStep()
+    strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, sync_every_n_steps=2)
+    model, _, _ = fit_sharded(rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES, callbacks=[every_2])
+    result = {"per_step": every_2.per_step, "after_fit": shards_of(model)}
+    for sync_state in (True, False):
+        strategy = TwoDRecStrategy(
+            embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
+            sharding_types=["row_wise"],
+            sharding_group_size=PER_NODE,
+            sync_optimizer_state=sync_state,
+            process_group_timeout=60,
+        )
+        model, _, _ = fit_sharded(rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES)
+        result[f"adagrad_sync_state={sync_state}"] = {"weights": shards_of(model), "state": _optimizer_state_shards(strategy)}
+    return result
+
+
+def _replicas_identical(shards_by_rank: list[Shards]) -> bool:
+    try:
+        _assert_replicas_identical(shards_by_rank, [[0, 2], [1, 3]])
+    except AssertionError:
+        return False
+    return True
+
+
+def test_sync_every_n_steps_and_optimizer_state_sync():
+    results = run_ranks(_fit_with_sync_settings, WORLD_SIZE, timeout=300, ranks_per_node=PER_NODE)
+
+    # sync_every_n_steps=2 over 3 steps: apart after step 1, equal after the step-2 sync, apart after
+    # step 3, equal again after the sync at the end of training.
+    identical_after_step = [_replicas_identical([r["per_step"][step] for r in results]) for step in range(STEPS)]
+    assert identical_after_step == [False, True, False]
+    assert _replicas_identical([r["after_fit"] for r in results])
+
+    synced, unsynced = results[0]["adagrad_sync_state=True"], results[0]["adagrad_sync_state=False"]
+    assert synced["state"], "the row-wise Adagrad run has no fused optimizer state to compare"
+    assert _replicas_identical([r["adagrad_sync_state=True"]["weights"] for r in results])
+    assert _replicas_identical([r["adagrad_sync_state=True"]["state"] for r in results])
+    assert _replicas_identical([r["adagrad_sync_state=False"]["weights"] for r in results])
+    assert not _replicas_identical([r["adagrad_sync_state=False"]["state"] for r in results])
+    assert synced["state"].keys() == unsynced["state"].keys()
