@@ -60,6 +60,7 @@ def test_checkpointing_is_refused_up_front():
 
 def test_nccl_on_cpu_is_refused_before_any_process_group():
     strategy = TwoDRecStrategy(process_group_backend="nccl", parallel_devices=[torch.device("cpu")])
+    strategy._topology = strategy._make_topology()
     with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices"):
         strategy._validate_backend()
 
@@ -69,5 +70,42 @@ def test_adam_on_cpu_is_refused_before_any_process_group():
         embedding_optimizer=lightning_recsys.EmbeddingOptimizerConfig(name="adam"),
         parallel_devices=[torch.device("cpu")],
     )
+    strategy._topology = strategy._make_topology()
     with pytest.raises(ValueError, match=r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"):
         strategy._validate_backend()
+
+
+def _strategy_on(devices: int, num_nodes: int, **kwargs) -> TwoDRecStrategy:
+    strategy = TwoDRecStrategy(parallel_devices=[torch.device("cpu")] * devices, **kwargs)
+    strategy.num_nodes = num_nodes
+    return strategy
+
+
+def test_sharding_group_size_defaults_to_the_devices_per_node():
+    topology = _strategy_on(2, 3)._make_topology()
+    assert (topology.world_size, topology.sharding_group_size, topology.node_size) == (6, 2, 2)
+    assert topology.sharding_groups() == [[0, 1], [2, 3], [4, 5]]
+    assert _strategy_on(4, 1)._make_topology().is_1d
+
+
+def test_sharding_group_size_that_does_not_divide_the_world_is_refused_before_any_process_group():
+    strategy = _strategy_on(2, 2, sharding_group_size=3)
+    with pytest.raises(ValueError, match=r"sharding_group_size=3\) must divide the world size 4 \(devices=2 x num_nodes=2\); valid sizes are \[1, 2, 4\]"):
+        strategy._make_topology()
+    with pytest.raises(ValueError, match=r"sharding_group_size=8\) must divide the world size 4"):
+        _strategy_on(2, 2, sharding_group_size=8)._make_topology()
+
+
+def test_table_row_wise_is_refused_under_2d_only():
+    validate_sharding_types(["table_row_wise"], "cpu", "sharding_types", two_d=False)
+    with pytest.raises(ValueError, match=r"'table_row_wise', which is not supported under 2D parallelism .* Use 'row_wise'"):
+        validate_sharding_types(["table_row_wise"], "cpu", "sharding_types", two_d=True)
+    assert "table_row_wise" not in supported_sharding_types("cpu", two_d=True)
+
+
+def test_trainer_accepts_the_2d_arguments():
+    strategy = TwoDRecStrategy(sharding_group_size=2, layout="all_reduce_optimized", sync_every_n_steps=4)
+    trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, logger=False)
+    assert trainer.strategy is strategy and strategy.num_nodes == 2
+    with pytest.raises(RuntimeError, match=r"topology is available only after"):
+        strategy.topology

@@ -29,8 +29,32 @@ def test_group_size_equal_to_world_is_1d():
         ({"world_size": 2, "sharding_group_size": 4}, r"sharding_group_size=4 is larger than the world size \(2\)"),
         ({"world_size": 4, "sharding_group_size": 0}, r"sharding_group_size=0 must be >= 1"),
         ({"world_size": 4, "sharding_group_size": 2, "layout": "ring"}, r"layout='ring' is not one of"),
+        ({"world_size": 4, "sharding_group_size": 2, "ranks_per_node": 3}, r"ranks_per_node=3 must be >= 1 and divide the world size \(4\)"),
     ],
 )
 def test_invalid_topology_names_the_argument(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ParallelTopology(**kwargs)
+
+
+def test_node_boundaries_and_planner_local_size():
+    contiguous = ParallelTopology(world_size=8, sharding_group_size=4, ranks_per_node=4)
+    assert [contiguous.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert not contiguous.spans_nodes(contiguous.sharding_group_of(5))
+    assert contiguous.spans_nodes(contiguous.replica_group_of(5))
+    assert contiguous.sharding_group_ranks_per_node() == 4
+    strided = ParallelTopology(world_size=8, sharding_group_size=4, layout="all_reduce_optimized", ranks_per_node=4)
+    assert strided.spans_nodes(strided.sharding_group_of(0)) and not strided.spans_nodes(strided.replica_group_of(0))
+    assert strided.sharding_group_ranks_per_node() == 2
+    assert contiguous.layout_warnings() == [] and strided.layout_warnings() == []
+
+
+def test_layout_that_defeats_its_purpose_is_reported():
+    # Groups of 4 on nodes of 2: the "node-local" all-to-all would cross nodes.
+    (warning,) = ParallelTopology(world_size=8, sharding_group_size=4, ranks_per_node=2).layout_warnings()
+    assert "puts a sharding group across nodes" in warning
+
+
+def test_mesh_needs_a_process_group():
+    with pytest.raises(RuntimeError, match=r"needs an initialized default process group"):
+        ParallelTopology(world_size=2, sharding_group_size=1).device_mesh("cpu")
