@@ -29,8 +29,9 @@ CONFIG = SyntheticClickLogConfig(
 Shards = dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
 
 
-def make_model() -> DLRMRanker:
-    torch.manual_seed(1234)
+def make_model(embedding_device: str | None = None, seed: int | None = 1234) -> DLRMRanker:
+    if seed is not None:
+        torch.manual_seed(seed)
     return DLRMRanker(
         table_sizes=CONFIG.table_sizes,
         num_dense_features=CONFIG.num_dense_features,
@@ -39,6 +40,7 @@ def make_model() -> DLRMRanker:
         over_arch_layer_sizes=[8, 1],
         dense_optimizer="sgd",
         dense_lr=DENSE_LR,
+        embedding_device=embedding_device,
     )
 
 
@@ -69,9 +71,13 @@ def fit_sharded(
     devices: int | None = None,
     num_nodes: int = 1,
     callbacks: list[Callback] | None = None,
+    embedding_device: str | None = None,
 ) -> tuple[DLRMRanker, Trainer, torch.Tensor]:
-    """Fit the oracle's model with ``strategy``; return it, the trainer and this rank's validation predictions."""
-    model = make_model()
+    """Fit the oracle's model with ``strategy``; return it, the trainer and this rank's validation predictions.
+
+    ``embedding_device="meta"`` leaves table initialization to TorchRec, with this rank's RNG state.
+    """
+    model = make_model(embedding_device, seed=None if embedding_device == "meta" else 1234)
     trainer = Trainer(
         accelerator=accelerator,
         devices=devices or world_size,

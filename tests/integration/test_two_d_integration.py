@@ -104,7 +104,11 @@ def _assert_traffic(rows: list[dict], *, crossing: set[str], rank: int) -> None:
 
 class _ShardsAfterEachStep(Callback):
     def __init__(self) -> None:
+        self.at_start: Shards = {}
         self.per_step: list[Shards] = []
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.at_start = shards_of(pl_module)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.per_step.append(shards_of(pl_module))
@@ -120,10 +124,13 @@ def _optimizer_state_shards(strategy) -> Shards:
 
 
 def _fit_with_sync_settings(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)  # each rank initializes its (meta) tables differently; replicas must still start equal
     every_2 = _ShardsAfterEachStep()
     strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, sync_every_n_steps=2)
-    model, _, _ = fit_sharded(rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES, callbacks=[every_2])
-    result = {"per_step": every_2.per_step, "after_fit": shards_of(model)}
+    model, _, _ = fit_sharded(
+        rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES, callbacks=[every_2], embedding_device="meta"
+    )
+    result = {"at_start": every_2.at_start, "per_step": every_2.per_step, "after_fit": shards_of(model)}
     for sync_state in (True, False):
         strategy = TwoDRecStrategy(
             embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
@@ -150,6 +157,7 @@ def test_sync_every_n_steps_and_optimizer_state_sync():
 
     # sync_every_n_steps=2 over 3 steps: apart after step 1, equal after the step-2 sync, apart after
     # step 3, equal again after the sync at the end of training.
+    assert _replicas_identical([r["at_start"] for r in results])
     identical_after_step = [_replicas_identical([r["per_step"][step] for r in results]) for step in range(STEPS)]
     assert identical_after_step == [False, True, False]
     assert _replicas_identical([r["after_fit"] for r in results])

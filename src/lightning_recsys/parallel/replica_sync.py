@@ -62,23 +62,37 @@ class ReplicaSynchronizer:
 
     @torch.no_grad()
     def sync(self) -> None:
+        """Average every tensor over the replica group."""
         with comm_purpose("replica_sync"):
-            self._all_reduce_mean()
-
-    def _all_reduce_mean(self) -> None:
-        for bucket in self._buckets:
-            if len(bucket) == 1 and bucket[0].is_contiguous():
-                flat = bucket[0]
+            for bucket in self._buckets:
+                flat = _flatten(bucket)
                 dist.all_reduce(flat, group=self._group)
                 flat.div_(self._num_replicas)
-                continue
-            flat = torch.cat([t.reshape(-1) for t in bucket])
-            dist.all_reduce(flat, group=self._group)
-            flat.div_(self._num_replicas)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+                _unflatten_into(flat, bucket)
+
+    @torch.no_grad()
+    def broadcast_from_first_replica(self) -> None:
+        """Make every replica a copy of the first one (used once after sharding, so replicas start equal)."""
+        with comm_purpose("replica_sync"):
+            for bucket in self._buckets:
+                flat = _flatten(bucket)
+                dist.broadcast(flat, group=self._group, group_src=0)
+                _unflatten_into(flat, bucket)
+
+
+def _flatten(bucket: list[torch.Tensor]) -> torch.Tensor:
+    if len(bucket) == 1 and bucket[0].is_contiguous():
+        return bucket[0]  # in place, no copy
+    return torch.cat([t.reshape(-1) for t in bucket])
+
+
+def _unflatten_into(flat: torch.Tensor, bucket: list[torch.Tensor]) -> None:
+    if len(bucket) == 1 and flat is bucket[0]:
+        return
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
 
 
 def _local_shard_tensors(values: object) -> list[torch.Tensor]:

@@ -330,6 +330,8 @@ class TwoDRecStrategy(ParallelStrategy):
                 replica_group,
                 include_optimizer_state=self._sync_optimizer_state,
             )
+            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
+            self._replica_sync.broadcast_from_first_replica()
         if self._comm is not None:
             self._comm.stop()
         self._comm = CommAccountant(
