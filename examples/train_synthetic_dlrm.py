@@ -3,6 +3,8 @@
     python examples/train_synthetic_dlrm.py                 # 2 CPU processes, gloo
     python examples/train_synthetic_dlrm.py --tiny          # seconds; used by the smoke test
     python examples/train_synthetic_dlrm.py --accelerator gpu --devices 8
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29500 \
+        examples/train_synthetic_dlrm.py --devices 2 --num-nodes 2          # 2D; run node-rank 1 too
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--embedding-optimizer", default="rowwise_adagrad", choices=["sgd", "rowwise_adagrad", "adagrad", "adam"])
     parser.add_argument("--embedding-lr", type=float, default=0.1)
     parser.add_argument("--sharding-type", action="append", default=None, help="restrict the planner (repeatable)")
+    parser.add_argument("--sharding-group-size", type=int, default=None, help="default: --devices (one group per node)")
+    parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
+    parser.add_argument("--sync-every-n-steps", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-json", default=None, help="also write the final metrics to this file (rank 0)")
     parser.add_argument("--tiny", action="store_true", help="a few tiny batches; for smoke tests")
@@ -65,6 +70,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name=args.embedding_optimizer, lr=args.embedding_lr),
         sharding_types=args.sharding_type,
+        sharding_group_size=args.sharding_group_size,
+        layout=args.layout,
+        sync_every_n_steps=args.sync_every_n_steps,
     )
     trainer = pl.Trainer(
         accelerator=args.accelerator,
@@ -84,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             f"\nValidation after {args.epochs} epochs on {trainer.world_size} ranks: "
             f"AUC={metrics['val/auc']:.4f}  NE={metrics['val/ne']:.4f}  loss={metrics['val/loss']:.4f}"
         )
+        print(f"Communication in the last training step (rank 0):\n{strategy.comm_accounting.summary()}")
         if args.metrics_json:
             with open(args.metrics_json, "w") as f:
                 json.dump(metrics, f, indent=2)

@@ -1,4 +1,4 @@
-"""Two torchrun launches (node_rank 0 and 1) on 127.0.0.1: the multi-node path via TorchElasticEnvironment."""
+"""Two torchrun launches (node_rank 0 and 1, 2 ranks each) on 127.0.0.1: real 2-node 2D training."""
 
 import subprocess
 import sys
@@ -12,15 +12,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
-def test_two_node_torchrun_trains_and_exits_cleanly(tmp_path):
+def test_two_node_torchrun_trains_2d_and_exits_cleanly(tmp_path):
     port = free_port()
     procs = [
         subprocess.Popen(
             [
                 sys.executable, "-m", "torch.distributed.run",
-                "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node),
+                "--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(node),
                 "--master-addr", "127.0.0.1", "--master-port", str(port),
-                str(ROOT / "examples" / "train_synthetic_dlrm.py"), "--tiny", "--devices", "1", "--num-nodes", "2",
+                str(ROOT / "examples" / "train_synthetic_dlrm.py"), "--tiny",
+                "--devices", "2", "--num-nodes", "2", "--sharding-group-size", "2",
             ],
             cwd=tmp_path,
             stdout=subprocess.PIPE,
@@ -39,4 +40,9 @@ def test_two_node_torchrun_trains_and_exits_cleanly(tmp_path):
                 proc.kill()
     for node, (proc, output) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"node {node} exited {proc.returncode}:\n{output[-4000:]}"
-    assert "Validation after 1 epochs on 2 ranks: AUC=" in outputs[0]
+    assert "2D all_to_all_optimized: 2 replicas x sharding groups of 2 ranks; sharding groups [[0, 1], [2, 3]]" in outputs[0]
+    assert "Validation after 1 epochs on 4 ranks: AUC=" in outputs[0]
+    # The traffic table (rank 0, last step): the embedding all-to-all stayed inside node 0.
+    rows = [line.split() for line in outputs[0].splitlines() if line.startswith(("embedding ", "replica_sync "))]
+    assert any(r[:2] == ["embedding", "all_to_all"] and r[3] == "False" and r[-1] == "0" for r in rows), rows
+    assert any(r[:2] == ["replica_sync", "all_reduce"] and r[3] == "True" and int(r[-1]) > 0 for r in rows), rows

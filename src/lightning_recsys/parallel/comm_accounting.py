@@ -85,14 +85,17 @@ class Traffic:
 class CommAccountant:
     """Records the collectives this rank issues while active, per training step and in total.
 
-    Groups are named by what they are in the topology: ``shard`` (the sharding group: embedding
-    all-to-all and reduce-scatter), ``replicate`` (the replica sync), ``world`` (dense gradients,
-    metrics); any other group is named by its ranks.
+    Groups are named ``world`` when they hold every rank (in 1D that includes the sharding group),
+    else ``shard`` (this rank's sharding group), ``replicate`` (its replica group), or by their ranks.
+    Unlabelled collectives on the sharding group are filed as ``embedding`` traffic.
     """
 
-    def __init__(self, topology: ParallelTopology, named_groups: dict[str, dist.ProcessGroup | None]) -> None:
+    def __init__(
+        self, topology: ParallelTopology, sharding_group: dist.ProcessGroup, replica_group: dist.ProcessGroup | None
+    ) -> None:
         self.topology = topology
-        self._named_groups = {name: group for name, group in named_groups.items() if group is not None}
+        self._sharding_group = sharding_group
+        self._named_groups = {"shard": sharding_group, "replicate": replica_group}
         self._group_info: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self._current: dict[TrafficKey, Traffic] = {}
@@ -147,23 +150,23 @@ class CommAccountant:
 
     # ----------------------------------------------------------------- recording
     def record(self, op: str, group: Any, payload: Any, input_splits: list[int] | None = None) -> None:
+        group = group if group is not None else dist.group.WORLD
         name, ranks = self._describe(group)
         payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
         traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
-        purpose = getattr(_LABEL, "purpose", None) or ("embedding" if name == "shard" else "other")
+        purpose = getattr(_LABEL, "purpose", None) or ("embedding" if group is self._sharding_group else "other")
         key = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
         with self._lock:
             self._current.setdefault(key, Traffic()).add(traffic)
             self.total.setdefault(key, Traffic()).add(traffic)
 
     def _describe(self, group: Any) -> tuple[str, tuple[int, ...]]:
-        group = group if group is not None else dist.group.WORLD
         cached = self._group_info.get(id(group))
         if cached is None:
             ranks = tuple(dist.get_process_group_ranks(group))
-            name = next((n for n, g in self._named_groups.items() if g is group), None)
-            if name is None:
-                name = "world" if len(ranks) == dist.get_world_size() else "ranks" + ",".join(map(str, ranks))
+            name = next((n for n, g in self._named_groups.items() if g is group), "ranks" + ",".join(map(str, ranks)))
+            if len(ranks) == dist.get_world_size():
+                name = "world"
             cached = self._group_info[id(group)] = (name, ranks)
         return cached
 

@@ -334,10 +334,7 @@ class TwoDRecStrategy(ParallelStrategy):
             self._replica_sync.broadcast_from_first_replica()
         if self._comm is not None:
             self._comm.stop()
-        self._comm = CommAccountant(
-            topology,
-            {"shard": topology.sharding_process_group(), "replicate": replica_group, "world": dist.group.WORLD},
-        )
+        self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
         self._sharded = sharded
         self._steps_since_sync = 0
         return sharded
