@@ -5,7 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 from datetime import timedelta
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -194,16 +194,12 @@ class TwoDRecStrategy(ParallelStrategy):
     @property
     def sharded_model(self) -> ShardedModel:
         """The sharded model, its plan and its embedding optimizer; available after setup."""
-        if self._sharded is None:
-            raise RuntimeError("TwoDRecStrategy.sharded_model is available only after the Trainer has set up the model.")
-        return self._sharded
+        return _available(self._sharded, "sharded_model", "set up the model")
 
     @property
     def topology(self) -> ParallelTopology:
         """The 2D rank layout (sharding and replica groups); available once the environment is set up."""
-        if self._topology is None:
-            raise RuntimeError("TwoDRecStrategy.topology is available only after the Trainer has set up the environment.")
-        return self._topology
+        return _available(self._topology, "topology", "set up the environment")
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -213,9 +209,7 @@ class TwoDRecStrategy(ParallelStrategy):
     @property
     def comm_accounting(self) -> CommAccountant:
         """Bytes per collective in the last training step and in total; available after setup."""
-        if self._comm is None:
-            raise RuntimeError("TwoDRecStrategy.comm_accounting is available only after the Trainer has set up the model.")
-        return self._comm
+        return _available(self._comm, "comm_accounting", "set up the model")
 
     @override
     def _configure_launcher(self) -> None:
@@ -226,7 +220,9 @@ class TwoDRecStrategy(ParallelStrategy):
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
-        self._topology = self._make_topology()
+        topology = self._make_topology()
+        if topology != self._topology:  # a later fit/validate/test keeps the mesh (and groups) it already has
+            self._topology = topology
         self._validate_backend()
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend
@@ -395,21 +391,8 @@ class TwoDRecStrategy(ParallelStrategy):
         if self._comm is not None:
             self._comm.begin_step()
 
-    @override
-    def on_validation_start(self) -> None:
-        self._sync_if_pending()
-
-    @override
-    def on_test_start(self) -> None:
-        self._sync_if_pending()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._sync_if_pending()
-
-    @override
-    def on_train_end(self) -> None:
-        self._sync_if_pending()
+    # Strategy hooks: evaluation and the end of training always see one synchronized model.
+    on_validation_start = on_test_start = on_predict_start = on_train_end = _sync_if_pending
 
     @property
     def data_parallel_table_optimizer(self) -> Optional[Optimizer]:
@@ -473,6 +456,15 @@ class TwoDRecStrategy(ParallelStrategy):
             cls,
             description="TorchRec-sharded embeddings with data-parallel dense layers (lightning-recsys)",
         )
+
+
+_T = TypeVar("_T")
+
+
+def _available(value: Optional[_T], attribute: str, after: str) -> _T:
+    if value is None:
+        raise RuntimeError(f"TwoDRecStrategy.{attribute} is available only after the Trainer has {after}.")
+    return value
 
 
 def _describe_topology(topology: ParallelTopology) -> str:
