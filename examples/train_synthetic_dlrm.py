@@ -37,6 +37,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: --devices (one group per node)")
     parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
     parser.add_argument("--sync-every-n-steps", type=int, default=1)
+    parser.add_argument("--qcomms", default="fp32", choices=["fp32", "bf16", "fp16", "fp8", "int8"], help="embedding comms precision")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-json", default=None, help="also write the final metrics to this file (rank 0)")
     parser.add_argument("--tiny", action="store_true", help="a few tiny batches; for smoke tests")
@@ -73,6 +74,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         sharding_group_size=args.sharding_group_size,
         layout=args.layout,
         sync_every_n_steps=args.sync_every_n_steps,
+        qcomms=args.qcomms,
     )
     trainer = pl.Trainer(
         accelerator=args.accelerator,

@@ -1,32 +1,63 @@
-"""Metrics sync across real ranks."""
+"""Metrics sync across real ranks: the synced value is the single-process value over all the data."""
 
+import math
+
+import pytest
 import torch
 import torch.distributed as dist
+from torchmetrics import Metric
 
-from lightning_recsys.models import NormalizedEntropy
+from lightning_recsys.models import Calibration, LogLoss, NormalizedEntropy
 from multiprocess import run_ranks
 
 LOGITS = torch.tensor([1.5, -0.5, 0.3, -2.0, 0.8, -1.2])
-LABELS = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+# Rank 1 (the last three) sees no click: its own Calibration is undefined, so the synced value is only
+# right if the sums are reduced before the division.
+LABELS = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+METRICS: dict[str, type[Metric]] = {"ne": NormalizedEntropy, "calibration": Calibration, "logloss": LogLoss}
+WORLD_SIZE = 2
 
 
-def _ne_on_rank(rank: int, world_size: int) -> float:
+def _rank_slice(rank: int) -> slice:
+    size = len(LABELS) // WORLD_SIZE
+    return slice(rank * size, (rank + 1) * size)
+
+
+def _metrics_on_rank(rank: int, world_size: int) -> dict[str, float]:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        metric = NormalizedEntropy()
-        part = slice(rank * 3, rank * 3 + 3)
-        metric.update(LOGITS[part], LABELS[part])
-        return metric.compute().item()
+        values = {}
+        for name, metric_type in METRICS.items():
+            metric = metric_type()
+            metric.update(LOGITS[_rank_slice(rank)], LABELS[_rank_slice(rank)])
+            values[name] = metric.compute().item()
+        return values
     finally:
         dist.destroy_process_group()
 
 
-def test_normalized_entropy_syncs_across_ranks():
-    single = NormalizedEntropy()
-    single.update(LOGITS, LABELS)
-    expected = single.compute().item()
-    local_only = NormalizedEntropy()
-    local_only.update(LOGITS[:3], LABELS[:3])
-    assert abs(local_only.compute().item() - expected) > 1e-3  # the test would notice a missing sync
-    results = run_ranks(_ne_on_rank, 2, timeout=60)
-    assert results == [expected, expected] or all(abs(r - expected) < 1e-12 for r in results)
+@pytest.fixture(scope="module")
+def synced() -> list[dict[str, float]]:
+    # One spawn for all metrics: process start-up dominates on a 2-core machine.
+    return run_ranks(_metrics_on_rank, WORLD_SIZE, timeout=60)
+
+
+def _single_process(name: str, part: slice = slice(None)) -> float:
+    metric = METRICS[name]()
+    metric.update(LOGITS[part], LABELS[part])
+    return metric.compute().item()
+
+
+@pytest.mark.parametrize("name", list(METRICS))
+def test_metric_syncs_across_ranks(synced, name):
+    expected = _single_process(name)
+    assert math.isfinite(expected)
+    local_only = _single_process(name, _rank_slice(0))
+    assert abs(local_only - expected) > 1e-3  # the test would notice a missing sync
+    assert [values[name] for values in synced] == pytest.approx([expected] * WORLD_SIZE, rel=1e-12)
+
+
+def test_calibration_is_defined_when_only_one_rank_saw_a_click(synced):
+    with pytest.warns(UserWarning, match="no label is positive"):
+        assert math.isnan(_single_process("calibration", _rank_slice(1)))  # rank 1 alone
+    assert all(math.isfinite(values["calibration"]) for values in synced)

@@ -43,6 +43,8 @@ def test_two_node_torchrun_trains_2d_and_exits_cleanly(tmp_path):
     assert "2D all_to_all_optimized: 2 replicas x sharding groups of 2 ranks; sharding groups [[0, 1], [2, 3]]" in outputs[0]
     assert "Validation after 1 epochs on 4 ranks: AUC=" in outputs[0]
     # The traffic table (rank 0, last step): the embedding all-to-all stayed inside node 0.
-    rows = [line.split() for line in outputs[0].splitlines() if line.startswith(("embedding ", "replica_sync "))]
-    assert any(r[:2] == ["embedding", "all_to_all"] and r[3] == "False" and r[-1] == "0" for r in rows), rows
+    rows = [line.split() for line in outputs[0].splitlines() if line.startswith(("embeddings ", "sparse_ids ", "replica_sync "))]
+    embedding_rows = [r for r in rows if r[0] in ("embeddings", "sparse_ids")]
+    assert {r[0] for r in embedding_rows} == {"embeddings", "sparse_ids"}, rows
+    assert all(r[3] == "False" and r[-1] == "0" for r in embedding_rows), rows
     assert any(r[:2] == ["replica_sync", "all_reduce"] and r[3] == "True" and int(r[-1]) > 0 for r in rows), rows

@@ -1,9 +1,13 @@
 import math
+from typing import Literal
 
 import pytest
 import torch
+import torch.nn.functional as F
+from lightning.pytorch import Trainer
 
-from lightning_recsys.models import DLRMRanker, NormalizedEntropy
+from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.models import Calibration, DLRMRanker, LogLoss, NormalizedEntropy
 
 
 def test_normalized_entropy_matches_hand_computation():
@@ -43,3 +47,104 @@ def test_ranker_auc_matches_pair_count():
     expected = sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs) / len(pairs)
     auc.update(probs, labels)
     assert auc.compute().item() == pytest.approx(expected)
+
+
+# Logits whose probabilities are round numbers, so the expected values can be written out by hand.
+_PROBS = [0.5, 0.75, 0.25, 0.9]
+_LOGITS = torch.tensor([math.log(p / (1 - p)) for p in _PROBS], dtype=torch.float64)  # float32 would cost 1e-8
+_LABELS = torch.tensor([1.0, 1.0, 0.0, 0.0])
+
+
+def test_calibration_matches_hand_computation():
+    # predicted clicks 0.5 + 0.75 + 0.25 + 0.9 = 2.4, actual clicks 1 + 1 + 0 + 0 = 2, so 2.4 / 2 = 1.2.
+    expected = (0.5 + 0.75 + 0.25 + 0.9) / (1 + 1 + 0 + 0)
+    metric = Calibration()
+    metric.update(_LOGITS[:1], _LABELS[:1])  # uneven batches: the sums, not per-batch ratios, are kept
+    metric.update(_LOGITS[1:], _LABELS[1:])
+    assert metric.compute().item() == pytest.approx(expected, rel=1e-12)
+
+
+def test_calibration_of_base_rate_predictor_is_one_and_tracks_over_prediction():
+    labels = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])
+    ctr = labels.mean().item()
+    metric = Calibration()
+    metric.update(torch.full_like(labels, math.log(ctr / (1 - ctr))), labels)
+    assert metric.compute().item() == pytest.approx(1.0, rel=1e-6)
+    # Predicting twice the base rate for every example over-predicts by 2x.
+    doubled = Calibration()
+    doubled.update(torch.full_like(labels, math.log(2 * ctr / (1 - 2 * ctr))), labels)
+    assert doubled.compute().item() == pytest.approx(2.0, rel=1e-6)
+
+
+def test_calibration_is_nan_without_positive_labels():
+    metric = Calibration()
+    metric.update(torch.tensor([0.3, -1.0]), torch.zeros(2))
+    with pytest.warns(UserWarning, match="undefined when no label is positive"):
+        assert math.isnan(metric.compute().item())
+    with pytest.warns(UserWarning, match="undefined when no label is positive"):
+        assert math.isnan(Calibration().compute().item())  # nothing seen at all
+
+
+def test_log_loss_matches_hand_computation_and_weighs_examples_not_batches():
+    # -(ln 0.5 + ln 0.75 + ln(1 - 0.25) + ln(1 - 0.9)) / 4, one term per example.
+    expected = -(math.log(0.5) + math.log(0.75) + math.log(0.75) + math.log(0.1)) / 4
+    metric = LogLoss()
+    metric.update(_LOGITS[:1], _LABELS[:1])
+    metric.update(_LOGITS[1:], _LABELS[1:])
+    assert metric.compute().item() == pytest.approx(expected, rel=1e-12)
+    mean_of_batch_means = (-math.log(0.5) + -(math.log(0.75) + math.log(0.75) + math.log(0.1)) / 3) / 2
+    assert abs(mean_of_batch_means - expected) > 1e-2  # what a per-batch average would have logged
+
+
+def test_log_loss_is_finite_for_saturated_logits():
+    # sigmoid(100) rounds to 1.0 in float32, so log(1 - p) would be -inf; from logits it is exactly 100.
+    metric = LogLoss()
+    metric.update(torch.tensor([100.0, 100.0, -100.0, -100.0]), torch.tensor([1.0, 0.0, 0.0, 1.0]))
+    assert metric.compute().item() == pytest.approx((0 + 100 + 0 + 100) / 4, rel=1e-9)
+
+
+def test_log_loss_over_base_entropy_is_normalized_entropy():
+    log_loss, ne = LogLoss(), NormalizedEntropy()
+    log_loss.update(_LOGITS, _LABELS)
+    ne.update(_LOGITS, _LABELS)
+    base_entropy = math.log(2)  # the CTR is 0.5
+    assert log_loss.compute().item() / base_entropy == pytest.approx(ne.compute().item(), rel=1e-12)
+
+
+def test_log_loss_is_nan_before_any_update():
+    with pytest.warns(UserWarning, match="before any update"):
+        assert math.isnan(LogLoss().compute().item())
+
+
+@pytest.mark.parametrize("metric_type", [Calibration, LogLoss, NormalizedEntropy])
+def test_metrics_reject_logits_and_labels_of_different_sizes(metric_type):
+    with pytest.raises(ValueError, match=r"logits \(3,\) and labels \(2,\) must have the same size"):
+        metric_type().update(torch.zeros(3), torch.zeros(2))
+
+
+def _logged_and_expected(stage: Literal["val", "test"]) -> tuple[dict[str, float], dict[str, float]]:
+    """Run one validate/test epoch of a small DLRMRanker; return what it logged and what it should have."""
+    config = SyntheticClickLogConfig(table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=3, test_batches=3)
+    torch.manual_seed(0)
+    model = DLRMRanker(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
+    data = SyntheticClickLogDataModule(config)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    run = trainer.validate if stage == "val" else trainer.test
+    logged = run(model, datamodule=data)[0]
+    batches = [data.log.global_batch(stage, i) for i in range(3)]
+    with torch.no_grad():
+        logits = torch.cat([model(b) for b in batches]).double()
+    labels = torch.cat([b.labels for b in batches]).double()
+    expected = {
+        f"{stage}/calibration": (torch.sigmoid(logits).sum() / labels.sum()).item(),
+        f"{stage}/logloss": F.binary_cross_entropy_with_logits(logits, labels).item(),
+    }
+    return logged, expected
+
+
+@pytest.mark.parametrize("stage", ["val", "test"])
+def test_ranker_logs_calibration_and_log_loss_per_epoch(stage):
+    logged, expected = _logged_and_expected(stage)
+    assert {f"{stage}/{name}" for name in ("loss", "auc", "ne", "calibration", "logloss")} <= set(logged)
+    for name, value in expected.items():
+        assert logged[name] == pytest.approx(value, rel=1e-5), name

@@ -1,7 +1,8 @@
 """Single-device ranker LightningModules and metrics (no process-group code)."""
 
 from lightning_recsys.models.base import RankerModule
+from lightning_recsys.models.dcn import DCNRanker
 from lightning_recsys.models.dlrm import DLRMRanker
-from lightning_recsys.models.metrics import NormalizedEntropy
+from lightning_recsys.models.metrics import Calibration, LogLoss, NormalizedEntropy
 
-__all__ = ["DLRMRanker", "NormalizedEntropy", "RankerModule"]
+__all__ = ["Calibration", "DCNRanker", "DLRMRanker", "LogLoss", "NormalizedEntropy", "RankerModule"]

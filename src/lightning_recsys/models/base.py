@@ -2,22 +2,36 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import nn
+from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.models.metrics import NormalizedEntropy
+from lightning_recsys.models.metrics import Calibration, LogLoss, NormalizedEntropy
 
 DenseOptimizerName = Literal["sgd", "adagrad", "adam"]
+
+# Epoch metrics logged as ``{stage}/{name}`` on validation and test; all but AUC take logits.
+_EPOCH_METRICS: dict[str, Callable[[], Metric]] = {
+    "auc": BinaryAUROC,
+    "ne": NormalizedEntropy,
+    "calibration": Calibration,
+    "logloss": LogLoss,
+}
 
 
 class RankerModule(LightningModule):
     """Binary click-through ranker. Subclasses implement ``forward(batch) -> logits [B]``.
+
+    Validation and test log ``{stage}/loss`` (mean of per-batch losses) and, per epoch,
+    ``{stage}/auc``, ``{stage}/ne``, ``{stage}/calibration`` and ``{stage}/logloss`` (exact over every
+    example on every rank). The metric objects are ``self.metrics[f"{stage}_{name}"]``.
 
     Single-device code: it holds plain TorchRec modules and never touches a process group.
     Under TwoDRecStrategy the embedding modules inside it are sharded in place and the
@@ -37,11 +51,7 @@ class RankerModule(LightningModule):
         self.dense_optimizer_name = dense_optimizer
         self.dense_lr = dense_lr
         self.metrics = nn.ModuleDict(
-            {
-                f"{stage}_{name}": metric
-                for stage in ("val", "test")
-                for name, metric in (("auc", BinaryAUROC()), ("ne", NormalizedEntropy()))
-            }
+            {f"{stage}_{name}": make() for stage in ("val", "test") for name, make in _EPOCH_METRICS.items()}
         )
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
@@ -65,12 +75,15 @@ class RankerModule(LightningModule):
     def _evaluate(self, batch: RecBatch, stage: str) -> torch.Tensor:
         logits = self(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
-        auc, ne = self.metrics[f"{stage}_auc"], self.metrics[f"{stage}_ne"]
-        auc.update(torch.sigmoid(logits), batch.labels.long())
-        ne.update(logits, batch.labels)
         self.log(f"{stage}/loss", loss, batch_size=batch.batch_size, sync_dist=True)
-        self.log(f"{stage}/auc", auc, prog_bar=True, on_step=False, on_epoch=True)
-        self.log(f"{stage}/ne", ne, prog_bar=True, on_step=False, on_epoch=True)
+        for name in _EPOCH_METRICS:
+            metric = self.metrics[f"{stage}_{name}"]
+            if name == "auc":
+                metric.update(torch.sigmoid(logits), batch.labels.long())
+            else:
+                metric.update(torch.sigmoid(logits) if name == "logloss" else logits, batch.labels)
+            # Logging the Metric object (not a value) lets Lightning compute, sync and reset it per epoch.
+            self.log(f"{stage}/{name}", metric, prog_bar=name in ("auc", "ne"), on_step=False, on_epoch=True)
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:

@@ -6,8 +6,10 @@ patch in this package). DDP's gradient all-reduce runs in C++; it becomes visibl
 through a Python comm hook (``sharded_model`` does that).
 
 Each call is filed under its purpose: code in this package labels its own collectives
-(``dense_grads``, ``replica_sync``, ``metrics``) with ``comm_purpose``; unlabelled collectives on the
-sharding group are TorchRec's ``embedding`` traffic, the rest ``other``.
+(``dense_grads``, ``replica_sync``, ``metrics``) with ``comm_purpose``. Unlabelled collectives on the
+sharding group are TorchRec's: ``sparse_ids`` when the payload is int32/int64 (the
+KeyedJaggedTensor ids and lengths), ``embeddings`` otherwise (pooled or sequence embeddings and
+their gradients, in whatever precision QComms put them). Anything else is ``other``.
 
 What is counted, per call on this rank:
 
@@ -154,11 +156,18 @@ class CommAccountant:
         name, ranks = self._describe(group)
         payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
         traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
-        purpose = getattr(_LABEL, "purpose", None) or ("embedding" if group is self._sharding_group else "other")
+        purpose = getattr(_LABEL, "purpose", None) or self._torchrec_purpose(group, payload)
         key = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
         with self._lock:
             self._current.setdefault(key, Traffic()).add(traffic)
             self.total.setdefault(key, Traffic()).add(traffic)
+
+    def _torchrec_purpose(self, group: Any, payload: Any) -> str:
+        if group is not self._sharding_group:
+            return "other"
+        first = payload[0] if isinstance(payload, (list, tuple)) and payload else payload
+        is_ids = isinstance(first, torch.Tensor) and first.dtype in (torch.int32, torch.int64)
+        return "sparse_ids" if is_ids else "embeddings"
 
     def _describe(self, group: Any) -> tuple[str, tuple[int, ...]]:
         cached = self._group_info.get(id(group))

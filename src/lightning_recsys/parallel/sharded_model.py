@@ -13,7 +13,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.remote_device import _remote_device
 from torch.nn.parallel import DistributedDataParallel
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
@@ -29,6 +28,7 @@ from torchrec.distributed.types import (
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_recsys.parallel.comm_accounting import comm_purpose
+from lightning_recsys.parallel.qcomms import dense_grads_hook
 from lightning_recsys.parallel.topology import ParallelTopology
 
 log = logging.getLogger(__name__)
@@ -73,6 +73,7 @@ def shard_model(
     device: torch.device,
     sharders: list[ModuleSharder[nn.Module]],
     plan: ShardingPlan,
+    dense_grads_precision: str = "fp32",
 ) -> ShardedModel:
     """Shard ``module``'s embedding modules over this rank's sharding group; wrap the rest in DDP.
 
@@ -96,7 +97,7 @@ def shard_model(
         device=device,
         plan=remap_plan_to_global_ranks(plan, topology, dist.get_rank(), device),
         sharders=sharders,
-        data_parallel_wrapper=GlobalDataParallelWrapper(),
+        data_parallel_wrapper=GlobalDataParallelWrapper(dense_grads_precision),
     )
     unwrapped = dmp.module
     for fqn, values in initial_values.items():
@@ -142,21 +143,26 @@ def remap_plan_to_global_ranks(
 class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
     """DDP for the unsharded parameters over the global group, not the sharding group DMP was given.
 
-    The all-reduce goes through a Python comm hook, so communication accounting can see its bytes.
+    The all-reduce goes through a Python comm hook (DDP's own, in fp32, fp16 or bf16), so
+    communication accounting can see its bytes.
     """
+
+    def __init__(self, dense_grads_precision: str = "fp32") -> None:
+        super().__init__()
+        self._hook = dense_grads_hook(dense_grads_precision)
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         world = dist.group.WORLD
         super().wrap(dmp, ShardingEnv.from_process_group(world), device)  # type: ignore[arg-type]
         ddp = dmp._dmp_wrapped_module
         if isinstance(ddp, DistributedDataParallel):
-            ddp.register_comm_hook(world, _dense_grads_allreduce_hook)
+            hook = self._hook
 
+            def accounted_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+                with comm_purpose("dense_grads"):
+                    return hook(process_group, bucket)
 
-def _dense_grads_allreduce_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    # Same arithmetic as DDP's built-in C++ all-reduce, but issued from Python, so it is accounted.
-    with comm_purpose("dense_grads"):
-        return default_hooks.allreduce_hook(process_group, bucket)
+            ddp.register_comm_hook(world, accounted_hook)
 
 
 @torch.no_grad()

@@ -7,7 +7,7 @@ from typing import Any
 from torch import nn
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.types import ModuleSharder, ShardingType
+from torchrec.distributed.types import ModuleSharder, QuantizedCommCodecs, ShardingType
 
 ALL_SHARDING_TYPES: tuple[str, ...] = (
     ShardingType.DATA_PARALLEL.value,
@@ -85,9 +85,16 @@ def validate_sharding_types(
 def make_sharders(
     fused_params: dict[str, Any],
     allowed_sharding_types: list[str] | None = None,
+    *,
+    qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
 ) -> list[ModuleSharder[nn.Module]]:
-    """Sharders for EmbeddingBagCollection and EmbeddingCollection, sharing one fused optimizer."""
+    """Sharders for EmbeddingBagCollection and EmbeddingCollection, sharing one fused optimizer.
+
+    The same sharders go to the planner and to DMP, so the planner's cost estimates see the
+    QComms precisions in ``qcomm_codecs_registry``.
+    """
+    kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
     return [
-        RecSysEmbeddingBagCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params)),
-        RecSysEmbeddingCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params)),
+        RecSysEmbeddingBagCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params), **kwargs),
+        RecSysEmbeddingCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params), **kwargs),
     ]

@@ -42,6 +42,7 @@ from lightning_recsys.parallel import (
     shard_model,
 )
 from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
+from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
@@ -92,6 +93,8 @@ class TwoDRecStrategy(ParallelStrategy):
         sync_every_n_steps: how often the replica all-reduce runs (default every step).
         sync_optimizer_state: also average the fused optimizer state, e.g. row-wise Adagrad's
             accumulators (default True).
+        qcomms: precision of the embedding collectives: a preset (``"fp32"``, ``"bf16"``,
+            ``"fp16"``, ``"fp8"``, ``"int8"``) or a ``QCommsConfig``; default fp32 (off).
     """
 
     strategy_name = "twod_rec"
@@ -108,6 +111,7 @@ class TwoDRecStrategy(ParallelStrategy):
         layout: Layout = "all_to_all_optimized",
         sync_every_n_steps: int = 1,
         sync_optimizer_state: bool = True,
+        qcomms: Union[str, QCommsConfig, None] = None,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -141,6 +145,8 @@ class TwoDRecStrategy(ParallelStrategy):
         if isinstance(sync_every_n_steps, bool) or not isinstance(sync_every_n_steps, int) or sync_every_n_steps < 1:
             raise ValueError(f"sync_every_n_steps={sync_every_n_steps!r} must be an integer >= 1.")
         self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
+        self.qcomms_config = QCommsConfig.parse(qcomms)
+        self._effective_qcomms = resolve_qcomms(self.qcomms_config)
         self._sharding_group_size = sharding_group_size
         self._layout: Layout = layout
         self._sync_every_n_steps = sync_every_n_steps
@@ -205,6 +211,11 @@ class TwoDRecStrategy(ParallelStrategy):
     def device_mesh(self) -> DeviceMesh:
         """The ``("replicate", "shard")`` device mesh; also readable as ``LightningModule.device_mesh``."""
         return self.topology.device_mesh(self.root_device.type)
+
+    @property
+    def effective_qcomms(self) -> EffectiveQComms:
+        """The precision each embedding collective really uses, per direction, and any fallbacks."""
+        return self._effective_qcomms
 
     @property
     def comm_accounting(self) -> CommAccountant:
@@ -306,7 +317,10 @@ class TwoDRecStrategy(ParallelStrategy):
         allowed = self._sharding_types
         if allowed is None and not topology.is_1d:
             allowed = supported_sharding_types(self.root_device.type, two_d=True)
-        sharders = make_sharders(self.embedding_optimizer_config.fused_params(), allowed)
+        codecs = QCommsCodecs.build(self._effective_qcomms)
+        sharders = make_sharders(
+            self.embedding_optimizer_config.fused_params(), allowed, qcomm_codecs_registry=codecs.registry
+        )
         plan = make_sharding_plan(
             module,
             sharders,
@@ -315,8 +329,21 @@ class TwoDRecStrategy(ParallelStrategy):
             compute_device=self.root_device.type,
             constraints=self._table_constraints,
         )
-        rank_zero_info(f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks):\n{summarize_plan(plan)}")
-        sharded = shard_model(module, topology=topology, device=self.root_device, sharders=sharders, plan=plan)
+        codecs.fix_block_size(plan)
+        rank_zero_info(
+            f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks):\n{summarize_plan(plan)}"
+            f"\nQComms (effective precisions):\n{self._effective_qcomms.describe()}"
+        )
+        if self._effective_qcomms.fallbacks:
+            rank_zero_warn("QComms: " + "; ".join(self._effective_qcomms.fallbacks) + ".")
+        sharded = shard_model(
+            module,
+            topology=topology,
+            device=self.root_device,
+            sharders=sharders,
+            plan=plan,
+            dense_grads_precision=self._effective_qcomms.dense_grads,
+        )
         replica_group = topology.replica_process_group()
         self._replica_sync = None
         if replica_group is not None:

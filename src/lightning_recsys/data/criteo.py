@@ -1,0 +1,212 @@
+"""Criteo Kaggle / Terabyte click logs (TSV, plain or gzip), streamed line by line and sharded across ranks.
+
+Each line is ``label \\t I1 .. I13 \\t C1 .. C26``: a 0/1 label, 13 integer features and 26
+categorical features written as hexadecimal strings (8 digits in the released files). Any feature
+may be empty (missing). Features of an example:
+
+- dense ``[B, 13]`` float32: ``log(1 + max(x, 0))`` of each integer feature; a missing value is 0,
+  and so is a negative one (only a few columns have them, down to -3, and the log needs ``x >= 0``).
+- sparse: one key per categorical feature, ``cat_0 .. cat_25``. The hex string is read as an
+  integer and reduced modulo the feature's table size (``int(value, 16) % table_size``). A missing
+  value is an empty bag (length 0), so its pooled embedding is zero rather than some real row's.
+- labels ``[B]`` float32.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DataLoader
+from torchrec import KeyedJaggedTensor
+
+from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.data.readers import (
+    BadLineTally,
+    GlobalBatchDataset,
+    OnBadLine,
+    check_global_batch_size,
+    check_on_bad_line,
+    iter_lines,
+)
+
+Split = Literal["train", "val", "test"]
+
+NUM_INTEGER_FEATURES = 13
+NUM_CATEGORICAL_FEATURES = 26
+CRITEO_FEATURE_NAMES: list[str] = [f"cat_{i}" for i in range(NUM_CATEGORICAL_FEATURES)]
+_NUM_FIELDS = 1 + NUM_INTEGER_FEATURES + NUM_CATEGORICAL_FEATURES
+
+# One regular expression checks a whole line in C; the per-field diagnosis runs only for bad lines.
+_LINE = re.compile(r"[01]\t(?:(?:-?[0-9]+)?\t){13}(?:[0-9a-fA-F]*\t){25}[0-9a-fA-F]*")
+_INTEGER = re.compile(r"(?:-?[0-9]+)?")
+_HEX = re.compile(r"[0-9a-fA-F]*")
+
+
+@dataclass(kw_only=True)
+class CriteoConfig:
+    """Where the Criteo TSV files are and how their categorical values map to table rows.
+
+    Args:
+        train_paths, val_paths, test_paths: the files of each split (plain text or gzip, detected
+            by content). A split's files are read in the given order as one stream; an empty list
+            is an empty split. At least one split needs a file.
+        table_sizes: rows of each categorical feature's table: one int for all 26, or 26 ints.
+            Values are reduced modulo the size, so a smaller table means more collisions.
+        global_batch_size: examples per step across all ranks; it must be divisible by the world
+            size. A split's final partial global batch is dropped (on every rank).
+        on_bad_line: ``"error"`` raises ``MalformedLineError`` (file, line number, line, problem);
+            ``"skip"`` skips the line, counts it, and logs one warning per file.
+    """
+
+    train_paths: list[str]
+    val_paths: list[str] = field(default_factory=list)
+    test_paths: list[str] = field(default_factory=list)
+    table_sizes: int | list[int] = 100_000
+    global_batch_size: int = 2048
+    on_bad_line: OnBadLine = "error"
+
+    def __post_init__(self) -> None:
+        for name in ("train_paths", "val_paths", "test_paths"):
+            paths = getattr(self, name)
+            if isinstance(paths, (str, Path)) or not isinstance(paths, (list, tuple)):
+                raise ValueError(f"{name}={paths!r} must be a list of file paths; for one file write [{str(paths)!r}].")
+            if any(not str(path) for path in paths):
+                raise ValueError(f"{name}={paths!r} contains an empty path.")
+        if not (self.train_paths or self.val_paths or self.test_paths):
+            raise ValueError("train_paths, val_paths and test_paths are all empty; give at least one file.")
+        sizes = self.feature_table_sizes()
+        if len(sizes) != NUM_CATEGORICAL_FEATURES:
+            raise ValueError(
+                f"table_sizes has {len(sizes)} entries; give one size for all {NUM_CATEGORICAL_FEATURES} "
+                f"categorical features, or {NUM_CATEGORICAL_FEATURES} sizes."
+            )
+        if any(isinstance(size, bool) or not isinstance(size, int) or size < 1 for size in sizes):
+            raise ValueError(f"table_sizes={self.table_sizes!r} must be an integer >= 1, or a list of them.")
+        check_global_batch_size(self.global_batch_size)
+        check_on_bad_line(self.on_bad_line)
+
+    def feature_table_sizes(self) -> list[int]:
+        """Rows of each table, in ``CRITEO_FEATURE_NAMES`` order."""
+        if isinstance(self.table_sizes, (list, tuple)):
+            return list(self.table_sizes)
+        return [self.table_sizes] * NUM_CATEGORICAL_FEATURES
+
+    def split_paths(self, split: Split) -> list[str]:
+        return {"train": self.train_paths, "val": self.val_paths, "test": self.test_paths}[split]
+
+
+def _diagnose(line: str) -> str:
+    """What is wrong with a line that failed ``_LINE``, field by field."""
+    fields = line.split("\t")
+    if len(fields) != _NUM_FIELDS:
+        hint = " (39 is the unlabeled Kaggle test.txt layout, which has no label to train or test on)"
+        return (
+            f"expected {_NUM_FIELDS} tab-separated fields (label, {NUM_INTEGER_FEATURES} integer and "
+            f"{NUM_CATEGORICAL_FEATURES} categorical features), found {len(fields)}"
+            + (hint if len(fields) == _NUM_FIELDS - 1 else "")
+        )
+    if fields[0] not in ("0", "1"):
+        return f"label {fields[0]!r} (field 1) is not 0 or 1"
+    for i, value in enumerate(fields[1 : 1 + NUM_INTEGER_FEATURES]):
+        if not _INTEGER.fullmatch(value):
+            return f"integer feature {i} (field {i + 2}) {value!r} is not an integer"
+    for i, value in enumerate(fields[1 + NUM_INTEGER_FEATURES :]):
+        if not _HEX.fullmatch(value):
+            return f"categorical feature cat_{i} (field {i + 2 + NUM_INTEGER_FEATURES}) {value!r} is not hexadecimal"
+    return "the line does not match the Criteo layout"  # not reached: the checks above cover _LINE
+
+
+class CriteoDataset(GlobalBatchDataset[str]):
+    """Rank ``rank``'s slice of every global batch of a Criteo split, read line by line.
+
+    Every rank reads and checks every line of the split's files (in order, as one stream) and
+    parses only its own slice. The final partial global batch is dropped on every rank.
+    ``skipped_lines`` counts the lines skipped by the last (or current) pass.
+    """
+
+    def __init__(self, config: CriteoConfig, split: Split, rank: int = 0, world_size: int = 1) -> None:
+        super().__init__(global_batch_size=config.global_batch_size, rank=rank, world_size=world_size)
+        self.config, self.split = config, split
+        self.paths = config.split_paths(split)
+        self._sizes = config.feature_table_sizes()
+
+    def _records(self, warn: bool) -> Iterator[str]:
+        self.skipped_lines = 0
+        for path in self.paths:
+            tally = BadLineTally(str(path), self.config.on_bad_line, warn=warn)
+            for line_number, line in iter_lines(path):
+                if _LINE.fullmatch(line) is None:
+                    tally.bad(line_number, line, _diagnose(line))
+                    continue
+                yield line
+            self.skipped_lines += tally.finish()
+
+    def _collate(self, records: list[str]) -> RecBatch:
+        rows = [line.split("\t") for line in records]
+        labels = torch.tensor([row[0] == "1" for row in rows], dtype=torch.float32)
+        # float64 first: raw counts can exceed float32's exact range before the log shrinks them.
+        integers = torch.tensor(
+            [[float(x) if x else 0.0 for x in row[1 : 1 + NUM_INTEGER_FEATURES]] for row in rows], dtype=torch.float64
+        )
+        dense = torch.log1p(integers.clamp_(min=0.0)).to(torch.float32)
+        ids = torch.tensor(
+            [
+                [int(x, 16) % size if x else -1 for x, size in zip(row[1 + NUM_INTEGER_FEATURES :], self._sizes)]
+                for row in rows
+            ],
+            dtype=torch.long,
+        ).T  # [26, B]: a KJT is feature-major
+        present = ids >= 0  # -1 marks a missing value: an empty bag
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            keys=CRITEO_FEATURE_NAMES, values=ids[present], lengths=present.reshape(-1).long()
+        )
+        return RecBatch(dense=dense, sparse=sparse, labels=labels)
+
+
+class CriteoDataModule(LightningDataModule):
+    """Criteo Kaggle / Terabyte TSV files for any ranker; every rank gets its own slice of each global batch.
+
+    ``feature_names``, ``table_sizes`` and ``num_dense_features`` describe the batches, e.g.
+    ``DLRMRanker(table_sizes=dm.table_sizes, num_dense_features=dm.num_dense_features,
+    feature_names=dm.feature_names)``. Batches come in file order (no shuffling).
+    """
+
+    def __init__(self, config: CriteoConfig) -> None:
+        super().__init__()
+        self.config = config
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(CRITEO_FEATURE_NAMES)
+
+    @property
+    def table_sizes(self) -> list[int]:
+        return self.config.feature_table_sizes()
+
+    @property
+    def num_dense_features(self) -> int:
+        return NUM_INTEGER_FEATURES
+
+    def _loader(self, split: Split) -> DataLoader:
+        trainer = self.trainer
+        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+        return DataLoader(CriteoDataset(self.config, split, rank, world), batch_size=None)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader("train")
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        """The test split (labels included, ignored by ``predict_step``)."""
+        return self._loader("test")

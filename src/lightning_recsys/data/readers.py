@@ -1,0 +1,173 @@
+"""What the file readers share: rank slices of global batches, text/gzip lines, and the bad-line policy.
+
+Every reader turns its files into one deterministic stream of examples. ``GlobalBatchDataset`` groups
+that stream into global batches of ``global_batch_size`` examples and yields rank ``r``'s contiguous
+slice ``[r * B / W, (r + 1) * B / W)`` of each one, so the examples a step trains on do not depend on
+the world size ``W``. Every rank reads (and checks) the whole stream, so a skipped malformed line is
+skipped on every rank alike and the ranks stay in step.
+"""
+
+from __future__ import annotations
+
+import gzip
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Generic, Literal, TypeVar
+
+from torch.utils.data import IterableDataset, get_worker_info
+
+from lightning_recsys.data.batch import RecBatch
+
+log = logging.getLogger(__name__)
+
+OnBadLine = Literal["error", "skip"]
+ON_BAD_LINE_CHOICES: tuple[str, ...] = ("error", "skip")
+
+_GZIP_MAGIC = b"\x1f\x8b"
+_MAX_LINE_IN_MESSAGE = 120
+
+Record = TypeVar("Record")
+
+
+class MalformedLineError(ValueError):
+    """A data file has a line that cannot be parsed.
+
+    ``path``, ``line_number`` (1-based), ``line`` and ``problem`` are kept as attributes. The message
+    is the only required argument so that DataLoader workers can re-raise the error unchanged.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        path: str | None = None,
+        line_number: int | None = None,
+        line: str | None = None,
+        problem: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.path, self.line_number, self.line, self.problem = path, line_number, line, problem
+
+
+def malformed_line_error(path: str, line_number: int, line: str, problem: str) -> MalformedLineError:
+    """The error for line ``line_number`` of ``path``: where, what is wrong, and how to skip such lines."""
+    shown = line if len(line) <= _MAX_LINE_IN_MESSAGE else line[:_MAX_LINE_IN_MESSAGE] + "..."
+    return MalformedLineError(
+        f"{path}, line {line_number}: {problem}. The line is {shown!r}. Fix or remove the line, or pass "
+        "on_bad_line='skip' to skip malformed lines (they are counted, and logged once per file).",
+        path=path,
+        line_number=line_number,
+        line=line,
+        problem=problem,
+    )
+
+
+def check_on_bad_line(value: str) -> None:
+    if value not in ON_BAD_LINE_CHOICES:
+        raise ValueError(f"on_bad_line={value!r} is not one of {list(ON_BAD_LINE_CHOICES)}.")
+
+
+def check_global_batch_size(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"global_batch_size={value!r} must be an integer >= 1.")
+
+
+def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)``: the examples of every global batch that ``rank`` of ``world_size`` takes."""
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be >= 1.")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} must be in [0, world_size={world_size}).")
+    if global_batch_size % world_size:
+        raise ValueError(
+            f"global_batch_size={global_batch_size} is not divisible by the world size {world_size}; "
+            f"use a multiple of {world_size}."
+        )
+    local = global_batch_size // world_size
+    return rank * local, (rank + 1) * local
+
+
+class BadLineTally:
+    """Applies the ``on_bad_line`` policy to the lines of one file and counts the lines it skipped."""
+
+    def __init__(self, path: str, on_bad_line: OnBadLine, *, warn: bool = True) -> None:
+        self.path, self.on_bad_line, self.warn = path, on_bad_line, warn
+        self.count = 0
+        self._first: str | None = None  # the first skipped line's problem, for the warning
+
+    def bad(self, line_number: int, line: str, problem: str) -> None:
+        """Raise ``MalformedLineError`` (``"error"``), or count the line so the caller skips it (``"skip"``)."""
+        if self.on_bad_line == "error":
+            raise malformed_line_error(self.path, line_number, line, problem)
+        self.count += 1
+        if self._first is None:
+            self._first = f"line {line_number}: {problem}"
+
+    def finish(self) -> int:
+        """Log one warning for the file if it had skipped lines; return how many."""
+        if self.count and self.warn:
+            log.warning(
+                "Skipped %d malformed line(s) of %s (on_bad_line='skip'); the first was %s.",
+                self.count,
+                self.path,
+                self._first,
+            )
+        return self.count
+
+
+def iter_lines(path: str | Path, encoding: str = "utf-8") -> Iterator[tuple[int, str]]:
+    """``(1-based line number, line without its line break)`` for a plain-text or gzip file.
+
+    Gzip is detected by its magic bytes, not the suffix. Undecodable bytes become U+FFFD, so they
+    surface as a malformed line (with its number) rather than as a decoding error mid-file.
+    """
+    with open(path, "rb") as raw:
+        is_gzip = raw.read(2) == _GZIP_MAGIC
+    opener = gzip.open if is_gzip else open
+    # newline="\n": a stray "\r" stays inside its line (and makes it malformed) instead of splitting it.
+    with opener(path, "rt", encoding=encoding, errors="replace", newline="\n") as text:
+        for line_number, line in enumerate(text, 1):
+            # Only the line break: trailing tabs are empty fields, not whitespace.
+            yield line_number, line.rstrip("\r\n")
+
+
+class GlobalBatchDataset(IterableDataset, Generic[Record]):
+    """Groups a subclass's record stream into global batches and yields this rank's slice of each.
+
+    Subclasses implement ``_records`` (every record of the split, in order, on every rank) and
+    ``_collate`` (this rank's records of one global batch into a ``RecBatch``). A final partial
+    global batch is dropped on every rank, so all ranks yield the same number of equal-size batches.
+    Inside DataLoader worker ``k`` of ``n``, only global batches ``k, k + n, ...`` are yielded, which
+    the DataLoader interleaves back into the original order.
+    """
+
+    def __init__(self, *, global_batch_size: int, rank: int, world_size: int) -> None:
+        check_global_batch_size(global_batch_size)
+        self.start, self.stop = rank_slice(global_batch_size, rank, world_size)
+        self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
+        self.skipped_lines = 0  # malformed lines skipped in the files behind this split
+
+    def _records(self, warn: bool) -> Iterator[Record]:
+        """Every record of the split in order; ``warn`` says whether this copy logs skipped lines."""
+        raise NotImplementedError
+
+    def _collate(self, records: list[Record]) -> RecBatch:
+        raise NotImplementedError
+
+    def __iter__(self) -> Iterator[RecBatch]:
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        own: list[Record] = []
+        position = batch_index = 0
+        # Only one process logs skipped lines: every rank and worker reads and skips the same ones.
+        for record in self._records(warn=self.rank == 0 and worker_id == 0):
+            mine = batch_index % num_workers == worker_id
+            if mine and self.start <= position < self.stop:
+                own.append(record)
+            position += 1
+            if position == self.global_batch_size:
+                if mine:
+                    yield self._collate(own)
+                own, position, batch_index = [], 0, batch_index + 1
+        # A partial global batch (position > 0) is dropped here, on every rank alike.
