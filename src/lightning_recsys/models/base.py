@@ -81,7 +81,7 @@ class RankerModule(LightningModule):
             if name == "auc":
                 metric.update(torch.sigmoid(logits), batch.labels.long())
             else:
-                metric.update(torch.sigmoid(logits) if name == "logloss" else logits, batch.labels)
+                metric.update(logits, batch.labels)
             # Logging the Metric object (not a value) lets Lightning compute, sync and reset it per epoch.
             self.log(f"{stage}/{name}", metric, prog_bar=name in ("auc", "ne"), on_step=False, on_epoch=True)
         return loss

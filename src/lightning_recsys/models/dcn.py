@@ -14,7 +14,7 @@ class DCNRanker(RankerModule):
     """DLRM with a DCN-v2 low-rank cross network in place of the pairwise dot interactions.
 
     The dense MLP output and the pooled embeddings are concatenated (``(F + 1) * D`` wide), passed
-    through ``dcn_num_layers`` cross layers ``x_{l+1} = x_0 * (U_l (V_l x_l) + b_l) + x_l``, and then
+    through ``dcn_num_layers`` cross layers ``x_{l+1} = x_0 * (W_l (V_l x_l) + b_l) + x_l``, and then
     through the over MLP. Same tables, batches and sharding as ``DLRMRanker``.
 
     Args:
@@ -22,7 +22,7 @@ class DCNRanker(RankerModule):
             feature_names, embedding_device: as in ``DLRMRanker`` (``dense_arch_layer_sizes`` must
             end in ``embedding_dim``: the dense output is one more ``D``-wide slot of the cross input).
         dcn_num_layers: number of cross layers (>= 1).
-        dcn_low_rank_dim: rank of each cross layer's ``U_l V_l`` factorization (>= 1); the full-rank
+        dcn_low_rank_dim: rank of each cross layer's ``W_l V_l`` factorization (>= 1); the full-rank
             weight would be ``(F + 1) * D`` square.
         dense_optimizer, dense_lr: see ``RankerModule``.
     """

@@ -76,7 +76,7 @@ class Calibration(Metric):
     def __init__(self, **kwargs: object) -> None:
         super().__init__(**kwargs)
         for name in ("prediction_sum", "label_sum"):
-            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="mean")
+            self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
