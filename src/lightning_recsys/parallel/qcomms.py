@@ -211,37 +211,51 @@ class BlockScaledCodec:
             raise RuntimeError(f"the {self.precision} codec's block size is set from the sharding plan before use")
         return self.block.value
 
-    def _check(self, numel: int) -> int:
-        size = self.block_size
-        if numel % size:
-            raise ValueError(
-                f"{self.precision} qcomms: a payload of {numel} values is not a whole number of blocks of {size} "
-                "(the block size is the gcd of the sharded embedding widths)."
-            )
-        return size
-
     def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
-        size = self._check(input_tensor.numel())
-        blocks = input_tensor.reshape(-1, size).to(torch.float32)
+        """Flat uint8: whole blocks, then (outside TorchRec's aligned payloads) one shorter tail block."""
+        flat = input_tensor.reshape(-1).to(torch.float32)
+        whole = flat.numel() // self.block_size * self.block_size
+        parts = [self._encode_blocks(flat[:whole].view(-1, self.block_size))]
+        if whole < flat.numel():
+            parts.append(self._encode_blocks(flat[whole:].view(1, -1)))
+        return torch.cat([p.reshape(-1) for p in parts])
+
+    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
+        size = self.block_size
+        stride = size + _SCALE_BYTES
+        whole = input_grad.numel() // stride * stride
+        tail = input_grad.numel() - whole
+        if 0 < tail <= _SCALE_BYTES:
+            raise ValueError(f"{self.precision} qcomms: {input_grad.numel()} bytes is not a valid encoded payload.")
+        parts = [self._decode_blocks(input_grad[:whole].view(-1, stride), size)]
+        if tail:
+            parts.append(self._decode_blocks(input_grad[whole:].view(1, -1), tail - _SCALE_BYTES))
+        return torch.cat([p.reshape(-1) for p in parts])
+
+    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int:
+        # TorchRec sizes each rank's chunk with this and decodes the chunks concatenated, so every
+        # chunk must be whole blocks; a shorter tail block is only decodable at the very end.
+        size = self.block_size
+        if input_len % size:
+            raise ValueError(
+                f"{self.precision} qcomms: a payload of {input_len} values is not a whole number of blocks of "
+                f"{size} (the block size is the gcd of the sharded embedding widths)."
+            )
+        return input_len // size * (size + _SCALE_BYTES)
+
+    def _encode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
         finite = torch.isfinite(blocks)
         amax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
         scale = torch.where(amax > 0, amax / self._max, torch.ones_like(amax))
         scaled = torch.nan_to_num(blocks / scale, nan=0.0, posinf=self._max, neginf=-self._max).clamp_(-self._max, self._max)
         if self._dtype is torch.int8:
             scaled = scaled.round_()
-        payload = scaled.to(self._dtype).view(torch.uint8)
-        return torch.cat([payload, scale.view(torch.uint8)], dim=1).reshape(-1)
+        return torch.cat([scaled.to(self._dtype).view(torch.uint8), scale.view(torch.uint8)], dim=1)
 
-    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
-        size = self.block_size
-        rows = input_grad.reshape(-1, size + _SCALE_BYTES)
+    def _decode_blocks(self, rows: torch.Tensor, size: int) -> torch.Tensor:
         payload = rows[:, :size].contiguous().view(self._dtype).to(torch.float32)
-        scale = rows[:, size:].contiguous().view(torch.float32)
-        return (payload * scale).reshape(-1)
-
-    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int:
-        size = self._check(input_len)
-        return input_len // size * (size + _SCALE_BYTES)
+        scale = rows[:, size:].flatten().clone().view(torch.float32).unsqueeze(1)  # fresh storage: 4-byte aligned
+        return payload * scale
 
     def create_context(self) -> None:
         return None
