@@ -50,8 +50,8 @@ def test_validate_test_predict_after_fit(tmp_path):
 
     # CommunicationMonitor logged rank 0's measured bytes for every training step.
     with open(next(Path(tmp_path).glob("run/version_*/metrics.csv"))) as f:
-        rows = [r for r in csv.DictReader(f) if r.get("comm/embedding/all_to_all/world/bytes")]
+        rows = [r for r in csv.DictReader(f) if r.get("comm/sparse_ids/all_to_all/world/bytes")]
     assert len(rows) == CONFIG.train_batches
-    assert all(float(r["comm/embedding/all_to_all/world/bytes"]) > 0 for r in rows)
+    assert all(float(r["comm/sparse_ids/all_to_all/world/bytes"]) > 0 for r in rows)
     assert all(float(r["comm/dense_grads/all_reduce/world/bytes"]) > 0 for r in rows)
     assert all(float(r["comm/inter_node_bytes"]) == 0 for r in rows)  # one node
