@@ -1,6 +1,15 @@
-"""DataModules producing RecBatch: synthetic click logs (default)."""
+"""DataModules producing RecBatch: synthetic click logs (default), MovieLens-100k and Criteo files."""
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
+from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
+from lightning_recsys.data.movielens import (
+    MOVIELENS_FEATURE_NAMES,
+    MovieLens100K,
+    MovieLens100KConfig,
+    MovieLens100KDataModule,
+    MovieLens100KDataset,
+)
+from lightning_recsys.data.readers import MalformedLineError
 from lightning_recsys.data.synthetic import (
     SyntheticClickLog,
     SyntheticClickLogConfig,
@@ -9,6 +18,16 @@ from lightning_recsys.data.synthetic import (
 )
 
 __all__ = [
+    "CRITEO_FEATURE_NAMES",
+    "CriteoConfig",
+    "CriteoDataModule",
+    "CriteoDataset",
+    "MOVIELENS_FEATURE_NAMES",
+    "MalformedLineError",
+    "MovieLens100K",
+    "MovieLens100KConfig",
+    "MovieLens100KDataModule",
+    "MovieLens100KDataset",
     "RecBatch",
     "SyntheticClickLog",
     "SyntheticClickLogConfig",

@@ -71,7 +71,9 @@ GENRES: list[str] = [
 ]  # fmt: skip
 GENDERS: list[str] = ["M", "F"]
 AGE_BUCKET_STARTS: list[int] = [0, 18, 25, 35, 45, 50, 56]  # MovieLens-1M's age groups
-MOVIELENS_FEATURE_NAMES: list[str] = ["user_id", "item_id", "genres", "age_bucket", "gender", "occupation", "zip_prefix"]
+MOVIELENS_FEATURE_NAMES: list[str] = [
+    "user_id", "item_id", "genres", "age_bucket", "gender", "occupation", "zip_prefix",
+]  # fmt: skip
 MOVIELENS_NUM_DENSE_FEATURES = 3
 POSITIVE_RATING = 4  # ratings >= this are label 1.0
 _NUMERIC_ZIP_PREFIXES = 1000
@@ -86,10 +88,11 @@ class MovieLens100KConfig:
     Args:
         path: the directory holding ``u.data``, ``u.item``, ``u.user`` (and ``u1.base`` ...).
         split: ``"time"``: ``u.data`` sorted by timestamp (stable); the first ``train_fraction``
-            is train, the next ``val_fraction`` val, the rest test (boundaries rounded to the
-            nearest example). ``"u1"`` .. ``"u5"``, ``"ua"``, ``"ub"``: test is ``<split>.test``;
-            val is the latest ``val_fraction`` of ``<split>.base`` by timestamp, and train the rest
-            of it, so val never overlaps test. ``train_fraction`` is not used.
+            is train, the next ``val_fraction`` val, the rest test (with ``n`` ratings, train ends at
+            ``round(n * train_fraction)`` and val at ``round(n * (train_fraction + val_fraction))``).
+            ``"u1"`` .. ``"u5"``, ``"ua"``, ``"ub"``: test is ``<split>.test``; val is the latest
+            ``round(n * val_fraction)`` ratings of ``<split>.base`` by timestamp and train the rest of
+            it, so val never overlaps test. ``train_fraction`` is not used.
         train_fraction, val_fraction: see ``split``.
         num_users, num_items: rows of the user_id and item_id tables; ids must be in
             ``1 .. num_users`` / ``1 .. num_items`` (943 and 1682 in MovieLens-100k).
@@ -239,7 +242,8 @@ class MovieLens100K:
         for number, line in iter_lines(path, _ENCODING):
             fields = line.split("|")
             if len(fields) != 5:
-                tally.bad(number, line, f"expected 5 '|'-separated fields (id|age|gender|occupation|zip), found {len(fields)}")
+                problem = f"expected 5 '|'-separated fields (id|age|gender|occupation|zip), found {len(fields)}"
+                tally.bad(number, line, problem)
                 continue
             user, age, gender, occupation, zip_code = fields
             if not _is_whole_number(user) or not 1 <= int(user) <= cfg.num_users:
