@@ -1,5 +1,6 @@
 # `make demo` and `make test` create .venv and install on first use; later runs reuse it.
 PYTHON ?= python3
+ARGS ?=
 VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -13,8 +14,8 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 install: $(STAMP)
 
-demo: $(STAMP)
-	$(VPY) examples/train_synthetic_dlrm.py
+demo: $(STAMP)  # extra options: make demo ARGS="--qcomms fp8"
+	$(VPY) examples/train_synthetic_dlrm.py $(ARGS)
 
 test: $(STAMP)
 	$(VPY) -m pytest tests -q

@@ -144,3 +144,15 @@ def test_invalid_config_names_the_argument(kwargs, message):
 def test_unknown_preset_lists_the_presets():
     with pytest.raises(ValueError, match=r"qcomms='fp4' is not a preset; choose one of \['fp32', 'bf16', 'fp16', 'fp8', 'int8'\]"):
         TwoDRecStrategy(qcomms="fp4")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["bf16", "fp8_e4m3", "fp8_e5m2", "int8"])
+def test_cuda_encoding_is_the_same_format_as_cpu(precision):
+    torch.manual_seed(0)
+    x = torch.randn(33, BLOCK) * 3
+    codec = _codec(precision)
+    on_cpu, on_cuda = codec.encode(x), codec.encode(x.cuda())
+    assert on_cuda.dtype == on_cpu.dtype and on_cuda.shape == on_cpu.shape
+    # Same wire format: the CUDA bytes decode on the CPU to the CPU round trip, within one rounding step.
+    torch.testing.assert_close(codec.decode(on_cuda.cpu()), codec.decode(on_cpu), rtol=0.13, atol=1e-6)
