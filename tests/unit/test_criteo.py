@@ -202,7 +202,7 @@ def test_config_validation():
 def test_datamodule_loaders_and_rank_from_trainer(tmp_path):
     train = _write(tmp_path / "train.tsv", [_numbered(i) for i in range(8)])
     test = _write(tmp_path / "test.tsv", [_numbered(i) for i in range(100, 104)])
-    dm = CriteoDataModule(_config([train], test_paths=[test], table_sizes=[3] * 26, global_batch_size=4))
+    dm = CriteoDataModule.from_config(_config([train], test_paths=[test], table_sizes=[3] * 26, global_batch_size=4))
     assert dm.feature_names == CRITEO_FEATURE_NAMES and dm.table_sizes == [3] * 26 and dm.num_dense_features == 13
     assert [_ids(b) for b in dm.train_dataloader()] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert list(dm.val_dataloader()) == []  # no val files: an empty split

@@ -230,7 +230,7 @@ def test_config_validation():
 
 
 def test_datamodule_describes_tables_and_takes_rank_from_trainer(ml_dir):
-    dm = MovieLens100KDataModule(_config(ml_dir, train_fraction=0.6, val_fraction=0.2))
+    dm = MovieLens100KDataModule.from_config(_config(ml_dir, train_fraction=0.6, val_fraction=0.2))
     assert dm.feature_names == MOVIELENS_FEATURE_NAMES
     assert dm.table_sizes == [5, 4, 19, 7, 2, 21, 1032] and dm.num_dense_features == 3
     assert MovieLens100KConfig(path="x").table_sizes == [943, 1682, 19, 7, 2, 21, 1032]  # the real dataset

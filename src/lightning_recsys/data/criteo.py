@@ -14,18 +14,17 @@ may be empty (missing). Features of an example:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.data.module import RankSlicedDataModule, Split
 from lightning_recsys.data.readers import (
     BadLineTally,
     GlobalBatchDataset,
@@ -35,7 +34,6 @@ from lightning_recsys.data.readers import (
     iter_lines,
 )
 
-Split = Literal["train", "val", "test"]
 
 NUM_INTEGER_FEATURES = 13
 NUM_CATEGORICAL_FEATURES = 26
@@ -169,17 +167,33 @@ class CriteoDataset(GlobalBatchDataset[str]):
         return RecBatch(dense=dense, sparse=sparse, labels=labels)
 
 
-class CriteoDataModule(LightningDataModule):
+class CriteoDataModule(RankSlicedDataModule):
     """Criteo Kaggle / Terabyte TSV files for any ranker; every rank gets its own slice of each global batch.
 
+    The arguments are ``CriteoConfig``'s (flat, so the CLI takes ``--data.train_paths [...]``).
     ``feature_names``, ``table_sizes`` and ``num_dense_features`` describe the batches, e.g.
     ``DLRMRanker(table_sizes=dm.table_sizes, num_dense_features=dm.num_dense_features,
     feature_names=dm.feature_names)``. Batches come in file order (no shuffling).
     """
 
-    def __init__(self, config: CriteoConfig) -> None:
+    def __init__(
+        self,
+        train_paths: list[str],
+        val_paths: list[str] | None = None,
+        test_paths: list[str] | None = None,
+        table_sizes: int | list[int] = CriteoConfig.table_sizes,
+        global_batch_size: int = CriteoConfig.global_batch_size,
+        on_bad_line: OnBadLine = CriteoConfig.on_bad_line,
+    ) -> None:
         super().__init__()
-        self.config = config
+        self.config = CriteoConfig(
+            train_paths=train_paths, val_paths=val_paths or [], test_paths=test_paths or [], table_sizes=table_sizes,
+            global_batch_size=global_batch_size, on_bad_line=on_bad_line,
+        )
+
+    @classmethod
+    def from_config(cls, config: CriteoConfig) -> CriteoDataModule:
+        return cls(**dataclasses.asdict(config))
 
     @property
     def feature_names(self) -> list[str]:
@@ -193,20 +207,5 @@ class CriteoDataModule(LightningDataModule):
     def num_dense_features(self) -> int:
         return NUM_INTEGER_FEATURES
 
-    def _loader(self, split: Split) -> DataLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return DataLoader(CriteoDataset(self.config, split, rank, world), batch_size=None)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    def predict_dataloader(self) -> DataLoader:
-        """The test split (labels included, ignored by ``predict_step``)."""
-        return self._loader("test")
+    def _dataset(self, split: Split, rank: int, world_size: int) -> CriteoDataset:
+        return CriteoDataset(self.config, split, rank, world_size)

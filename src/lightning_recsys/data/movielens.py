@@ -34,6 +34,7 @@ file's line order).
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -41,11 +42,10 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.data.module import RankSlicedDataModule, Split
 from lightning_recsys.data.readers import (
     BadLineTally,
     GlobalBatchDataset,
@@ -55,7 +55,6 @@ from lightning_recsys.data.readers import (
     iter_lines,
 )
 
-Split = Literal["train", "val", "test"]
 MovieLensSplit = Literal["time", "u1", "u2", "u3", "u4", "u5", "ua", "ub"]
 _MOVIELENS_SPLITS: tuple[str, ...] = ("time", "u1", "u2", "u3", "u4", "u5", "ua", "ub")
 
@@ -374,18 +373,38 @@ class MovieLens100KDataset(GlobalBatchDataset[tuple[int, int, float]]):
         return RecBatch(dense=dense, sparse=sparse, labels=labels)
 
 
-class MovieLens100KDataModule(LightningDataModule):
+class MovieLens100KDataModule(RankSlicedDataModule):
     """MovieLens-100k for any ranker; every rank gets its own slice of each global batch.
 
+    The arguments are ``MovieLens100KConfig``'s (flat, so the CLI takes ``--data.path <dir>``).
     ``feature_names``, ``table_sizes`` and ``num_dense_features`` describe the batches, e.g.
     ``DLRMRanker(table_sizes=dm.table_sizes, num_dense_features=dm.num_dense_features,
     feature_names=dm.feature_names)``. The files are parsed on the first dataloader call.
     """
 
-    def __init__(self, config: MovieLens100KConfig) -> None:
+    def __init__(
+        self,
+        path: str,
+        split: MovieLensSplit = MovieLens100KConfig.split,
+        train_fraction: float = MovieLens100KConfig.train_fraction,
+        val_fraction: float = MovieLens100KConfig.val_fraction,
+        num_users: int = MovieLens100KConfig.num_users,
+        num_items: int = MovieLens100KConfig.num_items,
+        zip_hash_buckets: int = MovieLens100KConfig.zip_hash_buckets,
+        global_batch_size: int = MovieLens100KConfig.global_batch_size,
+        on_bad_line: OnBadLine = MovieLens100KConfig.on_bad_line,
+    ) -> None:
         super().__init__()
-        self.config = config
+        self.config = MovieLens100KConfig(
+            path=path, split=split, train_fraction=train_fraction, val_fraction=val_fraction, num_users=num_users,
+            num_items=num_items, zip_hash_buckets=zip_hash_buckets, global_batch_size=global_batch_size,
+            on_bad_line=on_bad_line,
+        )
         self._data: MovieLens100K | None = None
+
+    @classmethod
+    def from_config(cls, config: MovieLens100KConfig) -> MovieLens100KDataModule:
+        return cls(**dataclasses.asdict(config))
 
     @property
     def feature_names(self) -> list[str]:
@@ -399,22 +418,7 @@ class MovieLens100KDataModule(LightningDataModule):
     def num_dense_features(self) -> int:
         return self.config.num_dense_features
 
-    def _loader(self, split: Split) -> DataLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
+    def _dataset(self, split: Split, rank: int, world_size: int) -> MovieLens100KDataset:
         if self._data is None:
             self._data = MovieLens100K(self.config, warn=rank == 0)  # every rank skips alike; one logs
-        return DataLoader(MovieLens100KDataset(self._data, split, rank, world), batch_size=None)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train")
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    def predict_dataloader(self) -> DataLoader:
-        """The test split (labels included, ignored by ``predict_step``)."""
-        return self._loader("test")
+        return MovieLens100KDataset(self._data, split, rank, world_size)

@@ -5,16 +5,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
-
 import torch
-from lightning.pytorch import LightningDataModule
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import IterableDataset
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
-
-Split = Literal["train", "val", "test"]
+from lightning_recsys.data.module import RankSlicedDataModule, Split
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
 
 
@@ -158,7 +154,7 @@ class SyntheticClickLogDataset(IterableDataset):
             yield slice_batch(self.log.global_batch(self.split, index), self.start, self.stop)
 
 
-class SyntheticClickLogDataModule(LightningDataModule):
+class SyntheticClickLogDataModule(RankSlicedDataModule):
     """Synthetic click logs for any ranker; every rank gets its own slice of each global batch.
 
     The data does not depend on the number of ranks: global batch ``i`` is the same on 1 or 64
@@ -170,21 +166,6 @@ class SyntheticClickLogDataModule(LightningDataModule):
         self.config = config or SyntheticClickLogConfig()
         self.log = SyntheticClickLog(self.config)
 
-    def _loader(self, split: Split, num_batches: int) -> DataLoader:
-        trainer = self.trainer
-        rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        dataset = SyntheticClickLogDataset(self.log, split, num_batches, rank, world)
-        return DataLoader(dataset, batch_size=None)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader("train", self.config.train_batches)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val", self.config.val_batches)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test", self.config.test_batches)
-
-    def predict_dataloader(self) -> DataLoader:
-        """The test split (labels included, ignored by ``predict_step``)."""
-        return self._loader("test", self.config.test_batches)
+    def _dataset(self, split: Split, rank: int, world_size: int) -> SyntheticClickLogDataset:
+        num_batches = {"train": self.config.train_batches, "val": self.config.val_batches, "test": self.config.test_batches}[split]
+        return SyntheticClickLogDataset(self.log, split, num_batches, rank, world_size)
