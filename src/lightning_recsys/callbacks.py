@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import resource
+import time
 from typing import Any
 
+import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
@@ -39,3 +43,131 @@ class CommunicationMonitor(Callback):
         strategy = trainer.strategy
         assert isinstance(strategy, TwoDRecStrategy)
         pl_module.log_dict(strategy.comm_accounting.as_metrics(), on_step=True, on_epoch=False)
+
+
+class RunSummary(Callback):
+    """Measures the training steps and, at the end of ``fit``, prints a short summary (rank 0).
+
+    The summary has examples per second, the step time split into forward, backward and
+    optimizer (the fused embedding update happens inside backward; the replica sync counts as
+    optimizer), the bytes per step from the communication accounting, peak memory, and the final
+    metrics. Communication time is not split out: TorchRec's collectives are asynchronous and
+    overlap the compute around them, so their time sits inside forward and backward. Examples per
+    second also go to the progress bar as ``examples_per_sec``.
+
+    Args:
+        json_path: also write the summary to this file (rank 0).
+        warmup_steps: steps left out of the timing averages (the first ones pay for setup).
+    """
+
+    def __init__(self, json_path: str | None = None, warmup_steps: int = 2) -> None:
+        if warmup_steps < 0:
+            raise ValueError(f"RunSummary(warmup_steps={warmup_steps}) must be >= 0.")
+        self.json_path = json_path
+        self.warmup_steps = warmup_steps
+        self.summary: dict[str, Any] = {}
+        self._marks: dict[str, float] = {}
+        self._totals = {"step": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self._timed_steps = 0
+        self._timed_examples = 0
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        self._marks = {"start": time.perf_counter()}
+
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Any) -> None:
+        self._marks["forward_end"] = time.perf_counter()
+
+    def on_after_backward(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._marks["backward_end"] = time.perf_counter()
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        marks = self._marks
+        if "start" not in marks or "backward_end" not in marks:
+            return  # a skipped step (no backward ran)
+        end = time.perf_counter()
+        step_time = end - marks["start"]
+        examples = int(getattr(batch, "batch_size", 0)) * trainer.world_size
+        if step_time > 0 and examples:
+            pl_module.log("examples_per_sec", examples / step_time, prog_bar=True, on_step=True, on_epoch=False, logger=False)
+        if trainer.global_step <= self.warmup_steps:
+            return
+        self._timed_steps += 1
+        self._timed_examples += examples
+        self._totals["step"] += step_time
+        self._totals["forward"] += marks["forward_end"] - marks["start"]
+        self._totals["backward"] += marks["backward_end"] - marks["forward_end"]
+        self._totals["optimizer"] += end - marks["backward_end"]
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self.summary = self._build(trainer)
+        if not trainer.is_global_zero:
+            return
+        print(format_summary(self.summary))
+        if self.json_path:
+            with open(self.json_path, "w") as f:
+                json.dump(self.summary, f, indent=2)
+
+    def _build(self, trainer: Trainer) -> dict[str, Any]:
+        steps = self._timed_steps
+        per_step_ms = {k: 1000 * v / steps for k, v in self._totals.items()} if steps else {}
+        summary: dict[str, Any] = {
+            "world_size": trainer.world_size,
+            "global_steps": trainer.global_step,
+            "timed_steps": steps,
+            "examples_per_sec": self._timed_examples / self._totals["step"] if steps and self._totals["step"] else None,
+            "step_time_ms": per_step_ms.get("step"),
+            "forward_ms": per_step_ms.get("forward"),
+            "backward_ms": per_step_ms.get("backward"),
+            "optimizer_ms": per_step_ms.get("optimizer"),
+            "communication_ms": None,  # asynchronous collectives overlap compute; see the bytes instead
+            "peak_memory_mib": _peak_memory_mib(trainer.strategy.root_device),
+            "metrics": {
+                k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1 and k != "examples_per_sec"
+            },
+        }
+        strategy = trainer.strategy
+        if isinstance(strategy, TwoDRecStrategy):
+            accounting = strategy.comm_accounting
+            payload, inter = accounting.bytes_by()
+            summary["bytes_per_step"] = {"payload": payload, "inter_node": inter}
+            summary["bytes_per_step_by_purpose"] = {
+                purpose: accounting.bytes_by(purpose=purpose)[0]
+                for purpose in sorted({key.purpose for key in accounting.last_step})
+            }
+            summary["qcomms"] = {c: list(p) for c, p in strategy.effective_qcomms.precisions.items()}
+        return summary
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The run summary as a two-column table."""
+
+    def fmt(value: Any) -> str:
+        if value is None:
+            return "n/a"
+        return f"{value:,.4g}" if isinstance(value, float) else str(value)
+
+    rows = [
+        ("ranks", fmt(summary["world_size"])),
+        ("steps (timed)", f"{summary['global_steps']} ({summary['timed_steps']})"),
+        ("examples/s", fmt(summary["examples_per_sec"])),
+        ("step time (ms)", fmt(summary["step_time_ms"])),
+        ("  forward", fmt(summary["forward_ms"])),
+        ("  backward (incl. fused embedding update)", fmt(summary["backward_ms"])),
+        ("  optimizer (incl. replica sync)", fmt(summary["optimizer_ms"])),
+        ("  communication", "overlapped; see bytes"),
+        ("peak memory (MiB)", fmt(summary["peak_memory_mib"])),
+    ]
+    if "bytes_per_step" in summary:
+        rows.append(("bytes/step (inter-node)", f"{summary['bytes_per_step']['payload']:,} ({summary['bytes_per_step']['inter_node']:,})"))
+        rows += [(f"  {purpose}", f"{value:,}") for purpose, value in summary["bytes_per_step_by_purpose"].items()]
+    rows += [(name, fmt(value)) for name, value in summary["metrics"].items()]
+    width = max(len(name) for name, _ in rows)
+    return "Run summary\n" + "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _peak_memory_mib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

@@ -1,0 +1,60 @@
+"""The ``lightning-recsys`` console script: Lightning's CLI for fit, validate, test and predict.
+
+    lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml
+    lightning-recsys fit --config examples/configs/movielens_dlrm.yaml --data.path data/ml-100k
+    lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml --print_config
+
+Configs are read in jsonargparse's omegaconf mode, so ``${...}`` interpolation works in YAML. The
+strategy can be written ``strategy: twod_rec`` or with ``class_path``/``init_args``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from jsonargparse import lazy_instance
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.loggers import CSVLogger
+
+import lightning_recsys  # noqa: F401 - registers "twod_rec" for Trainer(strategy=...)
+from lightning_recsys.callbacks import RunSummary
+
+
+class RecSysCLI(LightningCLI):
+    """LightningCLI with omegaconf interpolation, CSV logging and a run summary at the end of fit."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # CSV logs by default (a config can set trainer.logger, e.g. TensorBoardLogger).
+        parser.set_defaults({"trainer.logger": lazy_instance(CSVLogger, save_dir="lightning_logs")})
+        parser.add_argument(
+            "--summary_json", type=Optional[str], default=None, help="Also write the run summary to this JSON file (fit)."
+        )
+
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+        configured = config["trainer"].get("callbacks") or []
+        callbacks = list(configured) if isinstance(configured, list) else [configured]
+        # A Rich progress bar unless the config chose another or turned it off.
+        if config["trainer"].get("enable_progress_bar") is not False and not any(isinstance(c, ProgressBar) for c in callbacks):
+            callbacks.append(RichProgressBar())
+        if self.subcommand == "fit":
+            callbacks.append(RunSummary(json_path=config.get("summary_json")))
+        return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    RecSysCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_kwargs={"parser_mode": "omegaconf"},
+        save_config_kwargs={"overwrite": True},
+        args=args,
+    )
+
+
+if __name__ == "__main__":
+    main()
