@@ -14,8 +14,8 @@ $(STAMP): pyproject.toml scripts/install.sh
 
 install: $(STAMP)
 
-demo: $(STAMP)  # extra options: make demo ARGS="--qcomms fp8"
-	$(VPY) examples/train_synthetic_dlrm.py $(ARGS)
+demo: $(STAMP)  # extra options: make demo ARGS="--trainer.strategy.init_args.qcomms fp8"
+	$(VENV)/bin/lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml $(ARGS)
 
 test: $(STAMP)
 	$(VPY) -m pytest tests -q

@@ -27,9 +27,9 @@ class RecSysCLI(LightningCLI):
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # CSV logs by default (a config can set trainer.logger, e.g. TensorBoardLogger).
-        parser.set_defaults({"trainer.logger": lazy_instance(CSVLogger, save_dir="lightning_logs")})
+        parser.set_defaults({"trainer.logger": lazy_instance(CSVLogger, save_dir=".")})
         parser.add_argument(
-            "--summary_json", type=Optional[str], default=None, help="Also write the run summary to this JSON file (fit)."
+            "--summary-json", "--summary_json", type=Optional[str], default=None, help="Also write the run summary to this JSON file (fit)."
         )
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
@@ -44,8 +44,9 @@ class RecSysCLI(LightningCLI):
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
 
-def main(args: Optional[list[str]] = None) -> None:
-    RecSysCLI(
+def build_cli(args: Optional[list[str]] = None, run: bool = True) -> RecSysCLI:
+    """The CLI on ``args`` (default: ``sys.argv``); ``run=False`` builds the objects without running."""
+    return RecSysCLI(
         model_class=None,
         datamodule_class=None,
         subclass_mode_model=True,
@@ -53,7 +54,13 @@ def main(args: Optional[list[str]] = None) -> None:
         parser_kwargs={"parser_mode": "omegaconf"},
         save_config_kwargs={"overwrite": True},
         args=args,
+        run=run,
     )
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """The ``lightning-recsys`` console script."""
+    build_cli(args)
 
 
 if __name__ == "__main__":

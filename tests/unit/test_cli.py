@@ -1,0 +1,60 @@
+"""The CLI's config resolution, without running: interpolation, both strategy spellings, data/model agreement."""
+
+from pathlib import Path
+
+import pytest
+
+from lightning_recsys import TwoDRecStrategy
+from lightning_recsys.cli import build_cli
+from lightning_recsys.data import MovieLens100KDataModule
+from lightning_recsys.models import DCNRanker, DLRMRanker
+
+CONFIGS = Path(__file__).resolve().parents[2] / "examples" / "configs"
+
+
+def _build(config: str, *overrides: str):
+    return build_cli(["--config", str(CONFIGS / config), *overrides], run=False)
+
+
+def test_interpolation_ties_the_model_to_the_data():
+    cli = _build("synthetic_dlrm.yaml", "--data.init_args.config.train_batches", "3")
+    assert isinstance(cli.model, DLRMRanker) and isinstance(cli.trainer.strategy, TwoDRecStrategy)
+    assert cli.model.hparams.table_sizes == cli.datamodule.config.table_sizes == [1000] * 8
+    assert cli.model.hparams.dense_arch_layer_sizes == [32, cli.model.hparams.embedding_dim]
+    assert cli.datamodule.config.train_batches == 3
+    assert cli.trainer.strategy.embedding_optimizer_config.lr == 0.1  # class_path/init_args spelling
+
+
+def test_registered_name_spelling_gives_the_strategy_with_defaults():
+    cli = _build("dcn_synthetic.yaml")
+    assert isinstance(cli.model, DCNRanker)
+    assert isinstance(cli.trainer.strategy, TwoDRecStrategy)
+    assert cli.trainer.strategy.embedding_optimizer_config.name == "rowwise_adagrad"
+
+
+def test_two_node_config_resolves_group_size_and_qcomms():
+    cli = _build("two_node_2d_fp8.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "1")
+    strategy = cli.trainer.strategy
+    assert cli.trainer.num_nodes == 2
+    assert strategy._sharding_group_size == 8  # resolved from ${trainer.devices} when the file was read
+    assert strategy.effective_qcomms.precisions["pooled_all_to_all"] == ("fp8_e4m3", "bf16")
+
+
+def test_movielens_config_model_matches_the_readers_features():
+    cli = _build("movielens_dlrm.yaml", "--data.path", "/nonexistent")
+    assert isinstance(cli.datamodule, MovieLens100KDataModule) and cli.datamodule.config.path == "/nonexistent"
+    assert cli.model.hparams.feature_names == cli.datamodule.feature_names
+    assert cli.model.hparams.table_sizes == cli.datamodule.table_sizes
+    assert cli.model.hparams.num_dense_features == cli.datamodule.num_dense_features
+
+
+def test_criteo_config_model_tables_follow_the_hash_size():
+    cli = _build("criteo_dlrm.yaml", "--data.train_paths", "[x.tsv]")
+    assert cli.model.hparams.table_sizes == cli.datamodule.table_sizes == [100000] * 26
+    assert cli.model.hparams.feature_names == cli.datamodule.feature_names
+
+
+def test_bad_config_value_is_a_clear_error(capsys):
+    with pytest.raises(SystemExit):
+        _build("synthetic_dlrm.yaml", "--trainer.strategy.init_args.layout", "ring")
+    assert "layout" in capsys.readouterr().err
