@@ -1,0 +1,52 @@
+"""The README's configuration reference lists exactly the arguments in the code, with the same defaults."""
+
+import ast
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from lightning_recsys import CommunicationMonitor, EmbeddingOptimizerConfig, QCommsConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys.callbacks import RunSummary
+from lightning_recsys.data import CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
+from lightning_recsys.models import DCNRanker, DLRMRanker
+
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+# Lightning fills these in; the reference says so in prose.
+LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+SECTIONS = {
+    "`TwoDRecStrategy`": [TwoDRecStrategy],
+    "`EmbeddingOptimizerConfig`": [EmbeddingOptimizerConfig],
+    "`QCommsConfig`": [QCommsConfig],
+    "`TableConstraints`": [TableConstraints],
+    "`DLRMRanker` and `DCNRanker`": [DLRMRanker, DCNRanker],
+    "`SyntheticClickLogConfig`": [SyntheticClickLogConfig],
+    "`MovieLens100KDataModule`": [MovieLens100KDataModule],
+    "`CriteoDataModule`": [CriteoDataModule],
+    "Callbacks": [CommunicationMonitor, RunSummary],
+}
+
+
+def _table(heading: str) -> dict[str, str]:
+    reference = README[README.index("## Configuration reference") :]
+    section = reference[reference.index(f"### {heading}\n") :]
+    section = section[: section.find("\n### ", 4) if "\n### " in section[4:] else section.find("\n## ")]
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.MULTILINE)
+    return {name: default.strip() for name, default in rows}
+
+
+@pytest.mark.parametrize("heading", list(SECTIONS))
+def test_reference_table_matches_the_signature(heading):
+    documented = _table(heading)
+    params: dict[str, inspect.Parameter] = {}
+    for cls in SECTIONS[heading]:
+        params.update({n: p for n, p in inspect.signature(cls.__init__).parameters.items() if n not in {"self", *LIGHTNING_PLUMBING}})
+    assert set(documented) == set(params), f"README {heading}: missing {set(params) - set(documented)}, stale {set(documented) - set(params)}"
+    for name, param in params.items():
+        cell = documented[name]
+        if param.default is inspect.Parameter.empty:
+            assert cell == "required", f"{heading}.{name}: README says {cell!r}, the code has no default"
+        elif cell.startswith("`"):
+            literal = cell[1 : cell.index("`", 1)]
+            assert ast.literal_eval(literal) == param.default, f"{heading}.{name}: README {literal}, code {param.default!r}"
