@@ -1,0 +1,46 @@
+"""Trainer-free DCP checkpoints of sharded models: atomic save, resharding load, unsharded export.
+
+No Lightning imports: the strategy's CheckpointIO plugin and hooks call this layer.
+"""
+
+from lightning_recsys.checkpoint.dcp_io import (
+    AsyncCheckpointHandle,
+    AsyncCheckpointSaver,
+    CheckpointError,
+    LoadedCheckpoint,
+    ShardedState,
+    default_storage_writer,
+    load_checkpoint,
+    load_unsharded,
+    save_checkpoint,
+)
+from lightning_recsys.checkpoint.layout import (
+    FORMAT_VERSION,
+    CheckpointMeta,
+    UncommittedCheckpointError,
+    is_committed,
+    latest_checkpoint,
+    read_meta,
+)
+from lightning_recsys.checkpoint.table_state import NORMALIZED_STATES
+from lightning_recsys.checkpoint.validation import CheckpointMismatchError
+
+__all__ = [
+    "AsyncCheckpointHandle",
+    "AsyncCheckpointSaver",
+    "CheckpointError",
+    "CheckpointMeta",
+    "CheckpointMismatchError",
+    "FORMAT_VERSION",
+    "LoadedCheckpoint",
+    "NORMALIZED_STATES",
+    "ShardedState",
+    "UncommittedCheckpointError",
+    "default_storage_writer",
+    "is_committed",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "load_unsharded",
+    "read_meta",
+    "save_checkpoint",
+]

@@ -1,0 +1,513 @@
+"""Saving and loading sharded state with PyTorch Distributed Checkpoint (DCP), Trainer-free.
+
+Every function here that takes a ``topology`` is collective: every rank calls it, at the same
+point. Only sharding group 0 (``topology.sharding_groups()[0]``) writes the tables, so replicas do
+not write duplicates; every sharding group reads with its own process group, so a checkpoint
+loads into any topology, world size and plan. See ``layout`` for the files and the commit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.storage import StorageWriter
+
+from lightning_recsys.checkpoint.layout import (
+    HOST_STATE_FILE,
+    CheckpointMeta,
+    commit,
+    prepare_temporary,
+    read_meta,
+    software_versions,
+    temporary_path,
+    utc_now,
+)
+from lightning_recsys.checkpoint.table_state import (
+    STEP,
+    EmbeddingOptimizerState,
+    StateReads,
+    TableLayout,
+    accepted_shapes,
+    state_key,
+    table_name,
+)
+from lightning_recsys.checkpoint.validation import ExpectedEntry, check_entries, model_key, saved_tensors
+from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
+from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
+from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.planner.plan import plan_rows
+
+StorageWriterFactory = Callable[[Path], StorageWriter]
+
+
+class CheckpointError(RuntimeError):
+    """A save or load failed on another rank; this rank stopped with it so that no rank hangs."""
+
+
+def default_storage_writer(path: Path) -> StorageWriter:
+    """DCP's file writer: one file per rank, fsynced (the commit marker must not outrun the data)."""
+    return FileSystemWriter(path, single_file_per_rank=True, sync_files=True, overwrite=True)
+
+
+@dataclass(kw_only=True)
+class ShardedState:
+    """One rank's state that goes through DCP: the model state dict and the embedding optimizer state.
+
+    Args:
+        model_state_dict: the state dict of the sharded module (``ShardedModel.dmp.module``, e.g. the
+            LightningModule): ShardedTensors for model-parallel tables, tensors for the rest. Loading
+            writes into its tensors in place, so they must share storage with the module, as
+            ``module.state_dict()``'s do.
+        sharded_model: what ``shard_model`` returned (the tables, plan and fused optimizer).
+        embedding_optimizer: the config the tables' optimizers were made from.
+        data_parallel_table_optimizer: the torch optimizer of the data_parallel tables, if any.
+    """
+
+    model_state_dict: dict[str, Any]
+    sharded_model: ShardedModel
+    embedding_optimizer: EmbeddingOptimizerConfig
+    data_parallel_table_optimizer: torch.optim.Optimizer | None = None
+
+    def table_layouts(self) -> dict[str, TableLayout]:
+        """Weight key -> layout, for every embedding table of the sharded module."""
+        fqns = self.sharded_model.embedding_module_fqns
+        layouts: dict[str, TableLayout] = {}
+        for key, value in self.model_state_dict.items():
+            if isinstance(value, torch.Tensor) and any(fqn == "" or key.startswith(fqn + ".") for fqn in fqns):
+                layouts[key] = TableLayout.of(key, value)
+        return layouts
+
+    def embedding_optimizer_state(self, process_group: dist.ProcessGroup | None) -> EmbeddingOptimizerState:
+        module = self.sharded_model.dmp.module
+        data_parallel_ids = {id(p) for p in self.sharded_model.data_parallel_table_params}
+        data_parallel_params = {name: p for name, p in module.named_parameters() if id(p) in data_parallel_ids}
+        fused = self.sharded_model.fused_optimizer.state_dict()["state"]
+        return EmbeddingOptimizerState(
+            optimizer_name=self.embedding_optimizer.name,
+            tables=self.table_layouts(),
+            fused_state={key: list(states.items()) for key, states in fused.items()},
+            data_parallel_optimizer=self.data_parallel_table_optimizer,
+            data_parallel_params=data_parallel_params,
+            process_group=process_group,
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadedCheckpoint:
+    """What a load returns besides the state it wrote in place.
+
+    Args:
+        path: the checkpoint directory.
+        meta: its ``meta.json``.
+        host_state: the trainer state global rank 0 saved (None if none was saved).
+    """
+
+    path: Path
+    meta: CheckpointMeta
+    host_state: dict[str, Any] | None
+
+
+# ----------------------------------------------------------------- save
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    state: ShardedState,
+    topology: ParallelTopology,
+    host_state: Mapping[str, Any] | None = None,
+    step: int | None = None,
+    extra_meta: Mapping[str, Any] | None = None,
+    storage_writer_factory: StorageWriterFactory = default_storage_writer,
+) -> Path:
+    """Save a checkpoint to the directory ``path``, atomically; every rank calls it. Returns ``path``.
+
+    Sharding group 0 writes the model and embedding optimizer state with ``dcp.save`` over its
+    process group; global rank 0 writes ``host_state`` with ``torch.save``. After every rank has
+    finished, rank 0 writes ``meta.json`` and the commit marker and renames ``<path>.tmp`` to
+    ``path`` (an existing checkpoint there is replaced). A failure on any rank raises on every rank
+    and leaves no committed checkpoint behind. ``step`` orders ``latest_checkpoint``;
+    ``extra_meta`` (JSON-serializable) goes into ``meta.json``.
+    """
+    final = Path(path)
+    prepared = _prepare_save(final, state=state, topology=topology, step=step, extra_meta=extra_meta)
+    error: Exception | None = None
+    try:
+        _write_host_state(prepared.tmp, host_state)
+        if prepared.dcp_state is not None:
+            dcp.save(
+                prepared.dcp_state,
+                storage_writer=storage_writer_factory(prepared.tmp),
+                process_group=topology.sharding_process_group(),
+            )
+    except Exception as e:  # noqa: BLE001 - every rank must learn about it
+        error = e
+    _all_ranks_ok(error, action=f"writing checkpoint {str(prepared.tmp)!r}")
+    _commit_on_rank_zero(prepared)
+    return final
+
+
+@dataclass
+class _PreparedSave:
+    final: Path
+    tmp: Path
+    dcp_state: dict[str, Any] | None  # None on ranks outside sharding group 0
+    meta: CheckpointMeta | None  # global rank 0 only
+
+
+def _prepare_save(
+    final: Path,
+    *,
+    state: ShardedState,
+    topology: ParallelTopology,
+    step: int | None,
+    extra_meta: Mapping[str, Any] | None,
+) -> _PreparedSave:
+    _require_process_group("save_checkpoint")
+    rank = dist.get_rank()
+    prepared = _PreparedSave(final=final, tmp=temporary_path(final), dcp_state=None, meta=None)
+    error: Exception | None = None
+    try:
+        if rank == 0:
+            prepare_temporary(final)
+        if rank in topology.sharding_groups()[0]:
+            optimizer_state = state.embedding_optimizer_state(topology.sharding_process_group())
+            prepared.dcp_state = {model_key(k): v for k, v in state.model_state_dict.items()}
+            prepared.dcp_state.update(optimizer_state.state_dict_for_save())
+            if rank == 0:
+                prepared.meta = _build_meta(state, optimizer_state, topology, step, extra_meta)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    # Agree before DCP's own collectives, so a rank that failed here cannot leave the others waiting.
+    _all_ranks_ok(error, action=f"preparing checkpoint {str(final)!r}")
+    return prepared
+
+
+def _commit_on_rank_zero(prepared: _PreparedSave) -> None:
+    error: Exception | None = None
+    try:
+        if dist.get_rank() == 0:
+            assert prepared.meta is not None
+            prepared.meta.saved_at = utc_now()
+            commit(prepared.tmp, prepared.final, prepared.meta)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _all_ranks_ok(error, action=f"committing checkpoint {str(prepared.final)!r}")
+
+
+def _write_host_state(tmp: Path, host_state: Mapping[str, Any] | None) -> None:
+    if dist.get_rank() == 0 and host_state is not None:
+        with open(tmp / HOST_STATE_FILE, "wb") as f:
+            torch.save(dict(host_state), f)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def _build_meta(
+    state: ShardedState,
+    optimizer_state: EmbeddingOptimizerState,
+    topology: ParallelTopology,
+    step: int | None,
+    extra_meta: Mapping[str, Any] | None,
+) -> CheckpointMeta:
+    rows = plan_rows(state.sharded_model.plan)
+    sharding_types = {(str(r["module"]), str(r["table"])): r["sharding_type"] for r in rows}
+    tables = {}
+    for key, layout in optimizer_state.tables.items():
+        name = table_name(key)
+        sharding_type = next((t for (module, table), t in sharding_types.items() if table == name and key.startswith(module)), None)
+        tables[key] = {"table": name, "shape": [layout.rows, layout.dim], "sharding_type": sharding_type}
+    return CheckpointMeta(
+        step=step,
+        world_size=topology.world_size,
+        sharding_group_size=topology.sharding_group_size,
+        num_replicas=topology.num_replicas,
+        layout=topology.layout,
+        written_by_ranks=list(topology.sharding_groups()[0]),
+        plan=rows,
+        tables=tables,
+        embedding_optimizer={"name": state.embedding_optimizer.name, "states": list(optimizer_state.states)},
+        versions=software_versions(),
+        extra=dict(extra_meta or {}),
+    )
+
+
+# ----------------------------------------------------------------- async save
+class AsyncCheckpointSaver:
+    """Saves with ``dcp.async_save`` in a background thread; at most one save in flight.
+
+    Creating it is collective (every rank): it makes a gloo process group over sharding group 0
+    for the background writes, because DCP's background collectives must not share a process
+    group with training's (the two threads would interleave their collectives).
+    """
+
+    def __init__(self, topology: ParallelTopology) -> None:
+        _require_process_group("AsyncCheckpointSaver")
+        self._topology = topology
+        self._group = dist.new_group(topology.sharding_groups()[0], backend="gloo")
+        self._pending: AsyncCheckpointHandle | None = None
+
+    def save(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        state: ShardedState,
+        host_state: Mapping[str, Any] | None = None,
+        step: int | None = None,
+        extra_meta: Mapping[str, Any] | None = None,
+        storage_writer_factory: StorageWriterFactory = default_storage_writer,
+    ) -> AsyncCheckpointHandle:
+        """Start saving to ``path`` (see ``save_checkpoint``); every rank calls it and later ``wait()``.
+
+        Returns once the state is copied (staged) to CPU memory, so training may change it; the
+        checkpoint is committed only by ``handle.wait()`` (or the next ``save``/``wait`` here).
+        """
+        self.wait()
+        prepared = _prepare_save(Path(path), state=state, topology=self._topology, step=step, extra_meta=extra_meta)
+        future: Future[Any] | None = None
+        error: Exception | None = None
+        try:
+            _write_host_state(prepared.tmp, host_state)
+            if prepared.dcp_state is not None:
+                result = dcp.async_save(
+                    prepared.dcp_state, storage_writer=storage_writer_factory(prepared.tmp), process_group=self._group
+                )
+                if isinstance(result, Future):  # staged already (FileSystemWriter stages before returning)
+                    future = result
+                else:  # a stager that stages in the background: training must not run ahead of the copy
+                    result.staging_completion.result()
+                    future = result.upload_completion
+        except Exception as e:  # noqa: BLE001
+            error = e
+        _all_ranks_ok(error, action=f"starting the async save of {str(prepared.tmp)!r}")
+        self._pending = AsyncCheckpointHandle(prepared=prepared, future=future)
+        return self._pending
+
+    def wait(self) -> Path | None:
+        """Finish and commit the save in flight, if any (every rank calls it); its path, or None."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    def close(self) -> None:
+        """Finish the save in flight and release the process group (every rank calls it)."""
+        self.wait()
+        if self._group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+            dist.destroy_process_group(self._group)
+        self._group = None
+
+
+@dataclass
+class AsyncCheckpointHandle:
+    """A save in flight. ``wait()`` on every rank commits it; ``done()`` polls this rank's write."""
+
+    prepared: _PreparedSave
+    future: Future[Any] | None
+    _committed: bool = field(default=False)
+
+    @property
+    def path(self) -> Path:
+        return self.prepared.final
+
+    def done(self) -> bool:
+        """True when this rank's background write has finished (no collective; the commit still needs wait())."""
+        return self.future is None or self.future.done()
+
+    def wait(self) -> Path:
+        """Wait for every rank's write, then commit (rank 0 renames); collective. Returns the path."""
+        if self._committed:
+            return self.path
+        error: Exception | None = None
+        try:
+            if self.future is not None:
+                self.future.result()
+        except Exception as e:  # noqa: BLE001
+            error = e
+        self._committed = True  # a failed save is not retried
+        _all_ranks_ok(error, action=f"writing checkpoint {str(self.prepared.tmp)!r} in the background")
+        _commit_on_rank_zero(self.prepared)
+        return self.path
+
+
+# ----------------------------------------------------------------- load
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    state: ShardedState,
+    topology: ParallelTopology,
+    strict: bool = True,
+    load_embedding_optimizer_state: bool = True,
+    weights_only: bool | None = None,
+) -> LoadedCheckpoint:
+    """Load a committed checkpoint into ``state`` in place, resharding as needed; every rank calls it.
+
+    Before any read, every rank checks the checkpoint's keys and global shapes against ``state``
+    and raises ``CheckpointMismatchError`` (a ValueError) naming each table/key and both shapes;
+    an uncommitted directory raises ``UncommittedCheckpointError`` (a ValueError). Each sharding
+    group then reads with its own process group. ``strict=False`` skips keys present on one side
+    only; ``load_embedding_optimizer_state=False`` leaves the embedding optimizer as it is.
+    ``weights_only`` is passed to ``torch.load`` for the host state. Returns the host state and meta.
+    """
+    _require_process_group("load_checkpoint")
+    directory = Path(path)
+    group = topology.sharding_process_group()
+    targets: dict[str, Any] = {}
+    reads: StateReads | None = None
+    meta: CheckpointMeta | None = None
+    error: Exception | None = None
+    try:
+        meta = read_meta(directory)
+        metadata = FileSystemReader(directory).read_metadata()
+        optimizer_state = state.embedding_optimizer_state(group) if load_embedding_optimizer_state else None
+        expected = _model_entries(state.model_state_dict, set(state.table_layouts()))
+        if optimizer_state is not None:
+            expected += _optimizer_entries(optimizer_state)
+        to_load = check_entries(
+            expected,
+            metadata,
+            path=directory,
+            strict=strict,
+            optimizer_name=state.embedding_optimizer.name,
+            saved_optimizer=meta.embedding_optimizer,
+        )
+        loadable = {e.key for e in to_load}
+        targets = {model_key(k): v for k, v in state.model_state_dict.items() if model_key(k) in loadable}
+        if optimizer_state is not None:
+            saved = {k: v for k, v in saved_tensors(metadata).items() if k in loadable}  # strict=False may skip some
+            reads = optimizer_state.plan_reads(saved, default_step=float(meta.step or 0))
+            targets.update(reads.targets)
+    except Exception as e:  # noqa: BLE001
+        error = e
+    _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
+    assert meta is not None
+    dcp.load(targets, storage_reader=FileSystemReader(directory), process_group=group)
+    for key, value in state.model_state_dict.items():
+        if not isinstance(value, torch.Tensor) and model_key(key) in targets:
+            state.model_state_dict[key] = targets[model_key(key)]  # DCP replaces non-tensor values
+    if reads is not None:
+        reads.apply()
+    return LoadedCheckpoint(path=directory, meta=meta, host_state=_read_host_state(directory, weights_only))
+
+
+def _model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> list[ExpectedEntry]:
+    entries = []
+    for key, value in model_state_dict.items():
+        shapes = (tuple(value.size()),) if isinstance(value, torch.Tensor) else None
+        entries.append(ExpectedEntry(key=model_key(key), shapes=shapes, table=key if key in tables else None))
+    return entries
+
+
+def _optimizer_entries(optimizer_state: EmbeddingOptimizerState) -> list[ExpectedEntry]:
+    entries = []
+    for key, layout in optimizer_state.tables.items():
+        for state in optimizer_state.states:
+            entries.append(
+                ExpectedEntry(key=state_key(key, state), shapes=accepted_shapes(state, layout.rows, layout.dim), table=key)
+            )
+        if layout.shards is None and optimizer_state.states:
+            entries.append(ExpectedEntry(key=state_key(key, STEP), shapes=((),), table=key, optional=True))
+    return entries
+
+
+def _read_host_state(directory: Path, weights_only: bool | None) -> dict[str, Any] | None:
+    host_path = directory / HOST_STATE_FILE
+    if not host_path.is_file():
+        return None
+    return torch.load(host_path, map_location="cpu", weights_only=weights_only)
+
+
+# ----------------------------------------------------------------- export
+def load_unsharded(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> LoadedCheckpoint:
+    """Load a checkpoint's model state into an unsharded ``module`` in this process, with no process group.
+
+    For offline evaluation and serving: the tables are read whole (any saving topology), the
+    optimizer state is not read. ``module`` must have the saved model's structure, with real (not
+    meta) storage. Validation and ``strict`` are as in ``load_checkpoint``.
+    """
+    directory = Path(path)
+    meta = read_meta(directory)
+    metadata = FileSystemReader(directory).read_metadata()
+    model_state = module.state_dict()
+    on_meta = sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor) and v.is_meta)
+    if on_meta:
+        raise ValueError(
+            f"{type(module).__name__} has tensors on the meta device ({on_meta[:3]}...), which cannot hold loaded "
+            "values; build the module for export without device='meta'."
+        )
+    if any(isinstance(v, ShardedTensor) for v in model_state.values()):
+        raise ValueError(
+            "load_unsharded() needs an unsharded module, but this one has ShardedTensors; use load_checkpoint() "
+            "on every rank for a sharded model."
+        )
+    tables = {
+        f"{fqn}.{k}" if fqn else k
+        for fqn, sub in find_embedding_modules(module).items()
+        for k in sub.state_dict()
+    }
+    to_load = check_entries(
+        _model_entries(model_state, tables),
+        metadata,
+        path=directory,
+        strict=strict,
+        optimizer_name=None,
+        saved_optimizer=None,
+    )
+    targets = {e.key: model_state[e.key.removeprefix("model.")] for e in to_load}
+    dcp.load(targets, storage_reader=FileSystemReader(directory), no_dist=True)
+    # In case a module's state_dict() returns copies rather than views of its storage.
+    module.load_state_dict({k.removeprefix("model."): v for k, v in targets.items()}, strict=False)
+    return LoadedCheckpoint(path=directory, meta=meta, host_state=_read_host_state(directory, weights_only))
+
+
+# ----------------------------------------------------------------- agreement between ranks
+def _all_ranks_ok(error: Exception | None, *, action: str) -> None:
+    """Every rank learns whether every rank succeeded at ``action`` (an all-gather over WORLD).
+
+    Bounded by the default process group's timeout. The rank that failed re-raises its own
+    error; the others raise ``CheckpointError`` naming the ranks that failed and why.
+    """
+    statuses: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(statuses, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = {rank: message for rank, message in enumerate(statuses) if message is not None}
+    if failed:
+        first = min(failed)
+        raise CheckpointError(
+            f"{action} failed on rank(s) {sorted(failed)}; rank {first}: {failed[first]}"
+        )
+
+
+def _require_process_group(caller: str) -> None:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            f"{caller}() is collective and needs an initialized default process group on every rank; for a "
+            "single process without one, use load_unsharded()."
+        )
+
+
+__all__ = [
+    "AsyncCheckpointHandle",
+    "AsyncCheckpointSaver",
+    "CheckpointError",
+    "LoadedCheckpoint",
+    "ShardedState",
+    "default_storage_writer",
+    "load_checkpoint",
+    "load_unsharded",
+    "save_checkpoint",
+]

@@ -1,0 +1,164 @@
+"""Comparing a checkpoint's DCP metadata with the state it is about to be loaded into, before any I/O."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_recsys.checkpoint.table_state import NAMESPACE, table_name
+
+MODEL_NAMESPACE = "model"
+
+_FIX = (
+    "How to fix: load it into a model whose embedding tables have the names and sizes they had when it was "
+    "saved (EmbeddingBagConfig name, num_embeddings, embedding_dim); pass strict=False to skip keys that "
+    "exist on one side only (a resized table can never be loaded)."
+)
+
+
+class CheckpointMismatchError(ValueError):
+    """The checkpoint's keys or global shapes do not match the state it is being loaded into."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExpectedEntry:
+    """One key the target state wants from the checkpoint.
+
+    Args:
+        key: the DCP key, ``model.<state dict key>`` or ``embedding_optimizer.<weight key>.<state>``.
+        shapes: the accepted global shapes; None for a non-tensor value.
+        table: the embedding table's weight key when the entry belongs to a table, for messages.
+        optional: absent from the checkpoint is fine (e.g. the ``step`` of a data-parallel table).
+    """
+
+    key: str
+    shapes: tuple[tuple[int, ...], ...] | None
+    table: str | None = None
+    optional: bool = False
+
+
+def model_key(key: str) -> str:
+    return f"{MODEL_NAMESPACE}.{key}"
+
+
+def saved_tensors(metadata: Metadata) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """key -> (global shape, dtype) of every tensor in the checkpoint."""
+    return {
+        key: (tuple(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+def check_entries(
+    expected: Sequence[ExpectedEntry],
+    metadata: Metadata,
+    *,
+    path: Path,
+    strict: bool,
+    optimizer_name: str | None,
+    saved_optimizer: Mapping[str, object] | None,
+) -> list[ExpectedEntry]:
+    """Raise ``CheckpointMismatchError`` listing every mismatch; return the entries to load.
+
+    With ``strict=False`` entries missing from the checkpoint are dropped and keys the model lacks
+    are ignored; a shape mismatch is an error either way.
+    """
+    saved = metadata.state_dict_metadata
+    shapes = saved_tensors(metadata)
+    problems: list[str] = []
+    reported_tables: set[str] = set()
+    expected_keys = {e.key for e in expected}
+    unexpected_model = {k: shapes.get(k) for k in saved if k.startswith(MODEL_NAMESPACE + ".") and k not in expected_keys}
+
+    to_load: list[ExpectedEntry] = []
+    for entry in expected:
+        label = _label(entry)
+        if entry.key not in saved:
+            if entry.optional:
+                continue
+            if entry.table is not None and entry.table in reported_tables:
+                continue
+            if entry.key.startswith(NAMESPACE + "."):
+                problems.append(_missing_optimizer_state(entry, shapes, optimizer_name, saved_optimizer))
+                if entry.table is not None:
+                    reported_tables.add(entry.table)
+                continue
+            if not strict:
+                if entry.table is not None:
+                    reported_tables.add(entry.table)  # skip the table's optimizer state too
+                continue
+            want = _shape_text(entry.shapes)
+            hint = _rename_hint(entry, unexpected_model)
+            problems.append(f"{label} (expected shape {want}) is not in the checkpoint{hint}.")
+            if entry.table is not None:
+                reported_tables.add(entry.table)
+            continue
+        if entry.shapes is not None:
+            got = shapes.get(entry.key)
+            if got is None or got[0] not in entry.shapes:
+                if entry.table is not None and entry.table in reported_tables:
+                    continue
+                saved_shape = "a non-tensor value" if got is None else str(got[0])
+                problems.append(
+                    f"{label}: the checkpoint has shape {saved_shape}, the model expects {_shape_text(entry.shapes)}."
+                )
+                if entry.table is not None:
+                    reported_tables.add(entry.table)
+                continue
+        to_load.append(entry)
+    if strict:
+        for key, got in sorted(unexpected_model.items()):
+            shape = "" if got is None else f" (shape {got[0]})"
+            problems.append(f"'{key}'{shape} is in the checkpoint but not in the model.")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise CheckpointMismatchError(
+            f"checkpoint {str(path)!r} does not match the state it is being loaded into "
+            f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{lines}\n{_FIX}"
+        )
+    return to_load
+
+
+def _label(entry: ExpectedEntry) -> str:
+    if entry.table is not None and entry.key == model_key(entry.table):
+        return f"table {table_name(entry.table)!r} ('{entry.key}')"
+    if entry.table is not None:
+        return f"the embedding optimizer state of table {table_name(entry.table)!r} ('{entry.key}')"
+    return f"'{entry.key}'"
+
+
+def _shape_text(shapes: tuple[tuple[int, ...], ...] | None) -> str:
+    if shapes is None:
+        return "a non-tensor value"
+    return " or ".join(str(s) for s in shapes)
+
+
+def _rename_hint(entry: ExpectedEntry, unexpected: Mapping[str, tuple[tuple[int, ...], torch.dtype] | None]) -> str:
+    if entry.shapes is None:
+        return ""
+    same_shape = [k for k, got in unexpected.items() if got is not None and got[0] in entry.shapes]
+    if not same_shape:
+        return ""
+    return f"; the checkpoint has {', '.join(repr(k) for k in sorted(same_shape))} with that shape instead: was it renamed?"
+
+
+def _missing_optimizer_state(
+    entry: ExpectedEntry,
+    shapes: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
+    optimizer_name: str | None,
+    saved_optimizer: Mapping[str, object] | None,
+) -> str:
+    prefix = f"{NAMESPACE}.{entry.table}."
+    has = sorted(k.removeprefix(prefix) for k in shapes if k.startswith(prefix))
+    saved_name = (saved_optimizer or {}).get("name")
+    return (
+        f"{_label(entry)} is not in the checkpoint: it holds {has or 'no state'} for this table (saved with "
+        f"embedding optimizer {saved_name!r}), the model's optimizer {optimizer_name!r} needs "
+        f"'{entry.key.removeprefix(prefix)}'. Use the EmbeddingOptimizerConfig(name=...) the checkpoint was "
+        "saved with, or pass load_embedding_optimizer_state=False to start the embedding optimizer fresh."
+    )
