@@ -95,7 +95,7 @@ def test_commit_writes_marker_and_meta_last_and_replaces_an_existing_checkpoint(
     (final / "old_file").touch()
     _commit_empty(tmp_path, "ckpt", step=2)
     assert read_meta(final).step == 2 and not (final / "old_file").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .tmp or .old left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or replaced directory left behind
 
 
 def test_prepare_removes_a_stale_partial_save_but_finishes_an_interrupted_commit(tmp_path: Path) -> None:
@@ -105,7 +105,7 @@ def test_prepare_removes_a_stale_partial_save_but_finishes_an_interrupted_commit
     assert not is_committed(stale)
     assert list(prepare_temporary(tmp_path / "a").iterdir()) == []
 
-    # Crash between the two renames: the new, committed copy sits at b.tmp and b is gone.
+    # Crash between the two renames: the new, committed copy sits at the temporary name and b is gone.
     interrupted = temporary_path(tmp_path / "b")
     interrupted.mkdir()
     (interrupted / "meta.json").write_text(_meta(step=7).to_json())  # as commit() writes them, before renaming
@@ -372,3 +372,11 @@ def test_collective_entry_points_say_they_need_a_process_group(tmp_path: Path) -
     with pytest.raises(RuntimeError, match="load_checkpoint\\(\\) is collective"):
         load_checkpoint(tmp_path / "x", state=None, topology=None)  # type: ignore[arg-type]
     assert not os.listdir(tmp_path)
+
+
+def test_partial_saves_are_invisible_to_a_search_by_name(tmp_path: Path) -> None:
+    # Lightning's ckpt_path="last" takes any entry whose name contains "last".
+    assert "last" not in temporary_path(tmp_path / "last.ckpt").name
+    final = _commit_empty(tmp_path, "last.ckpt", step=1)
+    prepare_temporary(final)  # a new save of "last" has started
+    assert [p.name for p in tmp_path.iterdir() if "last" in p.name] == ["last.ckpt"]

@@ -133,7 +133,7 @@ def save_checkpoint(
 
     Sharding group 0 writes the model and embedding optimizer state with ``dcp.save`` over its
     process group; global rank 0 writes ``host_state`` with ``torch.save``. After every rank has
-    finished, rank 0 writes ``meta.json`` and the commit marker and renames ``<path>.tmp`` to
+    finished, rank 0 writes ``meta.json`` and the commit marker and renames its temporary directory to
     ``path`` (an existing checkpoint there is replaced). A failure on any rank raises on every rank
     and leaves no committed checkpoint behind. ``step`` orders ``latest_checkpoint``;
     ``extra_meta`` (JSON-serializable) goes into ``meta.json``.

@@ -9,12 +9,15 @@ A checkpoint is one directory::
         meta.json            human-readable description (CheckpointMeta)
         COMMITTED            commit marker, written last
 
-It is written as ``<name>.tmp`` and renamed to ``<name>`` by global rank 0 after every rank has
-finished. A directory without the marker is never a checkpoint (``is_committed``).
+It is written as ``.partial-<hash of name>`` and renamed to ``<name>`` by global rank 0 after
+every rank has finished. A directory without the marker is never a checkpoint (``is_committed``).
+The temporary names do not contain ``<name>``, so a search by name (Lightning's ``ckpt_path="last"``
+looks for "last" in the names) never finds a partial save.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -29,8 +32,8 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 MARKER_FILE = "COMMITTED"
 HOST_STATE_FILE = "host_state.pt"
-TMP_SUFFIX = ".tmp"
-OLD_SUFFIX = ".old"
+TMP_PREFIX = ".partial-"
+OLD_PREFIX = ".replaced-"
 
 _VERSIONED_DISTRIBUTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch", ("torch",)),
@@ -142,8 +145,8 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     Directories without the commit marker (partial saves) are skipped. Order: the ``step`` in
     ``meta.json`` (a checkpoint without a step sorts before any with one), then ``saved_at``, then
     the marker's mtime, then the name. A save interrupted between its two renames leaves its
-    complete, committed copy at ``<name>.tmp``; that copy is a valid checkpoint and is returned
-    if it is the newest.
+    complete, committed copy at its temporary name; that copy is a valid checkpoint and is
+    returned if it is the newest.
     """
     directory = Path(directory)
     if not directory.is_dir():
@@ -164,11 +167,19 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
 
 # ----------------------------------------------------------------- rank-0 file operations
 def temporary_path(final: Path) -> Path:
-    return final.with_name(final.name + TMP_SUFFIX)
+    return final.with_name(TMP_PREFIX + _name_hash(final))
+
+
+def _aside_path(final: Path) -> Path:
+    return final.with_name(OLD_PREFIX + _name_hash(final))
+
+
+def _name_hash(final: Path) -> str:
+    return hashlib.sha1(final.name.encode()).hexdigest()[:16]
 
 
 def prepare_temporary(final: Path) -> Path:
-    """Rank 0, before a save: an empty ``<name>.tmp`` next to ``final`` (a stale one is removed)."""
+    """Rank 0, before a save: an empty temporary directory next to ``final`` (a stale one is removed)."""
     final.parent.mkdir(parents=True, exist_ok=True)
     if final.exists() and not (final.is_dir() and (is_committed(final) or not any(final.iterdir()))):
         # The commit replaces `final`; never delete something that is not a checkpoint.
@@ -176,7 +187,7 @@ def prepare_temporary(final: Path) -> Path:
             f"cannot save a checkpoint to {str(final)!r}: it exists and is not a committed checkpoint (a file, or a "
             "directory without a COMMITTED marker). Choose another path or remove it."
         )
-    tmp, old = temporary_path(final), final.with_name(final.name + OLD_SUFFIX)
+    tmp, old = temporary_path(final), _aside_path(final)
     if not final.exists() and is_committed(tmp):
         # The previous save of this name committed but died before its rename: finish it, keep it.
         os.replace(tmp, final)
@@ -191,13 +202,13 @@ def prepare_temporary(final: Path) -> Path:
 def commit(tmp: Path, final: Path, meta: CheckpointMeta) -> None:
     """Rank 0, after every rank finished writing into ``tmp``: meta.json, marker, rename to ``final``.
 
-    An existing ``final`` is renamed aside to ``<name>.old`` first and deleted last, so at every
-    moment one committed copy exists on disk.
+    An existing ``final`` is renamed aside first and deleted last, so at every moment one committed
+    copy exists on disk.
     """
     _write_synced(tmp / META_FILE, meta.to_json())
     _write_synced(tmp / MARKER_FILE, json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "step": meta.step}))
     _fsync_directory(tmp)
-    old = final.with_name(final.name + OLD_SUFFIX)
+    old = _aside_path(final)
     if final.exists():
         if old.exists():
             shutil.rmtree(old)
