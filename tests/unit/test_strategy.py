@@ -10,7 +10,9 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_recsys  # noqa: F401 - registers "twod_rec"
-from lightning_recsys import TwoDRecStrategy
+from lightning.fabric.plugins import TorchCheckpointIO
+
+from lightning_recsys import DCPCheckpointIO, TwoDRecStrategy
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 
 
@@ -49,13 +51,16 @@ def test_gradient_accumulation_is_refused():
         strategy._validate_trainer(_fake_trainer(accumulate_grad_batches=4))
 
 
-def test_checkpointing_is_refused_up_front():
+def test_checkpoints_go_through_dcp_on_every_rank():
     strategy = TwoDRecStrategy()
     strategy.precision_plugin = Precision()
-    with pytest.raises(ValueError, match=r"enable_checkpointing=False"):
-        strategy._validate_trainer(_fake_trainer(callbacks=[ModelCheckpoint()]))
-    with pytest.raises(NotImplementedError, match=r"cannot write checkpoints yet"):
-        strategy.save_checkpoint({}, "x.ckpt")
+    assert isinstance(strategy.checkpoint_io, DCPCheckpointIO) and strategy.restore_checkpoint_after_setup
+    strategy._validate_trainer(_fake_trainer(callbacks=[ModelCheckpoint()]))  # ModelCheckpoint is welcome
+    strategy.checkpoint_io = TorchCheckpointIO()
+    with pytest.raises(ValueError, match=r"needs checkpoint_io=DCPCheckpointIO \(the default\); got TorchCheckpointIO"):
+        strategy._validate_trainer(_fake_trainer())
+    with pytest.raises(RuntimeError, match=r"before TwoDRecStrategy has sharded the model"):
+        DCPCheckpointIO().save_checkpoint({}, "x.ckpt")
 
 
 def test_nccl_on_cpu_is_refused_before_any_process_group():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 from datetime import timedelta
+from collections.abc import Mapping
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
@@ -20,7 +21,6 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -34,6 +34,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_recsys.checkpoint import ShardedState
 from lightning_recsys.parallel import (
     EmbeddingOptimizerConfig,
     ParallelTopology,
@@ -47,15 +48,9 @@ from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
 from lightning_recsys.planner import TableConstraints, make_sharding_plan, summarize_plan
+from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 log = logging.getLogger(__name__)
-
-_NO_CHECKPOINTS_YET = (
-    "TwoDRecStrategy cannot write checkpoints yet: sharded tables need a distributed (DCP) checkpoint, "
-    "and a rank-0 torch.save would silently keep only rank 0's shards. Pass "
-    "Trainer(enable_checkpointing=False) and do not call trainer.save_checkpoint()."
-)
-
 
 class TwoDRecStrategy(ParallelStrategy):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
@@ -291,6 +286,8 @@ class TwoDRecStrategy(ParallelStrategy):
         self._validate_trainer(trainer)
         self.model = self._shard(self.lightning_module).dmp
         self.comm_accounting.start()
+        assert isinstance(self.checkpoint_io, DCPCheckpointIO)
+        self.checkpoint_io.connect(self)
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -307,8 +304,11 @@ class TwoDRecStrategy(ParallelStrategy):
                 "embedding optimizer updates the tables in every backward pass. Use accumulate_grad_batches=1 "
                 "and a larger batch instead."
             )
-        if any(isinstance(cb, ModelCheckpoint) for cb in trainer.callbacks):  # type: ignore[attr-defined]
-            raise ValueError(_NO_CHECKPOINTS_YET)
+        if not isinstance(self.checkpoint_io, DCPCheckpointIO):
+            raise ValueError(
+                f"TwoDRecStrategy needs checkpoint_io=DCPCheckpointIO (the default); got "
+                f"{type(self.checkpoint_io).__name__}, which would save only rank 0's shards."
+            )
 
     def _shard(self, module: LightningModule) -> ShardedModel:
         if self._sharded is not None and self._sharded.dmp.module is module:
@@ -372,6 +372,9 @@ class TwoDRecStrategy(ParallelStrategy):
                 kept = [p for p in group["params"] if not sharded.is_embedding_param(p)]
                 removed += len(group["params"]) - len(kept)
                 group["params"] = kept
+            # Some optimizers (Adagrad) create state eagerly; state for a removed param breaks state_dict().
+            for param in [p for p in optimizer.state if sharded.is_embedding_param(p)]:
+                del optimizer.state[param]
         if removed:
             log.debug("TwoDRecStrategy: removed %d embedding parameters from the dense optimizers", removed)
         params = sharded.data_parallel_table_params
@@ -459,9 +462,53 @@ class TwoDRecStrategy(ParallelStrategy):
         return tensor
 
     # ----------------------------------------------------------------- checkpoints and teardown
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DCPCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # The sharded tables (and the data-parallel table optimizer) exist only after setup.
+        return True
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        raise NotImplementedError(_NO_CHECKPOINTS_YET)
+        """Every rank writes its shards (Lightning's base strategy would call CheckpointIO on rank 0 only)."""
+        self._sync_if_pending()  # replicas agree, so the one that writes speaks for all
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Every rank loads its (re-cut) shards in place; returns the rest of the checkpoint."""
+        checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._steps_since_sync = 0
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # a plain (non-DCP) checkpoint dict
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # else: DCPCheckpointIO already loaded the model in place
+
+    def sharded_checkpoint_state(self) -> ShardedState:
+        """This rank's state for DCP: the module's state dict and the embedding optimizer state."""
+        return ShardedState(
+            model_state_dict=self.lightning_module.state_dict(),  # type: ignore[union-attr]
+            sharded_model=self.sharded_model,
+            embedding_optimizer=self.embedding_optimizer_config,
+            data_parallel_table_optimizer=self._data_parallel_table_optimizer,
+        )
+
+    def load_strictly(self) -> bool:
+        return bool(getattr(self.lightning_module, "strict_loading", True))
 
     @override
     def teardown(self) -> None:

@@ -1,0 +1,118 @@
+"""DCPCheckpointIO: Lightning's CheckpointIO over the Trainer-free DCP layer in ``lightning_recsys.checkpoint``."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Optional, Protocol
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from typing_extensions import override
+
+from lightning_recsys.checkpoint import (
+    AsyncCheckpointHandle,
+    AsyncCheckpointSaver,
+    ShardedState,
+    load_checkpoint,
+    save_checkpoint,
+)
+from lightning_recsys.parallel.topology import ParallelTopology
+
+
+class ShardedCheckpointSource(Protocol):
+    """What the plugin needs from the strategy: this rank's sharded state and the rank layout."""
+
+    topology: ParallelTopology
+
+    def sharded_checkpoint_state(self) -> ShardedState: ...
+
+    def load_strictly(self) -> bool: ...
+
+
+class DCPCheckpointIO(CheckpointIO):
+    """Sharded checkpoints with PyTorch Distributed Checkpoint, written and read on every rank.
+
+    A checkpoint is a directory (see the README's "Checkpoints"): DCP shards of the model and the
+    embedding optimizer state, written by one replica's sharding group; the rest of Lightning's
+    checkpoint (loops, callbacks, dense optimizers, schedulers, hyperparameters) from rank 0; and
+    ``meta.json``. It is committed atomically, and loads into any world size, sharding group size and
+    plan. ``TwoDRecStrategy`` uses it by default and calls it on every rank (Lightning's base
+    strategy calls CheckpointIO on rank 0 only, which would keep only rank 0's shards).
+
+    Args:
+        async_save: write in the background with DCP's ``async_save``; the save returns once the
+            state is copied to CPU memory, and is committed at the next save or at teardown.
+    """
+
+    def __init__(self, async_save: bool = False) -> None:
+        self.async_save = async_save
+        self._source: Optional[ShardedCheckpointSource] = None
+        self._saver: Optional[AsyncCheckpointSaver] = None
+        self._pending: Optional[AsyncCheckpointHandle] = None
+
+    def connect(self, source: ShardedCheckpointSource) -> None:
+        """Called by the strategy after sharding, on every rank (collective when ``async_save``)."""
+        self._source = source
+        if self.async_save and self._saver is None:
+            self._saver = AsyncCheckpointSaver(source.topology)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(f"DCPCheckpointIO.save_checkpoint does not take storage_options (got {storage_options!r}).")
+        source = self._require_source("save")
+        host_state = {k: v for k, v in checkpoint.items() if k != "state_dict"}
+        kwargs: dict[str, Any] = {
+            "state": source.sharded_checkpoint_state(),
+            "host_state": host_state,
+            "step": checkpoint.get("global_step"),
+            "extra_meta": {"epoch": checkpoint.get("epoch")},
+        }
+        if self._saver is None:
+            save_checkpoint(path, topology=source.topology, **kwargs)
+            return
+        self.wait()
+        self._pending = self._saver.save(path, **kwargs)
+
+    @override
+    def load_checkpoint(
+        self, path: _PATH, map_location: Optional[Callable] = None, weights_only: Optional[bool] = None
+    ) -> dict[str, Any]:
+        """Load the sharded state in place (resharding as needed) and return the rest of the checkpoint."""
+        source = self._require_source("load")
+        self.wait()
+        loaded = load_checkpoint(
+            path,
+            state=source.sharded_checkpoint_state(),
+            topology=source.topology,
+            strict=source.load_strictly(),
+            weights_only=weights_only,
+        )
+        return dict(loaded.host_state)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        target = Path(path)
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        elif target.exists() or target.is_symlink():
+            os.remove(target)
+
+    def wait(self) -> Optional[Path]:
+        """Commit the pending background save, if any (collective: every rank)."""
+        pending, self._pending = self._pending, None
+        return pending.wait() if pending is not None else None
+
+    @override
+    def teardown(self) -> None:
+        self.wait()
+
+    def _require_source(self, action: str) -> ShardedCheckpointSource:
+        if self._source is None:
+            raise RuntimeError(
+                f"DCPCheckpointIO cannot {action} a checkpoint before TwoDRecStrategy has sharded the model; "
+                "use it as TwoDRecStrategy's checkpoint_io (the default), not with another strategy."
+            )
+        return self._source

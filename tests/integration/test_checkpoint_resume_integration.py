@@ -1,0 +1,112 @@
+"""DCP checkpoints through Lightning: ModelCheckpoint + fit(ckpt_path=...) resume exactly, in separate launches."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys.checkpoint import is_committed, read_meta
+from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from multiprocess import run_ranks
+from oracle import make_model, shards_of
+
+WORLD_SIZE = 2
+STEPS_PER_EPOCH = 3
+CONFIG = SyntheticClickLogConfig(
+    table_sizes=[40, 64, 24], num_dense_features=4, pooling_factors=[2.0, 3.0, 1.0],
+    global_batch_size=16, train_batches=STEPS_PER_EPOCH, val_batches=1, seed=7,
+)
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append((trainer.global_step, float(outputs["loss"])))
+
+
+class _KillAt(Callback):
+    """SIGKILL this rank after a given step: a preempted node, no cleanup."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _fit(rank: int, world_size: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None, callbacks: list, every_n: int | None = None) -> dict:
+    losses = _Losses()
+    strategy = TwoDRecStrategy(
+        embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
+        sharding_types=["row_wise", "table_wise"],
+        process_group_timeout=60,
+    )
+    checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1, every_n_train_steps=every_n)
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=max_epochs, limit_val_batches=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[checkpoint, losses, *callbacks],
+    )
+    model = make_model()
+    model.dense_optimizer_name = "adagrad"  # stateful dense optimizer: its state must resume too
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+    return {"losses": losses.losses, "shards": shards_of(model), "global_step": trainer.global_step}
+
+
+def _uninterrupted(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 2, None, [])
+
+
+def _first_epoch(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 1, None, [])
+
+
+def _resume_last(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 2, "last", [])
+
+
+def test_resume_from_last_equals_uninterrupted_training(tmp_path):
+    full = run_ranks(_uninterrupted, WORLD_SIZE, str(tmp_path / "full"), timeout=240)
+    first = run_ranks(_first_epoch, WORLD_SIZE, str(tmp_path / "resumed"), timeout=240)
+    assert is_committed(tmp_path / "resumed" / "last.ckpt")
+    meta = read_meta(tmp_path / "resumed" / "last.ckpt")
+    assert (meta.world_size, meta.step) == (WORLD_SIZE, STEPS_PER_EPOCH)
+    resumed = run_ranks(_resume_last, WORLD_SIZE, str(tmp_path / "resumed"), timeout=240)  # a new process group
+
+    for rank in range(WORLD_SIZE):
+        assert first[rank]["losses"] == full[rank]["losses"][:STEPS_PER_EPOCH]
+        # Bit-exact on CPU: same data, same order of operations, every optimizer state restored.
+        assert resumed[rank]["losses"] == full[rank]["losses"][STEPS_PER_EPOCH:], rank
+        assert resumed[rank]["global_step"] == full[rank]["global_step"] == 2 * STEPS_PER_EPOCH
+        for key, pieces in full[rank]["shards"].items():
+            for (offsets, expected), (resumed_offsets, actual) in zip(pieces, resumed[rank]["shards"][key]):
+                assert offsets == resumed_offsets and torch.equal(actual, expected), f"rank {rank}: {key}"
+
+
+def _killed_at_step_5(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 3, None, [_KillAt(5)], every_n=2)
+
+
+def _resume_after_kill(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 3, "last", [], every_n=2)
+
+
+def test_kill_mid_epoch_then_resume_from_last_loses_only_the_steps_since_the_checkpoint(tmp_path):
+    ckpt_dir = str(tmp_path / "ckpts")
+    try:
+        run_ranks(_killed_at_step_5, WORLD_SIZE, ckpt_dir, timeout=240)
+        raise AssertionError("the ranks were supposed to be killed")
+    except AssertionError as killed:
+        assert "died without a result (exit code -9)" in str(killed)
+    last = read_meta(tmp_path / "ckpts" / "last.ckpt")
+    assert last.step == 4  # every 2 steps; step 5 was lost with the processes
+    resumed = run_ranks(_resume_after_kill, WORLD_SIZE, ckpt_dir, timeout=240)
+    assert all(r["global_step"] == 3 * STEPS_PER_EPOCH for r in resumed)
+    assert resumed[0]["losses"][0][0] == 5  # the first step after the restored step 4
