@@ -9,11 +9,11 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.checkpoint import is_committed, read_meta
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from multiprocess import run_ranks
-from oracle import make_model, shards_of
+from oracle import assemble, make_model, shards_of
 
 WORLD_SIZE = 2
 STEPS_PER_EPOCH = 3
@@ -42,12 +42,16 @@ class _KillAt(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _fit(rank: int, world_size: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None, callbacks: list, every_n: int | None = None) -> dict:
+def _fit(
+    rank: int, world_size: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None, callbacks: list,
+    every_n: int | None = None, async_save: bool = False,
+) -> dict:
     losses = _Losses()
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
         sharding_types=["row_wise", "table_wise"],
         process_group_timeout=60,
+        checkpoint_io=DCPCheckpointIO(async_save=async_save),
     )
     checkpoint = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1, every_n_train_steps=every_n)
     trainer = Trainer(
@@ -72,6 +76,10 @@ def _resume_last(rank, world_size, ckpt_dir):
     return _fit(rank, world_size, ckpt_dir, 2, "last", [])
 
 
+def _first_epoch_async(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 1, None, [], async_save=True)
+
+
 def test_resume_from_last_equals_uninterrupted_training(tmp_path):
     full = run_ranks(_uninterrupted, WORLD_SIZE, str(tmp_path / "full"), timeout=240)
     first = run_ranks(_first_epoch, WORLD_SIZE, str(tmp_path / "resumed"), timeout=240)
@@ -88,6 +96,21 @@ def test_resume_from_last_equals_uninterrupted_training(tmp_path):
         for key, pieces in full[rank]["shards"].items():
             for (offsets, expected), (resumed_offsets, actual) in zip(pieces, resumed[rank]["shards"][key]):
                 assert offsets == resumed_offsets and torch.equal(actual, expected), f"rank {rank}: {key}"
+
+    # The same checkpoint resumed on ONE rank (the whole global batch there): the same training,
+    # re-cut tables; equal to the 2-rank run up to summation order.
+    (single,) = run_ranks(_resume_last, 1, str(tmp_path / "resumed"), timeout=240)
+    like = make_model().dlrm.state_dict()
+    for key in single["shards"]:
+        torch.testing.assert_close(
+            assemble([single["shards"]], key, like[key]), assemble([r["shards"] for r in full], key, like[key]), msg=key
+        )
+
+
+def test_async_save_commits_a_loadable_checkpoint(tmp_path):
+    run_ranks(_first_epoch_async, WORLD_SIZE, str(tmp_path), timeout=240)
+    assert is_committed(tmp_path / "last.ckpt") and read_meta(tmp_path / "last.ckpt").step == STEPS_PER_EPOCH
+    assert all(r["global_step"] == 2 * STEPS_PER_EPOCH for r in run_ranks(_resume_last, WORLD_SIZE, str(tmp_path), timeout=240))
 
 
 def _killed_at_step_5(rank, world_size, ckpt_dir):
