@@ -43,11 +43,18 @@ from lightning_recsys.parallel import (
     shard_model,
 )
 from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
+from lightning_recsys.parallel.input_guard import (
+    VALIDATE_INPUTS,
+    CoordinatedBatches,
+    InputValidator,
+    ValidateInputs,
+    feature_tables,
+)
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
-from lightning_recsys.planner import TableConstraints, make_sharding_plan, summarize_plan
+from lightning_recsys.planner import TableConstraints, make_sharding_plan, plan_rows, summarize_plan
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 log = logging.getLogger(__name__)
@@ -90,6 +97,12 @@ class TwoDRecStrategy(ParallelStrategy):
             accumulators (default True).
         qcomms: precision of the embedding collectives: a preset (``"fp32"``, ``"bf16"``,
             ``"fp16"``, ``"fp8"``, ``"int8"``) or a ``QCommsConfig``; default fp32 (off).
+        validate_inputs: check every batch's sparse ids against the tables before the step:
+            ``"error"`` (default) stops every rank with the feature, table, id and example;
+            ``"warn"`` logs and goes on (FBGEMM then clamps the id to row 0); ``"off"``.
+        check_finite: stop every rank with the step number when the loss or a looked-up embedding
+            is not finite (also on with ``Trainer(detect_anomaly=True)``). Costs one small
+            all-reduce per step.
     """
 
     strategy_name = "twod_rec"
@@ -107,6 +120,8 @@ class TwoDRecStrategy(ParallelStrategy):
         sync_every_n_steps: int = 1,
         sync_optimizer_state: bool = True,
         qcomms: Union[str, QCommsConfig, None] = None,
+        validate_inputs: ValidateInputs = "error",
+        check_finite: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -139,7 +154,20 @@ class TwoDRecStrategy(ParallelStrategy):
             raise ValueError(f"layout={layout!r} is not one of {list(LAYOUTS)}.")
         if isinstance(sync_every_n_steps, bool) or not isinstance(sync_every_n_steps, int) or sync_every_n_steps < 1:
             raise ValueError(f"sync_every_n_steps={sync_every_n_steps!r} must be an integer >= 1.")
+        if validate_inputs not in VALIDATE_INPUTS:
+            raise ValueError(f"validate_inputs={validate_inputs!r} is not one of {list(VALIDATE_INPUTS)}.")
         self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
+        self._validate_inputs: ValidateInputs = validate_inputs
+        self._check_finite = bool(check_finite)
+        self._coordination_group: Optional[dist.ProcessGroup] = None
+        self._input_validator: Optional[InputValidator] = None
+        self._equal_batch_sizes_required = False
+        self._finite_checks = False
+        self._nonfinite: dict[str, list[str]] = {
+            "the training loss": [],
+            "looked-up embeddings": [],
+            "embedding gradients (the update FBGEMM applied in backward)": [],
+        }
         self.qcomms_config = QCommsConfig.parse(qcomms)
         self._effective_qcomms = resolve_qcomms(self.qcomms_config)
         self._sharding_group_size = sharding_group_size
@@ -239,6 +267,9 @@ class TwoDRecStrategy(ParallelStrategy):
             # Workaround: torch 2.13 aborts at interpreter exit ("terminate called without an active
             # exception", SIGABRT) when the default process group is never destroyed.
             atexit.register(_destroy_process_group_at_exit)
+        # A CPU group for the per-step batch handshake and failure diagnosis (gloo: monitored_barrier).
+        if self._coordination_group is None:
+            self._coordination_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=self._timeout)
         for warning in self._topology.layout_warnings():
             rank_zero_warn(warning)
         mesh = self.device_mesh  # collective: every rank builds it here
@@ -286,6 +317,8 @@ class TwoDRecStrategy(ParallelStrategy):
         self._validate_trainer(trainer)
         self.model = self._shard(self.lightning_module).dmp
         self.comm_accounting.start()
+        if self._check_finite or getattr(trainer, "_detect_anomaly", False):
+            self._install_finite_checks()
         assert isinstance(self.checkpoint_io, DCPCheckpointIO)
         self.checkpoint_io.connect(self)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -314,6 +347,7 @@ class TwoDRecStrategy(ParallelStrategy):
         if self._sharded is not None and self._sharded.dmp.module is module:
             return self._sharded  # a later fit/validate/test call on the same, already sharded module
         topology = self.topology
+        self._input_validator = InputValidator(feature_tables(module))  # also refuses tables without features
         allowed = self._sharding_types
         if allowed is None and not topology.is_1d:
             allowed = supported_sharding_types(self.root_device.type, two_d=True)
@@ -330,6 +364,10 @@ class TwoDRecStrategy(ParallelStrategy):
             constraints=self._table_constraints,
         )
         codecs.fix_block_size(plan)
+        # Row-wise pooling reduce-scatters, which needs the same batch size on every rank.
+        self._equal_batch_sizes_required = any(
+            row["sharding_type"] in ("row_wise", "table_row_wise", "grid_shard") for row in plan_rows(plan)
+        )
         rank_zero_info(
             f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks):\n{summarize_plan(plan)}"
             f"\nQComms (effective precisions):\n{self._effective_qcomms.describe()}"
@@ -389,6 +427,8 @@ class TwoDRecStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._finite_checks and _unwrap_optimizer(optimizer) is _unwrap_optimizer(self.optimizers[0]):
+            self._raise_if_nonfinite(before_update=False)
         first_optimizer = self.optimizers[0] if self.optimizers else None
         dp_optimizer = self._data_parallel_table_optimizer
         if _unwrap_optimizer(optimizer) is _unwrap_optimizer(first_optimizer):
@@ -423,6 +463,79 @@ class TwoDRecStrategy(ParallelStrategy):
 
     # Strategy hooks: evaluation and the end of training always see one synchronized model.
     on_validation_start = on_test_start = on_predict_start = on_train_end = _sync_if_pending
+
+    # ----------------------------------------------------------------- batches, inputs, non-finite values
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        if self._coordination_group is None or self._sharded is None:
+            return dataloader
+        return CoordinatedBatches(
+            dataloader,  # type: ignore[arg-type]
+            group=self._coordination_group,
+            validator=self._input_validator,
+            validate=self._validate_inputs,
+            equal_sizes_required=self._equal_batch_sizes_required,
+        )
+
+    def _install_finite_checks(self) -> None:
+        sharded = self.sharded_model
+        self._finite_checks = True
+        for fqn in sharded.embedding_module_fqns:
+            sharded.dmp.module.get_submodule(fqn).register_forward_hook(self._embedding_output_hook(fqn))
+
+    def _embedding_output_hook(self, fqn: str) -> Callable[..., None]:
+        def check(module: Module, inputs: Any, output: Any) -> None:
+            pooled = output.values()  # waits on TorchRec's lazy output (only while the check is on)
+            for tensor in [pooled] if isinstance(pooled, Tensor) else [jagged.values() for jagged in pooled]:
+                if not bool(torch.isfinite(tensor.detach()).all()):
+                    self._nonfinite["looked-up embeddings"].append(fqn)
+                if tensor.requires_grad:
+                    tensor.register_hook(lambda grad: self._note_nonfinite_grad(fqn, grad))
+
+        return check
+
+    def _note_nonfinite_grad(self, fqn: str, grad: Tensor) -> None:
+        if not bool(torch.isfinite(grad).all()):
+            self._nonfinite["embedding gradients (the update FBGEMM applied in backward)"].append(fqn)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if self._finite_checks:
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
+                self._nonfinite["the training loss"].append("loss")
+            self._raise_if_nonfinite(before_update=True)
+        return output
+
+    def _raise_if_nonfinite(self, *, before_update: bool) -> None:
+        """All ranks learn whether any rank saw a non-finite value, and raise together."""
+        kinds = list(self._nonfinite)
+        flags = torch.tensor([int(bool(self._nonfinite[k])) for k in kinds])
+        gathered = [torch.empty_like(flags) for _ in range(self.world_size)]
+        dist.all_gather(gathered, flags, group=self._coordination_group)
+        found = {k: [r for r, f in enumerate(gathered) if f[i]] for i, k in enumerate(kinds)}
+        local = {k: sorted(set(v)) for k, v in self._nonfinite.items()}
+        for values in self._nonfinite.values():
+            values.clear()
+        if any(found.values()):
+            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
+            what = "; ".join(f"{k} on rank(s) {ranks}" + (f" ({local[k]} here)" if local[k] else "") for k, ranks in found.items() if ranks)
+            when = "stopped before the embedding update" if before_update else "the tables' update at this step is already applied"
+            raise FloatingPointError(
+                f"TwoDRecStrategy(check_finite): non-finite values at step {step}: {what}; {when}. Lower the learning "
+                "rate or check the inputs, and resume from the last checkpoint."
+            )
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # A collective that failed usually means a peer died: name it where gloo's monitored barrier can.
+        if self._coordination_group is None or not _looks_like_lost_peer(exception):
+            return
+        try:
+            dist.monitored_barrier(group=self._coordination_group, timeout=timedelta(seconds=10), wait_all_ranks=True)
+        except Exception as barrier_error:  # noqa: BLE001 - diagnosis only; the original error propagates
+            log.error("TwoDRecStrategy: rank %d lost contact with other ranks: %s", self.global_rank, barrier_error)
 
     @property
     def data_parallel_table_optimizer(self) -> Optional[Optimizer]:
@@ -539,6 +652,13 @@ def _available(value: Optional[_T], attribute: str, after: str) -> _T:
     if value is None:
         raise RuntimeError(f"TwoDRecStrategy.{attribute} is available only after the Trainer has {after}.")
     return value
+
+
+def _looks_like_lost_peer(exception: BaseException) -> bool:
+    text = str(exception).lower()
+    return isinstance(exception, (RuntimeError, dist.DistError)) and any(
+        hint in text for hint in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "nccl")
+    )
 
 
 def _describe_topology(topology: ParallelTopology) -> str:

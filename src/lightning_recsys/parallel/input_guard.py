@@ -1,0 +1,236 @@
+"""Checking the sparse input before it reaches TorchRec, and keeping the ranks' batches in step.
+
+FBGEMM clamps an out-of-range id to row 0 and only logs it; a rank that runs out of batches (or
+gets an empty one, which row-wise sharding cannot take) leaves the others waiting in an all-to-all.
+Every rank therefore checks its batch, then all ranks exchange a few integers on a CPU (gloo)
+group before the step: whether each has a batch, its size, and whether its input is valid. They
+then act on the same facts: stop together, skip a step together, or raise the same error together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
+
+log = logging.getLogger(__name__)
+
+ValidateInputs = Literal["error", "warn", "off"]
+VALIDATE_INPUTS: tuple[str, ...] = ("error", "warn", "off")
+_ID_DTYPES = (torch.int32, torch.int64)
+_MAX_WARNINGS = 10
+
+
+class InvalidInputError(ValueError):
+    """A batch's sparse features do not fit the model's tables (raised on every rank)."""
+
+
+@dataclass(frozen=True)
+class TableRef:
+    table: str
+    rows: int
+
+
+def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
+    """Every sparse feature of ``module``'s TorchRec embedding modules and the tables it looks up.
+
+    Raises ``ValueError`` for a table without features (it could never be looked up).
+    """
+    features: dict[str, list[TableRef]] = {}
+    for fqn, sub in module.named_modules():
+        if isinstance(sub, EmbeddingBagCollection):
+            configs = sub.embedding_bag_configs()
+        elif isinstance(sub, EmbeddingCollection):
+            configs = sub.embedding_configs()
+        else:
+            continue
+        for config in configs:
+            if not config.feature_names:
+                raise ValueError(
+                    f"table {config.name!r} in {fqn or type(module).__name__} has no feature_names, so no input can "
+                    "reach it; give it at least one feature or remove it."
+                )
+            for feature in config.feature_names:
+                features.setdefault(feature, []).append(TableRef(config.name, config.num_embeddings))
+    return features
+
+
+class InputValidator:
+    """Vectorized checks of a KeyedJaggedTensor against the model's features and table sizes."""
+
+    def __init__(self, features: dict[str, list[TableRef]]) -> None:
+        self.features = features
+        # A feature feeding several tables must fit the smallest.
+        self._limit = {f: min(refs, key=lambda r: r.rows) for f, refs in features.items()}
+
+    def problems(self, kjt: KeyedJaggedTensor, *, batch: int) -> list[str]:
+        """Human-readable problems with ``kjt`` (empty when it is valid)."""
+        keys = list(kjt.keys())
+        missing = sorted(set(self.features) - set(keys))
+        extra = sorted(set(keys) - set(self.features))
+        problems = []
+        if missing:
+            problems.append(f"batch {batch}: the batch has no values for feature(s) {missing} that the model's tables need")
+        if extra:
+            problems.append(
+                f"batch {batch}: the batch has feature(s) {extra} that no table uses (the model's features: {sorted(self.features)})"
+            )
+        values, lengths = kjt.values(), kjt.lengths()
+        for name, tensor in (("values", values), ("lengths", lengths)):
+            if tensor.dtype not in _ID_DTYPES:
+                problems.append(f"batch {batch}: KeyedJaggedTensor {name} have dtype {tensor.dtype}; use torch.int64 or torch.int32")
+        if problems:
+            return problems
+        batch_size = kjt.stride()
+        if lengths.numel() != len(keys) * batch_size:
+            return [f"batch {batch}: {lengths.numel()} lengths for {len(keys)} features x batch size {batch_size}"]
+        total = int(lengths.sum())
+        if total != values.numel():
+            return [f"batch {batch}: the lengths sum to {total} but there are {values.numel()} values"]
+        return self._out_of_range(kjt, keys, values, lengths, batch_size, batch)
+
+    def _out_of_range(
+        self, kjt: KeyedJaggedTensor, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, batch_size: int, batch: int
+    ) -> list[str]:
+        per_key = lengths.view(len(keys), batch_size).sum(dim=1)
+        limits = torch.tensor([self._limit[k].rows for k in keys], dtype=values.dtype, device=values.device)
+        bounds = torch.repeat_interleave(limits, per_key)
+        bad = (values < 0) | (values >= bounds)
+        if not bool(bad.any()):
+            return []
+        position = int(torch.nonzero(bad)[0])
+        segment = int(torch.searchsorted(kjt.offsets(), torch.tensor(position, device=values.device), right=True)) - 1
+        key = keys[segment // batch_size]
+        ref = self._limit[key]
+        return [
+            f"batch {batch}: feature {key!r} has id {int(values[position])} at example {segment % batch_size}, but table "
+            f"{ref.table!r} has {ref.rows} rows (valid ids are 0..{ref.rows - 1}); {int(bad.sum())} id(s) out of range "
+            "in this batch. Hash or clamp ids in your data pipeline, or enlarge the table."
+        ]
+
+
+def find_kjts(batch: Any) -> list[KeyedJaggedTensor]:
+    """The KeyedJaggedTensors in a batch (a RecBatch, dict, list, tuple or dataclass)."""
+    if isinstance(batch, KeyedJaggedTensor):
+        return [batch]
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return [k for f in dataclasses.fields(batch) for k in find_kjts(getattr(batch, f.name))]
+    if isinstance(batch, dict):
+        return [k for v in batch.values() for k in find_kjts(v)]
+    if isinstance(batch, (list, tuple)):
+        return [k for v in batch for k in find_kjts(v)]
+    return []
+
+
+@dataclass(frozen=True)
+class RankBatch:
+    """What one rank tells the others about its next batch."""
+
+    has_batch: bool
+    size: int  # examples; -1 when the batch carries no KeyedJaggedTensor to count
+    problems: int
+
+
+class CoordinatedBatches:
+    """Wraps a rank's dataloader so that all ranks stop, skip or fail on the same step.
+
+    * a rank runs out of batches: every rank stops there (the others' extra batches are dropped);
+    * a rank's batch is empty, or sizes differ where the plan needs equal ones (row-wise's
+      reduce-scatter): every rank skips that step;
+    * invalid input on any rank: every rank raises ``InvalidInputError`` with all ranks' problems
+      (``validate="error"``), or logs them and goes on (``"warn"``; FBGEMM then clamps).
+    """
+
+    def __init__(
+        self,
+        loader: Iterable[Any],
+        *,
+        group: dist.ProcessGroup,
+        validator: InputValidator | None,
+        validate: ValidateInputs,
+        equal_sizes_required: bool,
+    ) -> None:
+        self.loader = loader
+        self._group = group
+        self._validator = validator if validate != "off" else None
+        self._validate = validate
+        self._equal_sizes_required = equal_sizes_required
+        self._warnings = 0
+        self.dropped_batches = 0
+        self.skipped_steps = 0
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)  # sampler, dataset, batch_size, ... for Lightning
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.loader)
+        for index in itertools.count():
+            batch = next(iterator, _END)
+            problems = self._check(batch, index) if batch is not _END else []
+            others = self._exchange(batch, problems)
+            if not all(r.has_batch for r in others):
+                self._note_dropped(others)
+                return
+            if any(r.problems for r in others):
+                self._report(problems)
+                if self._validate == "error":
+                    return  # unreachable: _report raised
+            sizes = {r.size for r in others if r.size >= 0}
+            if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
+                self.skipped_steps += 1
+                self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
+                continue
+            yield batch
+
+    def _check(self, batch: Any, index: int) -> list[str]:
+        if self._validator is None:
+            return []
+        return [p for kjt in find_kjts(batch) for p in self._validator.problems(kjt, batch=index)]
+
+    def _exchange(self, batch: Any, problems: list[str]) -> list[RankBatch]:
+        kjts = find_kjts(batch) if batch is not _END else []
+        size = kjts[0].stride() if kjts else -1
+        mine = torch.tensor([int(batch is not _END), size, len(problems)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather(gathered, mine, group=self._group)
+        return [RankBatch(bool(t[0]), int(t[1]), int(t[2])) for t in gathered]
+
+    def _report(self, problems: list[str]) -> None:
+        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather_object(everyone, problems, group=self._group)
+        lines = [f"rank {rank}: {p}" for rank, rank_problems in enumerate(everyone) for p in rank_problems]
+        message = "invalid sparse input (TwoDRecStrategy validate_inputs=" + repr(self._validate) + "):\n  " + "\n  ".join(lines)
+        if self._validate == "error":
+            raise InvalidInputError(message + "\nSet validate_inputs='warn' to log and continue (FBGEMM clamps such ids to row 0).")
+        self._warn(message)
+
+    def _note_dropped(self, others: list[RankBatch]) -> None:
+        ahead = sum(r.has_batch for r in others)
+        if ahead:
+            self.dropped_batches += ahead
+            self._warn(
+                f"ranks ran out of batches unevenly (ranks with a batch left: "
+                f"{[i for i, r in enumerate(others) if r.has_batch]}); every rank stops here, dropping those batches"
+            )
+
+    def _warn(self, message: str) -> None:
+        self._warnings += 1
+        if self._warnings <= _MAX_WARNINGS:
+            suffix = " (further warnings suppressed)" if self._warnings == _MAX_WARNINGS else ""
+            log.warning("TwoDRecStrategy: %s%s", message, suffix)
+
+
+_END = object()

@@ -1,0 +1,238 @@
+"""The per-shard load model the balanced planner optimizes and the plan report measures.
+
+Every shard of a plan costs its rank three things per training step:
+
+* **storage**: TorchRec's storage estimate of the shard (weights, optimizer state, I/O
+  buffers), in the tier the device uses (HBM on CUDA, DDR on CPU);
+* **lookups**: embedding rows read per step, counted in full-width rows: a column shard with
+  ``c`` of a table's ``d`` columns counts ``c / d`` per id, a row-wise shard counts the ids that
+  land in its rows, a data-parallel replica counts its own rank's ids;
+* **comm bytes**: the bytes its embedding exchange moves between its rank and the other ranks of
+  the sharding group, at the configured QComms precision: pooled outputs (forward), their
+  gradients (backward) and the ids routed to it (input distribution). Following TorchRec's
+  estimator, the whole exchange of a shard is counted on the rank that holds it. Data-parallel
+  tables exchange nothing; their gradient all-reduce is counted separately.
+
+With ``b`` examples per rank, ``G`` ranks in the group, ``L`` ids per example and wire bytes
+``f``/``g`` per value forward/backward, a table-wise or column-wise shard of ``c`` columns moves
+``b (G-1) (c (f + g) + L idx)`` bytes, a row-wise shard ``b (G-1) (d (f + g) + s L idx)`` where
+``s`` is its share of the ids (row-wise sums partial outputs over the whole batch, so its payload
+does not shrink with its rows), and a data-parallel table all-reduces ``2 (G-1)/G rows d 4``
+gradient bytes on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+from torchrec.distributed.planner.types import ShardingOption
+from torchrec.distributed.types import CommOp, ModuleSharder, ShardingType
+
+from lightning_recsys.parallel.qcomms import BlockScaledCodec, CastCodec
+from lightning_recsys.planner.stats import TableStats
+
+METRICS: tuple[str, str, str] = ("storage", "lookups", "comm")
+
+_ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
+_SCALE_BYTES = 4.0  # our block-scaled fp8/int8 codecs send one fp32 scale per block (see parallel/qcomms.py)
+
+
+@dataclass(frozen=True, kw_only=True)
+class WireFormat:
+    """Bytes on the wire per embedding value, per direction, plus any fixed bytes per row (block scales).
+
+    Args:
+        forward, backward: bytes per value of the pooled outputs and of their gradients, > 0.
+        forward_row_bytes, backward_row_bytes: extra bytes per row sent (e.g. 4 for the fp32 scale of
+            a block-scaled fp8/int8 row), >= 0.
+    """
+
+    forward: float = 4.0
+    backward: float = 4.0
+    forward_row_bytes: float = 0.0
+    backward_row_bytes: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"WireFormat({name}={value}) must be > 0 bytes per value.")
+        for name in ("forward_row_bytes", "backward_row_bytes"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ValueError(f"WireFormat({name}={value}) must be >= 0.")
+
+    def row_bytes(self, columns: int) -> float:
+        """Bytes of one row of ``columns`` values, forward plus backward."""
+        return columns * (self.forward + self.backward) + self.forward_row_bytes + self.backward_row_bytes
+
+    def describe(self) -> str:
+        extra = f" + {self.forward_row_bytes:g}/{self.backward_row_bytes:g} B/row" if self.forward_row_bytes or self.backward_row_bytes else ""
+        return f"{self.forward:g}/{self.backward:g} B/value{extra}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommCosts:
+    """Wire formats of the embedding collectives, and the id and gradient sizes.
+
+    Args:
+        pooled_all_to_all: table/column-wise pooled outputs (TorchRec ``POOLED_EMBEDDINGS_ALL_TO_ALL``).
+        reduce_scatter: row-wise pooled outputs (``POOLED_EMBEDDINGS_REDUCE_SCATTER``).
+        sequence_all_to_all: unpooled (EmbeddingCollection) outputs (``SEQUENCE_EMBEDDINGS_ALL_TO_ALL``).
+        index_bytes: bytes per id in the input distribution (8: int64 ids), > 0.
+        dense_grad_bytes: bytes per value of a data-parallel table's gradient all-reduce, > 0.
+    """
+
+    pooled_all_to_all: WireFormat = WireFormat()
+    reduce_scatter: WireFormat = WireFormat()
+    sequence_all_to_all: WireFormat = WireFormat()
+    index_bytes: float = 8.0
+    dense_grad_bytes: float = 4.0
+
+    def __post_init__(self) -> None:
+        for name in ("index_bytes", "dense_grad_bytes"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"CommCosts({name}={value}) must be > 0 bytes.")
+
+    @classmethod
+    def uniform(cls, forward: float, backward: float, **kwargs: Any) -> CommCosts:
+        """The same bytes per value (forward, backward) on every embedding collective."""
+        wire = WireFormat(forward=forward, backward=backward)
+        return cls(pooled_all_to_all=wire, reduce_scatter=wire, sequence_all_to_all=wire, **kwargs)
+
+    @classmethod
+    def from_sharders(cls, sharders: Sequence[ModuleSharder[nn.Module]], **kwargs: Any) -> CommCosts:
+        """Read the wire formats from the sharders' ``qcomm_codecs_registry`` (fp32 where none is set)."""
+        registry: dict[str, Any] = {}
+        for sharder in sharders:
+            registry.update(getattr(sharder, "qcomm_codecs_registry", None) or {})
+        return cls(
+            pooled_all_to_all=_wire_format(registry.get(CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name)),
+            reduce_scatter=_wire_format(registry.get(CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER.name)),
+            sequence_all_to_all=_wire_format(registry.get(CommOp.SEQUENCE_EMBEDDINGS_ALL_TO_ALL.name)),
+            **kwargs,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"pooled all-to-all {self.pooled_all_to_all.describe()}, reduce-scatter {self.reduce_scatter.describe()}, "
+            f"sequence all-to-all {self.sequence_all_to_all.describe()}, ids {self.index_bytes:g} B"
+        )
+
+
+def _wire_format(codecs: Any) -> WireFormat:
+    if codecs is None:
+        return WireFormat()
+    forward, forward_row = _codec_bytes(codecs.forward)
+    backward, backward_row = _codec_bytes(codecs.backward)
+    return WireFormat(forward=forward, backward=backward, forward_row_bytes=forward_row, backward_row_bytes=backward_row)
+
+
+def _codec_bytes(codec: Any) -> tuple[float, float]:
+    if isinstance(codec, BlockScaledCodec):
+        # One byte per value plus a 4-byte scale per block; the block is a shard row at best (it is
+        # the gcd of all shard widths, known only once the plan is), so this is a lower bound.
+        return 1.0, _SCALE_BYTES
+    if isinstance(codec, CastCodec):
+        return float(codec.quantized_dtype.itemsize), 0.0
+    dtype = getattr(codec, "quantized_dtype", None)
+    return (float(dtype.itemsize) if dtype is not None else 4.0), 0.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class BalanceWeights:
+    """How much each per-rank cost counts in the balanced planner's objective (all >= 0, not all 0)."""
+
+    storage: float = 1.0
+    lookups: float = 1.0
+    comm: float = 1.0
+
+    def __post_init__(self) -> None:
+        values = self.as_tuple()
+        if any(v < 0 for v in values) or not any(v > 0 for v in values):
+            raise ValueError(f"BalanceWeights(storage={self.storage}, lookups={self.lookups}, comm={self.comm}) must be >= 0 and not all 0.")
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        return (self.storage, self.lookups, self.comm)
+
+
+@dataclass(frozen=True)
+class ShardCost:
+    """One shard's per-step cost on its rank; ``comm`` is ``a2a_bytes + allreduce_bytes``."""
+
+    storage: float
+    lookups: float
+    a2a_bytes: float
+    allreduce_bytes: float
+
+    @property
+    def comm(self) -> float:
+        return self.a2a_bytes + self.allreduce_bytes
+
+    def vector(self) -> tuple[float, float, float]:
+        return (self.storage, self.lookups, self.comm)
+
+
+@dataclass(frozen=True)
+class Imbalance:
+    """Max and mean of a per-rank quantity; ``ratio`` is max / mean (1.0 when everything is 0)."""
+
+    max: float
+    mean: float
+
+    @property
+    def ratio(self) -> float:
+        return self.max / self.mean if self.mean > 0 else 1.0
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Imbalance:
+        if not values:
+            raise ValueError("Imbalance.of(values=[]) needs at least one rank's value.")
+        return cls(max=float(max(values)), mean=float(sum(values)) / len(values))
+
+
+def storage_tier(compute_device: str) -> str:
+    """The Storage field a device's embedding shards live in (TorchRec: hbm on accelerators, ddr on CPU)."""
+    return "hbm" if compute_device in ("cuda", "mtia") else "ddr"
+
+
+def shard_cost(
+    option: ShardingOption,
+    shard_index: int,
+    *,
+    stats: TableStats,
+    batch_size: int,
+    group_size: int,
+    comm: CommCosts,
+    tier: str,
+) -> ShardCost:
+    """The per-step cost of ``option.shards[shard_index]`` on its rank (see the module docstring)."""
+    shard = option.shards[shard_index]
+    rows_total, dim = int(option.tensor.shape[0]), int(option.tensor.shape[1])
+    row_offset, col_offset = int(shard.offset[0]), int(shard.offset[1])
+    rows, cols = int(shard.size[0]), int(shard.size[1])
+    sharding_type = option.sharding_type
+    ids_per_step = batch_size * group_size * stats.lookups_per_example  # ids of the whole group's batch
+    storage = float(getattr(shard.storage, tier)) if shard.storage is not None else 0.0
+    peers = group_size - 1
+
+    if sharding_type == ShardingType.DATA_PARALLEL.value:
+        grad_bytes = 2.0 * peers / group_size * rows_total * dim * comm.dense_grad_bytes
+        return ShardCost(storage, batch_size * stats.lookups_per_example, 0.0, grad_bytes)
+
+    id_share = stats.share_of_rows(row_offset, row_offset + rows, rows_total) if sharding_type in _ROW_SHARDED else 1.0
+    lookups = ids_per_step * id_share * cols / dim  # table-/row-wise shards have every column
+    ids_bytes = batch_size * peers * stats.lookups_per_example * id_share * comm.index_bytes
+    if not option.is_pooled:
+        # Unpooled (sequence) outputs send one vector per id.
+        payload = batch_size * peers * stats.lookups_per_example * id_share * comm.sequence_all_to_all.row_bytes(cols)
+    elif sharding_type in _ROW_SHARDED:
+        # Row-wise shards hold partial sums for every example of the group, whatever their rows.
+        payload = batch_size * peers * comm.reduce_scatter.row_bytes(cols)
+    else:
+        payload = batch_size * peers * comm.pooled_all_to_all.row_bytes(cols)
+    return ShardCost(storage, lookups, payload + ids_bytes, 0.0)
