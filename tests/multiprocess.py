@@ -44,12 +44,18 @@ def _rank_entry(
 
 
 def run_ranks(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0, ranks_per_node: int | None = None
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    ranks_per_node: int | None = None,
+    grace_after_failure: float = 3.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return results by rank.
 
     ``ranks_per_node`` emulates several nodes on this machine: NODE_RANK and LOCAL_RANK are set as
-    a launcher would for ``world_size // ranks_per_node`` nodes (default: one node).
+    a launcher would for ``world_size // ranks_per_node`` nodes (default: one node). After a first
+    failure the others get ``grace_after_failure`` seconds to report before they are killed.
 
     Fails (never hangs) when a rank raises, dies, or the whole run exceeds ``timeout`` seconds; the
     error names the ranks. Every process is killed before this returns.
@@ -78,11 +84,11 @@ def run_ranks(
                 for r, p in enumerate(procs):
                     if r not in outputs and r not in failures and not p.is_alive() and p.exitcode != 0:
                         failures[r] = f"rank {r} died without a result (exit code {p.exitcode})"
-                        grace_until = grace_until or time.monotonic() + 3.0
+                        grace_until = grace_until or time.monotonic() + grace_after_failure
                 continue
             if status == "error":
                 failures[rank] = f"rank {rank} failed:\n{value}"
-                grace_until = grace_until or time.monotonic() + 3.0
+                grace_until = grace_until or time.monotonic() + grace_after_failure
             else:
                 outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
         if failures:

@@ -101,9 +101,8 @@ def fit_sharded(
 
 
 def sgd_strategy(**kwargs: object) -> TwoDRecStrategy:
-    return TwoDRecStrategy(
-        embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), process_group_timeout=60, **kwargs
-    )
+    kwargs.setdefault("process_group_timeout", 60)
+    return TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), **kwargs)
 
 
 def shards_of(model: DLRMRanker) -> Shards:

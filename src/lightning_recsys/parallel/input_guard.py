@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,10 +43,11 @@ class TableRef:
 def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
     """Every sparse feature of ``module``'s TorchRec embedding modules and the tables it looks up.
 
-    Raises ``ValueError`` for a table without features (it could never be looked up).
+    (TorchRec gives a table configured without features one named after the table, so a batch
+    that lacks it is reported as a missing feature.)
     """
     features: dict[str, list[TableRef]] = {}
-    for fqn, sub in module.named_modules():
+    for sub in module.modules():
         if isinstance(sub, EmbeddingBagCollection):
             configs = sub.embedding_bag_configs()
         elif isinstance(sub, EmbeddingCollection):
@@ -53,11 +55,6 @@ def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
         else:
             continue
         for config in configs:
-            if not config.feature_names:
-                raise ValueError(
-                    f"table {config.name!r} in {fqn or type(module).__name__} has no feature_names, so no input can "
-                    "reach it; give it at least one feature or remove it."
-                )
             for feature in config.feature_names:
                 features.setdefault(feature, []).append(TableRef(config.name, config.num_embeddings))
     return features
@@ -234,3 +231,26 @@ class CoordinatedBatches:
 
 
 _END = object()
+
+
+def report_lost_ranks(rank: int, world_size: int, *, wait_seconds: float) -> str:
+    """After a failed collective: which ranks are gone? Survivors check in on the rendezvous store.
+
+    Every surviving rank writes a key and waits up to ``wait_seconds`` for the others'; a rank
+    that never checks in is reported lost (dead, or stuck in a collective). If the store itself is
+    unreachable, its host (rank 0's node) is the one lost.
+    """
+    # torch keeps the store of init_process_group private; it is the only channel left once a rank is gone.
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"lightning_recsys/survivor/{rank}", "1")
+        deadline = time.monotonic() + wait_seconds
+        missing = list(range(world_size))
+        while missing and time.monotonic() < deadline:
+            missing = [r for r in missing if not store.check([f"lightning_recsys/survivor/{r}"])]
+            time.sleep(0.2)
+    except Exception as error:  # noqa: BLE001 - this is a diagnosis; the original error propagates
+        return f"the rendezvous store (hosted with rank 0) is unreachable ({error}); rank 0 is probably lost"
+    if not missing:
+        return "every rank is still alive; the failure is not a lost rank (see the other ranks' errors)"
+    return f"lost rank(s) {missing}: they did not check in within {wait_seconds:.0f}s of the failure (dead, or stuck in a collective)"

@@ -49,6 +49,7 @@ from lightning_recsys.parallel.input_guard import (
     InputValidator,
     ValidateInputs,
     feature_tables,
+    report_lost_ranks,
 )
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
@@ -529,13 +530,10 @@ class TwoDRecStrategy(ParallelStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        # A collective that failed usually means a peer died: name it where gloo's monitored barrier can.
-        if self._coordination_group is None or not _looks_like_lost_peer(exception):
-            return
-        try:
-            dist.monitored_barrier(group=self._coordination_group, timeout=timedelta(seconds=10), wait_all_ranks=True)
-        except Exception as barrier_error:  # noqa: BLE001 - diagnosis only; the original error propagates
-            log.error("TwoDRecStrategy: rank %d lost contact with other ranks: %s", self.global_rank, barrier_error)
+        # A collective that failed usually means a peer died; name it where the rendezvous store can tell.
+        if _distributed_is_initialized() and _looks_like_lost_peer(exception):
+            lost = report_lost_ranks(self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()))
+            log.error("TwoDRecStrategy: rank %d: %s", self.global_rank, lost)
 
     @property
     def data_parallel_table_optimizer(self) -> Optional[Optimizer]:

@@ -1,0 +1,184 @@
+"""Failure behaviour with real processes (gloo): bad ids, uneven and empty batches, NaN, a dead rank, a soak."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from torch.utils.data import DataLoader, IterableDataset
+
+from lightning_recsys import TwoDRecStrategy
+from lightning_recsys.data import RecBatch, SyntheticClickLog, slice_batch
+from multiprocess import run_ranks
+from oracle import CONFIG, make_model, sgd_strategy
+
+PG_TIMEOUT = 20
+
+
+class _PerRankBatches(IterableDataset):
+    """Rank r yields ``counts[r]`` slices of the oracle's global batches, each passed through ``edit``."""
+
+    def __init__(self, rank: int, world: int, counts: list[int], edit: Callable[[int, int, RecBatch], RecBatch]) -> None:
+        self.rank, self.world, self.counts, self.edit = rank, world, counts, edit
+
+    def __iter__(self):
+        log, local = SyntheticClickLog(CONFIG), CONFIG.global_batch_size // self.world
+        for i in range(self.counts[self.rank]):
+            batch = slice_batch(log.global_batch("train", i % CONFIG.train_batches), self.rank * local, (self.rank + 1) * local)
+            yield self.edit(self.rank, i, batch)
+
+
+class _DataModule(LightningDataModule):
+    def __init__(self, counts: list[int], edit: Callable[[int, int, RecBatch], RecBatch] = lambda r, i, b: b) -> None:
+        super().__init__()
+        self.counts, self.edit = counts, edit
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(_PerRankBatches(self.trainer.global_rank, self.trainer.world_size, self.counts, self.edit), batch_size=None)
+
+
+def _fit(world_size: int, data: LightningDataModule, strategy: TwoDRecStrategy, max_steps: int = 100, **trainer_kwargs) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu", devices=trainer_kwargs.pop("devices", world_size), strategy=strategy, max_steps=max_steps,
+        max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(make_model(), datamodule=data)
+    return trainer
+
+
+# ----------------------------------------------------------------- a bad id on one rank
+def _bad_id_on_rank_1(rank: int, world_size: int) -> None:
+    def edit(r: int, i: int, batch: RecBatch) -> RecBatch:
+        if r == 1 and i == 2:
+            batch.sparse.values()[0] = 10_000
+        return batch
+
+    _fit(world_size, _DataModule([5, 5], edit), sgd_strategy(sharding_types=["table_wise"], process_group_timeout=PG_TIMEOUT))
+
+
+def test_out_of_range_id_on_one_rank_stops_every_rank_with_the_culprit():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_bad_id_on_rank_1, 2, timeout=120, grace_after_failure=PG_TIMEOUT + 30)
+    message = str(failed.value)
+    for rank in (0, 1):
+        assert f"rank {rank} failed" in message and "InvalidInputError" in message
+    assert "rank 1: batch 2: feature 'sparse_0' has id 10000 at example 0, but table 't_sparse_0' has 40 rows" in message
+    assert time.monotonic() - start < 120
+
+
+# ----------------------------------------------------------------- uneven and empty batches
+def _uneven(rank: int, world_size: int, sharding_type: str) -> int:
+    def edit(r: int, i: int, batch: RecBatch) -> RecBatch:
+        return slice_batch(batch, 0, 0) if (r == 1 and i == 1) else batch  # an empty batch on rank 1
+
+    trainer = _fit(world_size, _DataModule([5, 4], edit), sgd_strategy(sharding_types=[sharding_type], process_group_timeout=PG_TIMEOUT))
+    return trainer.global_step
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
+def test_uneven_and_empty_batches_neither_hang_nor_crash(sharding_type):
+    # Rank 0 has 5 batches, rank 1 has 4 with an empty one: the empty step is skipped on both ranks,
+    # and both stop when rank 1 runs out (rank 0's 5th batch is dropped).
+    steps = run_ranks(_uneven, 2, sharding_type, timeout=120)
+    assert steps == [3, 3]
+
+
+# ----------------------------------------------------------------- NaN
+def _nan_on_rank_1(rank: int, world_size: int) -> None:
+    def edit(r: int, i: int, batch: RecBatch) -> RecBatch:
+        if r == 1 and i == 2:
+            batch.dense[0, 0] = float("nan")
+        return batch
+
+    _fit(world_size, _DataModule([5, 5], edit), sgd_strategy(check_finite=True, process_group_timeout=PG_TIMEOUT))
+
+
+def test_non_finite_loss_stops_every_rank_with_the_step():
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_nan_on_rank_1, 2, timeout=120, grace_after_failure=PG_TIMEOUT + 30)
+    message = str(failed.value)
+    for rank in (0, 1):
+        assert f"rank {rank} failed" in message
+    assert message.count("FloatingPointError: TwoDRecStrategy(check_finite): non-finite values at step 2: the training loss on rank(s) [1]") == 2
+
+
+# ----------------------------------------------------------------- a rank dies
+class _KillRank(Callback):
+    def __init__(self, rank: int, step: int) -> None:
+        self.rank, self.step = rank, step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _train_until_rank_1_dies(rank: int, world_size: int, log_dir: str, group_size: int) -> None:
+    import logging
+
+    handler = logging.FileHandler(Path(log_dir) / f"rank{rank}.log")
+    logging.getLogger("lightning_recsys").addHandler(handler)
+    strategy = sgd_strategy(sharding_types=["table_wise"], sharding_group_size=group_size, process_group_timeout=PG_TIMEOUT)
+    per_node = 2 if world_size == 4 else world_size
+    _fit(world_size, _DataModule([50] * world_size), strategy, devices=per_node, num_nodes=world_size // per_node,
+         callbacks=[_KillRank(1, 3)])
+
+
+@pytest.mark.parametrize(("world_size", "group_size"), [(2, 2), (4, 2)], ids=["1d-2-ranks", "2d-2x2"])
+def test_dead_rank_makes_every_other_rank_exit_within_the_timeout(world_size, group_size, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(
+            _train_until_rank_1_dies, world_size, str(tmp_path), group_size, timeout=PG_TIMEOUT + 120,
+            grace_after_failure=PG_TIMEOUT + 30, ranks_per_node=2,
+        )
+    elapsed = time.monotonic() - start
+    message = str(failed.value)
+    assert "rank 1 died without a result (exit code -9)" in message
+    survivors = [r for r in range(world_size) if r != 1]
+    for rank in survivors:
+        # Each survivor raised on its own (was not killed by the harness), within timeout + 30 s.
+        assert f"rank {rank} failed" in message, message[-3000:]
+    assert elapsed < PG_TIMEOUT + 30 + 60, f"took {elapsed:.0f}s"
+    # Survivors check in on the rendezvous store and name the ranks that did not (a rank still stuck
+    # in a collective is named too); once rank 0 has exited, the store is gone and that is said.
+    reports = {r: (tmp_path / f"rank{r}.log").read_text() for r in survivors}
+    named = [re.search(r"lost rank\(s\) \[([\d, ]+)\]", text) for text in reports.values()]
+    assert any(m and "1" in m.group(1).split(", ") for m in named), reports
+    for rank, text in reports.items():
+        assert "lost rank(s) [" in text or "rank 0 is probably lost" in text, (rank, text)
+
+
+# ----------------------------------------------------------------- soak
+class _Rss(Callback):
+    def __init__(self) -> None:
+        self.samples: dict[int, float] = {}
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step % 100 == 0:
+            pages = int(Path("/proc/self/statm").read_text().split()[1])
+            self.samples[trainer.global_step] = pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _soak(rank: int, world_size: int, steps: int) -> dict[int, float]:
+    rss = _Rss()
+    # 2D: two replicas of one rank each, synced every step.
+    _fit(world_size, _DataModule([steps] * world_size), sgd_strategy(sharding_group_size=1), max_steps=steps, callbacks=[rss])
+    return rss.samples
+
+
+def test_soak_2d_memory_stays_flat():
+    steps = 2000
+    results = run_ranks(_soak, 2, steps, timeout=600)
+    for rank, samples in enumerate(results):
+        warm, end = samples[200], samples[steps]
+        print(f"soak rank {rank}: RSS {warm:.1f} MiB at step 200 -> {end:.1f} MiB at step {steps} ({(end / warm - 1) * 100:+.2f}%)")
+        assert end < warm * 1.10, samples

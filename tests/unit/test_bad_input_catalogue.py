@@ -1,0 +1,112 @@
+"""The bad-input catalogue: each wrong config or input gets one clear error that names the culprit.
+
+Each row: a name, a callable that must raise, the exception type, and a pattern the message must
+match (it names the argument, feature, table, file or rank at fault, and usually the fix).
+Multi-process cases (a rank's bad ids, NaN, a dead rank) are in tests/integration/test_reliability_integration.py.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
+
+from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unsharded
+from lightning_recsys.data import CriteoDataModule, MalformedLineError, SyntheticClickLogConfig
+from lightning_recsys.data.criteo import CriteoDataset
+from lightning_recsys.models import DLRMRanker
+from lightning_recsys.parallel.input_guard import InputValidator, feature_tables
+from lightning_recsys.parallel.sharders import validate_sharding_types
+
+VALIDATOR = InputValidator(feature_tables(DLRMRanker(table_sizes=[10, 20], num_dense_features=2, embedding_dim=4, dense_arch_layer_sizes=[4])))
+
+
+def _kjt(keys=("sparse_0", "sparse_1"), values=(1, 2, 3), lengths=(1, 1, 0, 1), values_dtype=torch.int64) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(keys=list(keys), values=torch.tensor(values, dtype=values_dtype), lengths=torch.tensor(lengths))
+
+
+def _raise_problems(kjt: KeyedJaggedTensor) -> None:
+    problems = VALIDATOR.problems(kjt, batch=7)
+    if problems:
+        raise ValueError("\n".join(problems))
+
+
+def _strategy_on(devices: int, num_nodes: int, **kwargs) -> TwoDRecStrategy:
+    strategy = TwoDRecStrategy(parallel_devices=[torch.device("cpu")] * devices, **kwargs)
+    strategy.num_nodes = num_nodes
+    strategy._topology = strategy._make_topology()
+    return strategy
+
+
+def _read_criteo(tmp: Path, line: str) -> None:
+    path = tmp / "day.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(line + "\n")
+    list(CriteoDataset(CriteoDataModule([str(path)], table_sizes=10, global_batch_size=1).config, "train"))
+
+
+def _table_without_features() -> None:
+    # TorchRec names the feature of a table configured without one after the table.
+    ebc = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="orphan", embedding_dim=4, num_embeddings=5, feature_names=[])])
+    problems = InputValidator(feature_tables(torch.nn.Sequential(ebc))).problems(_kjt(keys=("sparse_0", "sparse_1")), batch=0)
+    raise ValueError("\n".join(problems))
+
+
+def _uncommitted_checkpoint(tmp: Path) -> None:
+    (tmp / "half").mkdir()
+    load_unsharded(tmp / "half", DLRMRanker(table_sizes=[5]))
+
+
+CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
+    ("id out of range", lambda t: _raise_problems(_kjt(values=(1, 2, 25))), ValueError,
+     r"batch 7: feature 'sparse_1' has id 25 at example 1, but table 't_sparse_1' has 20 rows \(valid ids are 0..19\)"),
+    ("negative id", lambda t: _raise_problems(_kjt(values=(-4, 2, 3))), ValueError,
+     r"feature 'sparse_0' has id -4 at example 0, but table 't_sparse_0' has 10 rows"),
+    ("feature without a table", lambda t: _raise_problems(_kjt(keys=("sparse_0", "sparse_9"))), ValueError,
+     r"feature\(s\) \['sparse_9'\] that no table uses"),
+    ("table's feature missing from the batch", lambda t: _raise_problems(_kjt(keys=("sparse_0", "sparse_9"))), ValueError,
+     r"no values for feature\(s\) \['sparse_1'\]"),
+    ("lengths do not sum to the values", lambda t: _raise_problems(_kjt(lengths=(1, 1, 1, 1))), ValueError,
+     r"the lengths sum to 4 but there are 3 values"),
+    ("float ids", lambda t: _raise_problems(_kjt(values_dtype=torch.float32)), ValueError,
+     r"values have dtype torch.float32; use torch.int64"),
+    ("table configured without features", lambda t: _table_without_features(), ValueError,
+     r"no values for feature\(s\) \['orphan'\] that the model's tables need"),
+    ("world not divisible by the group", lambda t: _strategy_on(2, 3, sharding_group_size=4), ValueError,
+     r"sharding_group_size=4\) must divide the world size 6 \(devices=2 x num_nodes=3\); valid sizes are \[1, 2, 3, 6\]"),
+    ("unknown layout", lambda t: TwoDRecStrategy(layout="ring"), ValueError, r"layout='ring' is not one of"),
+    ("table_row_wise under 2D", lambda t: validate_sharding_types(["table_row_wise"], "cpu", "sharding_types", two_d=True),
+     ValueError, r"'table_row_wise', which is not supported under 2D"),
+    ("adam on CPU fused tables", lambda t: _strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(name="adam"))._validate_backend(),
+     ValueError, r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"),
+    ("nccl on CPU", lambda t: _strategy_on(1, 1, process_group_backend="nccl")._validate_backend(), ValueError,
+     r"process_group_backend='nccl' needs CUDA devices"),
+    ("unknown precision", lambda t: QCommsConfig(forward="fp4"), ValueError, r"QCommsConfig\(forward='fp4'\) is not one of"),
+    ("unknown qcomms preset", lambda t: TwoDRecStrategy(qcomms="fp6"), ValueError, r"qcomms='fp6' is not a preset"),
+    ("bad validate_inputs", lambda t: TwoDRecStrategy(validate_inputs="sometimes"), ValueError, r"validate_inputs='sometimes' is not one of"),
+    ("sync interval 0", lambda t: TwoDRecStrategy(sync_every_n_steps=0), ValueError, r"sync_every_n_steps=0 must be an integer >= 1"),
+    ("constraint on an unknown sharding type", lambda t: TableConstraints(sharding_types=["diagonal"]), ValueError,
+     r"sharding_types=\[..., 'diagonal', ...\]\): not one of"),
+    ("malformed data line", lambda t: _read_criteo(t, "1\t2\tthree"), MalformedLineError, r"day.gz.*line 1"),
+    ("batch not divisible by the world", lambda t: SyntheticClickLogConfig(global_batch_size=0), ValueError, r"global_batch_size=0 must be >= 1"),
+    ("half-written checkpoint", _uncommitted_checkpoint, UncommittedCheckpointError, r"half"),
+]
+
+
+@pytest.mark.parametrize(("name", "action", "error", "pattern"), CATALOGUE, ids=[c[0] for c in CATALOGUE])
+def test_bad_input_gets_one_clear_error(name, action, error, pattern, tmp_path):
+    with pytest.raises(error, match=pattern):
+        action(tmp_path)
+
+
+def test_the_catalogue_is_at_least_fifteen_cases():
+    assert len(CATALOGUE) >= 15
+
+
+def test_valid_input_has_no_problems():
+    assert VALIDATOR.problems(_kjt(), batch=0) == []
