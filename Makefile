@@ -23,8 +23,8 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VPY) -m pytest tests/unit -q
 
-gpu-check: $(STAMP)
-	$(VPY) -m pytest tests -q -m gpu
+gpu-check: $(STAMP)  # results under OUT (default gpu-results/); see README "GPU check"
+	PYTHON=$(VPY) bash scripts/gpu_check.sh $(or $(OUT),gpu-results)
 
 clean:
 	rm -rf $(VENV) .pytest_cache lightning_logs

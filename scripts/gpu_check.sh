@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The GPU check (`make gpu-check OUT=<dir>`): the gpu-marked tests and a single-GPU throughput run,
+# with every result written under OUT. Bounded to about 8 minutes; needs no network (see README).
+set -uo pipefail
+OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
+PYTHON=${PYTHON:-python}
+mkdir -p "$OUT"
+{ nvidia-smi || echo "nvidia-smi not found"; } > "$OUT/nvidia-smi.txt" 2>&1
+"$PYTHON" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count())" \
+  > "$OUT/torch.txt" 2>&1
+status=0
+timeout 360 "$PYTHON" -m pytest tests -m gpu -q -rs --junitxml="$OUT/gpu-tests.xml" > "$OUT/gpu-tests.txt" 2>&1 || status=1
+timeout 100 "$PYTHON" benchmarks/gpu_throughput.py --out "$OUT/gpu_throughput.json" > "$OUT/gpu_throughput.txt" 2>&1 || status=1
+tail -n 3 "$OUT/gpu-tests.txt"; tail -n 20 "$OUT/gpu_throughput.txt"
+exit $status
