@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from multiprocess import free_port
+from multiprocess import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
@@ -80,7 +79,6 @@ def test_criteo_config_trains_on_a_gzip_file(tmp_path):
 
 @pytest.mark.slow
 def test_two_node_config_runs_as_two_torchrun_launches(tmp_path):
-    port = free_port()
     tiny = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.max_epochs", "1",
         "--trainer.strategy.init_args.sharding_group_size", "1",
@@ -88,23 +86,9 @@ def test_two_node_config_runs_as_two_torchrun_launches(tmp_path):
         "--data.init_args.config.val_batches", "1", "--data.init_args.config.table_sizes", "[100, 100]",
         "--model.init_args.table_sizes", "[100, 100]",
     ]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port),
-             CLI, "fit", "--config", str(CONFIGS / "two_node_2d_fp8.yaml"), *tiny],
-            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in (0, 1)
-    ]
-    try:
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for node, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"node {node} exited {proc.returncode}:\n{output[-4000:]}"
+    outputs = run_torchrun_nodes(
+        [CLI, "fit", "--config", str(CONFIGS / "two_node_2d_fp8.yaml"), *tiny], nodes=2, nproc_per_node=1, cwd=tmp_path
+    )
     assert "2D all_to_all_optimized: 2 replicas x sharding groups of 1 ranks" in outputs[0]
     assert "pooled_all_to_all: forward fp8_e4m3, backward bf16" in outputs[0]
     assert "Run summary" in outputs[0]

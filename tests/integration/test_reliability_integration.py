@@ -10,7 +10,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from torch.utils.data import DataLoader, IterableDataset
 
