@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from multiprocess import run_ranks
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemWriter
@@ -38,7 +39,6 @@ from lightning_recsys.checkpoint import (
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.planner import TableConstraints, make_sharding_plan
-from multiprocess import run_ranks
 
 TABLES: tuple[tuple[str, int], ...] = (("t0", 3), ("t1", 20), ("t2", 7))
 DIM = 8

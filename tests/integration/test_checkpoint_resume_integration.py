@@ -8,12 +8,12 @@ import signal
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from multiprocess import run_ranks
+from oracle import assemble, make_model, shards_of
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.checkpoint import is_committed, read_meta
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
-from multiprocess import run_ranks
-from oracle import assemble, make_model, shards_of
 
 WORLD_SIZE = 2
 STEPS_PER_EPOCH = 3

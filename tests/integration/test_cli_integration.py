@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from multiprocess import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,6 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-
 from multiprocess import run_ranks
 
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from multiprocess import run_ranks
 from torchmetrics import Metric
 
 from lightning_recsys.models import Calibration, LogLoss, NormalizedEntropy
-from multiprocess import run_ranks
 
 LOGITS = torch.tensor([1.5, -0.5, 0.3, -2.0, 0.8, -1.2])
 # Rank 1 (the last three) sees no click: its own Calibration is undefined, so the synced value is only

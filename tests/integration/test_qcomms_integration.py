@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from multiprocess import run_ranks
+from oracle import fit_sharded, sgd_strategy, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
-from multiprocess import run_ranks
-from oracle import fit_sharded, sgd_strategy, train_unsharded
 
 WORLD_SIZE = 2
 PRECISIONS = ["fp16", "bf16", "fp8", "int8"]

@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 from lightning.pytorch import Callback, LightningDataModule, Trainer
+from multiprocess import run_ranks
+from oracle import CONFIG, make_model, sgd_strategy
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_recsys import TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, slice_batch
-from multiprocess import run_ranks
-from oracle import CONFIG, make_model, sgd_strategy
 
 PG_TIMEOUT = 20
 

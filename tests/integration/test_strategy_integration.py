@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from lightning_recsys.planner import plan_rows
 from multiprocess import run_ranks
 from oracle import STEPS, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
+
+from lightning_recsys.planner import plan_rows
 
 WORLD_SIZE = 2
 

@@ -3,7 +3,6 @@
 from pathlib import Path
 
 import pytest
-
 from multiprocess import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
+from multiprocess import run_ranks
 
 from lightning_recsys import CommunicationMonitor, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
-from multiprocess import run_ranks
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[50, 30], num_dense_features=3, global_batch_size=32, train_batches=4, val_batches=2, test_batches=2)
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-
-from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
 from multiprocess import run_ranks
 from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
+
+from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
 
 WORLD_SIZE, NODES, PER_NODE = 4, 2, 2
 

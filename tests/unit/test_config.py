@@ -8,7 +8,6 @@ from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints, TwoDRec
 from lightning_recsys.data import SyntheticClickLogConfig
 from lightning_recsys.models import DLRMRanker
 
-
 # Each row: the constructor, the bad keyword arguments, and the error it must raise.
 _INVALID_CONSTRUCTIONS = [
     (EmbeddingOptimizerConfig, {"name": "lamb"}, r"name='lamb'\) is not supported; choose one of"),

@@ -4,14 +4,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_recsys  # noqa: F401 - registers "twod_rec"
-from lightning.fabric.plugins import TorchCheckpointIO
-
 from lightning_recsys import DCPCheckpointIO, TwoDRecStrategy
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 

@@ -34,7 +34,6 @@ from lightning_recsys.data.readers import (
     iter_lines,
 )
 
-
 NUM_INTEGER_FEATURES = 13
 NUM_CATEGORICAL_FEATURES = 26
 CRITEO_FEATURE_NAMES: list[str] = [f"cat_{i}" for i in range(NUM_CATEGORICAL_FEATURES)]

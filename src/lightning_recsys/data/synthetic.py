@@ -5,12 +5,14 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
 import torch
 from torch.utils.data import IterableDataset
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
 from lightning_recsys.data.module import RankSlicedDataModule, Split
+
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
 
 

@@ -9,6 +9,7 @@ placements are remapped to global ranks; the dense part is wrapped in DDP over t
 import copy
 import logging
 from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 from torch import nn
