@@ -1,4 +1,7 @@
-"""Sharding plans for the sharding group: constraints, planning, plan summaries. No Lightning imports."""
+"""Sharding plans for the sharding group: TorchRec default and load-balanced planning, plan reports, reshape advice.
+
+No Lightning imports.
+"""
 
 from lightning_recsys.planner.balanced import (
     BalancedEnumerator,
@@ -11,9 +14,25 @@ from lightning_recsys.planner.balanced import (
     make_balanced_plan,
     torchrec_constraints,
 )
-from lightning_recsys.planner.load_model import BalanceWeights, CommCosts, Imbalance, WireFormat
-from lightning_recsys.planner.plan import TableConstraints, make_sharding_plan, plan_rows, summarize_plan
-from lightning_recsys.planner.report import PlanReport, RankReport, ShardReport, TableReport, build_plan_report
+from lightning_recsys.planner.load_model import (
+    BalanceObjective,
+    CommCosts,
+    Imbalance,
+    WireFormat,
+)
+from lightning_recsys.planner.plan import (
+    TableConstraints,
+    make_sharding_plan,
+    plan_rows,
+    summarize_plan,
+)
+from lightning_recsys.planner.report import (
+    PlanReport,
+    RankReport,
+    ShardReport,
+    TableReport,
+    build_plan_report,
+)
 from lightning_recsys.planner.reshape import (
     ReshapeAdvice,
     ReshapedEmbeddingBagCollection,
@@ -23,7 +42,7 @@ from lightning_recsys.planner.reshape import (
 from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule
 
 __all__ = [
-    "BalanceWeights",
+    "BalanceObjective",
     "BalancedEnumerator",
     "BalancedPartitioner",
     "BalancedPerfModel",

@@ -1,4 +1,4 @@
-"""BalancedPlanner: a load-aware TorchRec sharding planner that balances storage, lookups and comm bytes.
+"""BalancedPlanner: a load-aware TorchRec sharding planner balancing storage, lookups, comm bytes and step time.
 
 It is TorchRec's ``EmbeddingShardingPlanner`` with our components in its extension points:
 
@@ -6,15 +6,17 @@ It is TorchRec's ``EmbeddingShardingPlanner`` with our components in its extensi
   pooling factors of the observed traffic in the constraints (so TorchRec's own perf and storage
   estimates see the real load), plus column-wise options with more column splits than TorchRec
   enumerates (it offers one split per table).
-* ``BalancedProposer``: starts from each table's cheapest option that is small enough to balance,
-  then, while the rating improves, re-shards the tables that load the bottleneck rank of each
-  metric (steepest descent over neighbouring proposals, rated by the planner's loop).
+* ``BalancedProposer``: steepest descents over the tables' sharding options, from several
+  starts (from "cheapest option per table" to "no shard above a quarter of a rank's load"),
+  re-sharding the tables that load the bottleneck rank of each metric, rated by the planner loop.
 * ``BalancedPartitioner``: places shards to minimize the largest per-rank load of each metric
-  (greedy largest-first, then moves and swaps off the bottleneck ranks), within the memory left
-  after the storage reservation; row-wise and data-parallel shards keep TorchRec's fixed layout.
-* ``BalancedPerfModel``: rates a placed plan by ``sum_m w_m * max_rank load_m / ref_m`` over
-  storage, lookups and comm bytes (see ``load_model``), where ``ref_m`` is the per-rank share of
-  the cheapest sharding of every table: a fixed yardstick, so plans that add traffic pay for it.
+  (greedy largest-first, or warm-started from the best plan so far, then moves and swaps off the
+  bottleneck ranks), within the memory left after the storage reservation; row-wise and
+  data-parallel shards keep TorchRec's fixed layout.
+* ``BalancedPerfModel``: rates a placed plan by the ``BalanceObjective`` (``load_model``): per
+  metric (storage, lookups, comm bytes, TorchRec's step-time estimate) the largest per-rank load
+  in units of ``ref_m``, plus a penalty for imbalance beyond a tolerance. ``ref_m`` is the per-rank share of the cheapest
+  sharding of every table: a fixed yardstick, so plans that add traffic pay for it.
 
 Hash partitions: a table whose ids are hashed into ``P`` partitions of ``rows / P`` contiguous rows
 is sharded row-wise with ``P / G`` whole partitions per rank (``G``: the sharding group size).
@@ -25,23 +27,26 @@ them per node); every replica group uses the same plan. No Lightning imports.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
-from torchrec.distributed.planner.storage_reservations import FixedPercentageStorageReservation
+from torchrec.distributed.planner.storage_reservations import (
+    FixedPercentageStorageReservation,
+)
 from torchrec.distributed.planner.types import (
-    KernelConfig,
     Enumerator,
+    KernelConfig,
     PartitionByType,
     Partitioner,
     PerfModel,
@@ -65,18 +70,50 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from lightning_recsys.planner.load_model import BalanceWeights, CommCosts, ShardCost, shard_cost, storage_tier
+from lightning_recsys.planner.load_model import (
+    BalanceObjective,
+    CommCosts,
+    ShardCost,
+    shard_cost,
+    storage_tier,
+)
 from lightning_recsys.planner.plan import TableConstraints
-from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule, resolve_table_stats
+from lightning_recsys.planner.stats import (
+    LoadProfile,
+    TableStats,
+    profile_datamodule,
+    resolve_table_stats,
+)
 
-log = logging.getLogger(__name__)
-
-_NUM_METRICS = 3
+_NUM_METRICS = 4
 _EPS = 1e-12
 _MOVABLE = (PartitionByType.DEVICE.value,)
+DEFAULT_COMPUTE_KERNELS: tuple[str, ...] = ("fused", "dense")  # dense: TorchRec's data-parallel kernel
+_COLUMN_TYPES = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 
 
 # ----------------------------------------------------------------------------------- helpers
+class _DropMissingSpecWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Sharding spec not found for ")
+
+
+@contextlib.contextmanager
+def quiet_torchrec_planner() -> Iterator[None]:
+    """Drop TorchRec's per-table root-logger warning for data-parallel tables while planning.
+
+    TorchRec's ``validate_rank_assignment`` logs "Sharding spec not found" (root logger, WARNING)
+    for every data-parallel table, whose plan has no sharding spec by design.
+    """
+    handler_filter = _DropMissingSpecWarnings()
+    root = logging.getLogger()
+    root.addFilter(handler_filter)
+    try:
+        yield
+    finally:
+        root.removeFilter(handler_filter)
+
+
 def embedding_tables(module: nn.Module) -> list[BaseEmbeddingConfig]:
     """Every table config of the module's EmbeddingBagCollections and EmbeddingCollections."""
     tables: list[BaseEmbeddingConfig] = []
@@ -196,10 +233,12 @@ class BalanceContext:
     batch_size: int
     group_size: int
     comm: CommCosts
-    weights: BalanceWeights
+    balance: BalanceObjective
     tier: str
     intra_group_size: int
-    refs: tuple[float, float, float] = (1.0, 1.0, 1.0)
+    refs: tuple[float, ...] = (1.0,) * _NUM_METRICS
+    # (id of a search-space option, shard index) -> rank in the current best placement
+    warm_start: dict[tuple[int, int], int] = field(default_factory=dict)
     _costs: dict[tuple[Any, ...], tuple[ShardCost, ...]] = field(default_factory=dict)
 
     def costs(self, option: ShardingOption) -> tuple[ShardCost, ...]:
@@ -212,18 +251,18 @@ class BalanceContext:
             )
         return self._costs[key]
 
-    def normalized(self, option: ShardingOption) -> list[tuple[float, float, float]]:
+    def normalized(self, option: ShardingOption) -> list[tuple[float, ...]]:
         """Each shard's cost as fractions of an ideal rank's load (``ref``) per metric."""
         r = self.refs
-        return [(c.storage / r[0], c.lookups / r[1], c.comm / r[2]) for c in self.costs(option)]
+        return [tuple(v / ref for v, ref in zip(c.vector(), r)) for c in self.costs(option)]
 
     def total_cost(self, option: ShardingOption) -> float:
-        w = self.weights.as_tuple()
+        w = self.balance.weights()
         return sum(w[m] * u[m] for u in self.normalized(option) for m in range(_NUM_METRICS))
 
     def largest_piece(self, option: ShardingOption, metric: int | None = None) -> float:
         """The largest shard of the option on ``metric`` (or on its worst weighted metric)."""
-        w = self.weights.as_tuple()
+        w = self.balance.weights()
         pieces = self.normalized(option)
         if metric is not None:
             return max(u[metric] for u in pieces)
@@ -250,8 +289,11 @@ class BalanceContext:
         return loads
 
     def objective(self, loads: Sequence[Sequence[float]]) -> float:
-        w = self.weights.as_tuple()
-        return sum(w[m] * max(row[m] for row in loads) for m in range(_NUM_METRICS))
+        ranks = len(loads)
+        return sum(
+            self.balance.metric_cost(m, max(row[m] for row in loads), sum(row[m] for row in loads) / ranks)
+            for m in range(_NUM_METRICS)
+        )
 
 
 # ----------------------------------------------------------------------------------- enumerator
@@ -268,9 +310,9 @@ class BalancedEnumerator(EmbeddingEnumerator):
         self,
         topology: Topology,
         batch_size: int,
-        constraints: Optional[dict[str, ParameterConstraints]] = None,
+        constraints: dict[str, ParameterConstraints] | None = None,
         *,
-        min_column_width: int = 16,
+        min_column_width: int = 4,
         max_column_shards: int | None = None,
     ) -> None:
         super().__init__(topology=topology, batch_size=batch_size, constraints=constraints)
@@ -289,6 +331,7 @@ class BalancedEnumerator(EmbeddingEnumerator):
             rows, dim = int(option.tensor.shape[0]), int(option.tensor.shape[1])
             floor = (self._constraints or {}).get(option.name)
             lowest = max(self._min_column_width, (floor.min_partition or 0) if floor else 0)
+            lowest = -(-lowest // 4) * 4  # FBGEMM needs widths that are multiples of 4
             present = {len(option.shards)}
             for width in range(lowest, dim + 1, 4):
                 shards = dim // width
@@ -306,7 +349,7 @@ class BalancedEnumerator(EmbeddingEnumerator):
 
 # ----------------------------------------------------------------------------------- perf model
 class BalancedPerfModel(PerfModel):
-    """Rates a placed plan by ``sum_m w_m * max_rank load_m / ref_m`` (lower is better)."""
+    """Rates a placed plan by the ``BalanceObjective`` of its per-rank loads (lower is better)."""
 
     def __init__(self, context: BalanceContext) -> None:
         self._ctx = context
@@ -320,12 +363,12 @@ class BalancedPerfModel(PerfModel):
 class _Piece:
     option: ShardingOption
     index: int
-    vector: tuple[float, float, float]
+    vector: tuple[float, ...]
     storage: Storage
+    table: str = ""
 
-    @property
-    def table(self) -> str:
-        return self.option.fqn
+    def __post_init__(self) -> None:
+        self.table = self.option.fqn
 
 
 class BalancedPartitioner(Partitioner):
@@ -353,11 +396,7 @@ class BalancedPartitioner(Partitioner):
         hosts = [list(range(h * host, (h + 1) * host)) for h in range(ranks // host)]
 
         def place(piece: _Piece, rank: int) -> None:
-            piece.option.shards[piece.index].rank = rank
-            free[rank] -= piece.storage
-            for m in range(_NUM_METRICS):
-                loads[rank][m] += piece.vector[m]
-            holders[rank][piece.table] += 1
+            self._take(piece, rank, free, loads, holders)
 
         def pieces_of(option: ShardingOption) -> list[_Piece]:
             return [
@@ -408,12 +447,47 @@ class BalancedPartitioner(Partitioner):
                 for piece in pieces:
                     place(piece, self._best_rank(piece, target, free, loads, holders))
 
-        weights = ctx.weights.as_tuple()
-        movable.sort(key=lambda p: (-max(weights[m] * p.vector[m] for m in range(_NUM_METRICS)), p.table, p.index))
-        for piece in movable:
-            place(piece, self._best_rank(piece, list(range(ranks)), free, loads, holders))
-        self._improve(movable, free, loads, holders)
+        # Two placements of the movable shards, keeping the better: from scratch, and warm-started
+        # from the current best plan (tables whose option is unchanged keep their ranks). The warm
+        # one is usually better and converges faster; from scratch escapes its local optima.
+        base = (copy.deepcopy(free), copy.deepcopy(loads), copy.deepcopy(holders))
+        best_ranks: list[int] | None = None
+        best_value = math.inf
+        for warm in ([False, True] if ctx.warm_start else [False]):
+            free, loads, holders = copy.deepcopy(base[0]), copy.deepcopy(base[1]), copy.deepcopy(base[2])
+            self._place_movable(movable, free, loads, holders, warm)
+            self._improve(movable, free, loads, holders)
+            value = ctx.objective(loads)
+            if value < best_value - _EPS:
+                best_value, best_ranks = value, [_rank(p) for p in movable]
+        for piece, rank in zip(movable, best_ranks or []):
+            piece.option.shards[piece.index].rank = rank
         return proposal
+
+    def _place_movable(
+        self, movable: list[_Piece], free: list[Storage], loads: list[list[float]], holders: list[Counter[str]], warm: bool
+    ) -> None:
+        ctx = self._ctx
+        ranks = len(loads)
+        fresh: list[_Piece] = []
+        for piece in movable:
+            rank = ctx.warm_start.get((id(piece.option), piece.index)) if warm else None
+            if rank is not None and rank < ranks and piece.storage.fits_in(free[rank]) and not holders[rank][piece.table]:
+                self._take(piece, rank, free, loads, holders)
+            else:
+                fresh.append(piece)
+        weights = ctx.balance.weights()
+        fresh.sort(key=lambda p: (-max(weights[m] * p.vector[m] for m in range(_NUM_METRICS)), p.table, p.index))
+        for piece in fresh:
+            self._take(piece, self._best_rank(piece, list(range(ranks)), free, loads, holders), free, loads, holders)
+
+    @staticmethod
+    def _take(piece: _Piece, rank: int, free: list[Storage], loads: list[list[float]], holders: list[Counter[str]]) -> None:
+        piece.option.shards[piece.index].rank = rank
+        free[rank] -= piece.storage
+        for m in range(_NUM_METRICS):
+            loads[rank][m] += piece.vector[m]
+        holders[rank][piece.table] += 1
 
     # -- greedy placement
     def _best_rank(
@@ -423,7 +497,7 @@ class BalancedPartitioner(Partitioner):
         if not fitting:
             self._require_fit(piece, candidates, free)
         fresh = [r for r in fitting if not holders[r][piece.table]] or fitting
-        w = self._ctx.weights.as_tuple()
+        w = self._ctx.balance.weights()
 
         def score(rank: int) -> tuple[float, float, int]:
             after = [loads[rank][m] + piece.vector[m] for m in range(_NUM_METRICS)]
@@ -457,54 +531,77 @@ class BalancedPartitioner(Partitioner):
 
     # -- local search
     def _improve(self, movable: list[_Piece], free: list[Storage], loads: list[list[float]], holders: list[Counter[str]]) -> None:
+        """Move or swap shards off the bottleneck ranks while the objective (then the spread) drops."""
         if not movable or len(loads) < 2:
             return
-        w = self._ctx.weights.as_tuple()
+        balance = self._ctx.balance
+        w = balance.weights()
         metrics = [m for m in range(_NUM_METRICS) if w[m] > 0]
         ranks = range(len(loads))
         by_rank: list[list[_Piece]] = [[] for _ in ranks]
         for piece in movable:
             by_rank[_rank(piece)].append(piece)
+        # metric_cost(m, x, mean) = w x + slope * max(0, x - knee) with the means fixed while placing.
+        means = [sum(loads[r][m] for r in ranks) / len(loads) for m in range(_NUM_METRICS)]
+        knee = [(1.0 + balance.tolerance) * means[m] for m in range(_NUM_METRICS)]
+        slope = [w[m] * balance.excess_penalty / means[m] if means[m] > 0 else 0.0 for m in range(_NUM_METRICS)]
+
+        def cost(m: int, x: float) -> float:
+            return w[m] * x + (slope[m] * (x - knee[m]) if x > knee[m] else 0.0)
 
         for _ in range(self._max_moves):
             tops = {m: sorted(((loads[r][m], r) for r in ranks), reverse=True)[:3] for m in metrics}
-            current = sum(w[m] * tops[m][0][0] for m in metrics)
-            bottlenecks = {tops[m][0][1] for m in metrics}
-            best: tuple[float, float, _Piece, int, Optional[_Piece]] | None = None
+            current = sum(cost(m, tops[m][0][0]) for m in metrics)
+            best_key: tuple[float, float] | None = None
+            best_move: tuple[_Piece, int, _Piece | None] | None = None
 
-            def consider(a: int, b: int, delta: Sequence[float], piece: _Piece, other: Optional[_Piece]) -> None:
-                nonlocal best
+            def gain(
+                a: int, b: int, delta: Sequence[float], tops: dict[int, list[tuple[float, int]]] = tops, current: float = current
+            ) -> tuple[float, float] | None:
                 peak = 0.0
                 spread = 0.0
+                la, lb = loads[a], loads[b]
                 for m in metrics:
-                    rest = next((v for v, r in tops[m] if r != a and r != b), 0.0)
-                    peak += w[m] * max(rest, loads[a][m] - delta[m], loads[b][m] + delta[m])
-                    spread += w[m] * 2 * delta[m] * (loads[b][m] - loads[a][m] + delta[m])
+                    top = tops[m]
+                    rest = top[0][0] if top[0][1] != a and top[0][1] != b else (
+                        top[1][0] if len(top) > 1 and top[1][1] != a and top[1][1] != b else (top[2][0] if len(top) > 2 else 0.0)
+                    )
+                    new_a, new_b = la[m] - delta[m], lb[m] + delta[m]
+                    peak += cost(m, max(rest, new_a, new_b))
+                    spread += w[m] * delta[m] * (lb[m] - la[m] + delta[m])
                 if peak < current - _EPS or (peak <= current + _EPS and spread < -_EPS):
-                    if best is None or (peak, spread) < (best[0], best[1]):
-                        best = (peak, spread, piece, b, other)
+                    return (peak, spread)
+                return None
 
+            bottlenecks = sorted({tops[m][0][1] for m in metrics})
             for a in bottlenecks:
                 for piece in by_rank[a]:
                     for b in ranks:
-                        if b != a and not holders[b][piece.table] and piece.storage.fits_in(free[b]):
-                            consider(a, b, piece.vector, piece, None)
-            if best is None:
+                        if b == a or holders[b][piece.table]:
+                            continue
+                        key = gain(a, b, piece.vector)
+                        if key is not None and (best_key is None or key < best_key) and piece.storage.fits_in(free[b]):
+                            best_key, best_move = key, (piece, b, None)
+            if best_move is None:
+                # Swaps with the pieces of the least loaded ranks only: the full neighbourhood is quadratic.
+                light = sorted(ranks, key=lambda r: sum(w[m] * loads[r][m] for m in metrics))[: max(4, len(loads) // 8)]
                 for a in bottlenecks:
                     for piece in by_rank[a]:
-                        for b in ranks:
-                            if b == a:
+                        for b in light:
+                            if b == a or holders[b][piece.table]:
                                 continue
                             for other in by_rank[b]:
-                                if other.table == piece.table or holders[b][piece.table] or holders[a][other.table]:
-                                    continue
-                                if not piece.storage.fits_in(free[b] + other.storage) or not other.storage.fits_in(free[a] + piece.storage):
+                                if other.table == piece.table or holders[a][other.table]:
                                     continue
                                 delta = [piece.vector[m] - other.vector[m] for m in range(_NUM_METRICS)]
-                                consider(a, b, delta, piece, other)
-            if best is None:
+                                key = gain(a, b, delta)
+                                if key is None or (best_key is not None and key >= best_key):
+                                    continue
+                                if piece.storage.fits_in(free[b] + other.storage) and other.storage.fits_in(free[a] + piece.storage):
+                                    best_key, best_move = key, (piece, b, other)
+            if best_move is None:
                 return
-            _, _, piece, b, other = best
+            piece, b, other = best_move
             a = _rank(piece)
             self._move(piece, a, b, free, loads, holders, by_rank)
             if other is not None:
@@ -553,60 +650,87 @@ class _Evaluated:
     rating: float
     choice: dict[str, int]
     bottlenecks: dict[int, list[str]]
+    placement: dict[tuple[int, int], int]
 
 
 class BalancedProposer(Proposer):
-    """Steepest descent over sharding choices, driven by the planner's ratings of placed proposals.
+    """Steepest descent over sharding choices, from several starts, rated by the planner's loop.
 
-    The first proposal takes, per table, the cheapest option whose largest shard is at most
-    ``split_threshold`` of an ideal rank's load (so no single shard defeats balance). Each round
-    then proposes the neighbours that re-shard one of the ``tables_per_round`` tables loading the
-    bottleneck rank of a metric into an option with a smaller largest shard on that metric; the
-    best neighbour becomes current if it rates better, else the search stops. If a proposal does
-    not fit in memory, the table with the largest shard is re-sharded into smaller shards.
+    A start takes, per table, the cheapest option whose largest shard is at most a threshold share
+    of an ideal rank's load (``inf``: the cheapest option); one descent runs per threshold in
+    ``split_thresholds``, coarse to fine, since how finely to cut first decides which local optimum
+    a descent reaches. Each round proposes the neighbours of the current choice:
+
+    * for each metric, up to ``tables_per_round`` tables loading its bottleneck rank most, each
+      re-sharded into up to ``options_per_table`` options whose largest shard is smaller on it;
+    * up to ``tables_per_round`` tables re-sharded into a cheaper (coarser) option, which gives
+      back the ids a column split copies to every shard.
+
+    The best neighbour becomes current if it rates better; otherwise the descent ends. The planner
+    keeps the best plan over all descents. When a proposal does not fit in memory, the table with
+    the largest shard is re-sharded into smaller shards until one fits.
     """
 
     def __init__(
         self,
         context: BalanceContext,
         *,
-        split_threshold: float = 0.5,
+        split_thresholds: Sequence[float] = (math.inf, 1.0, 0.5, 0.25),
         tables_per_round: int = 2,
-        options_per_table: int = 2,
+        options_per_table: int = 1,
         max_rounds: int = 200,
     ) -> None:
+        if not split_thresholds or any(t <= 0 for t in split_thresholds):
+            raise ValueError(f"BalancedProposer(split_thresholds={list(split_thresholds)}) must be a non-empty list of values > 0.")
+        for name, value in (("tables_per_round", tables_per_round), ("options_per_table", options_per_table), ("max_rounds", max_rounds)):
+            if value < 1:
+                raise ValueError(f"BalancedProposer({name}={value}) must be >= 1.")
         self._ctx = context
-        self._split_threshold = split_threshold
+        self._thresholds = list(split_thresholds)
         self._tables_per_round = tables_per_round
         self._options_per_table = options_per_table
         self._max_rounds = max_rounds
         self._options: dict[str, list[ShardingOption]] = {}
+        self._starts: list[dict[str, int]] = []
         self._queue: list[dict[str, int]] = []
         self._seen: set[tuple[tuple[str, int], ...]] = set()
         self._results: list[_Evaluated] = []
-        self._current: dict[str, int] = {}
         self._current_rating = math.inf
-        self._round = 0
         self.rounds_run = 0
 
-    def load(self, search_space: list[ShardingOption], enumerator: Optional[Enumerator] = None) -> None:
+    def load(self, search_space: list[ShardingOption], enumerator: Enumerator | None = None) -> None:
         ctx = self._ctx
         ctx.set_reference(search_space)
         self._options = {}
         for option in search_space:
             self._options.setdefault(option.fqn, []).append(option)
         for options in self._options.values():
+            # A one-shard (table-)column-wise option is the table-wise option under another name.
+            whole = {o.compute_kernel for o in options if o.sharding_type == ShardingType.TABLE_WISE.value}
+            options[:] = [o for o in options if not (o.sharding_type in _COLUMN_TYPES and o.num_shards == 1 and o.compute_kernel in whole)]
             options.sort(key=lambda o: (ctx.total_cost(o), o.num_shards, o.sharding_type, o.compute_kernel))
+        self._starts = [self._start(t) for t in self._thresholds]
+        self._seen, self._results, self._queue, self.rounds_run = set(), [], [], 0
+        self._next_descent()
+
+    def _start(self, threshold: float) -> dict[str, int]:
+        ctx = self._ctx
         start: dict[str, int] = {}
         for fqn, options in self._options.items():
-            small = [i for i, o in enumerate(options) if ctx.largest_piece(o) <= self._split_threshold]
+            small = [i for i, o in enumerate(options) if ctx.largest_piece(o) <= threshold]
             start[fqn] = small[0] if small else min(range(len(options)), key=lambda i: (ctx.largest_piece(options[i]), i))
-        self._current, self._current_rating, self._round, self.rounds_run = start, math.inf, 0, 0
-        self._seen, self._results = set(), []
-        self._queue = [start]
-        self._seen.add(self._key(start))
+        return start
 
-    def propose(self) -> Optional[list[ShardingOption]]:
+    def _next_descent(self) -> None:
+        self._current_rating = math.inf
+        self._ctx.warm_start = {}
+        while self._starts and not self._queue:
+            start = self._starts.pop(0)
+            if self._key(start) not in self._seen:
+                self._seen.add(self._key(start))
+                self._queue = [start]
+
+    def propose(self) -> list[ShardingOption] | None:
         if not self._queue:
             return None
         return [self._options[fqn][i] for fqn, i in self._queue[0].items()]
@@ -614,29 +738,34 @@ class BalancedProposer(Proposer):
     def feedback(
         self,
         partitionable: bool,
-        plan: Optional[list[ShardingOption]] = None,
-        perf_rating: Optional[float] = None,
-        storage_constraint: Optional[Topology] = None,
+        plan: list[ShardingOption] | None = None,
+        perf_rating: float | None = None,
+        storage_constraint: Topology | None = None,
     ) -> None:
         if not self._queue:
             return
         choice = self._queue.pop(0)
         if partitionable and plan is not None and perf_rating is not None:
-            self._results.append(_Evaluated(perf_rating, choice, self._bottlenecks(plan)))
+            placement = {(id(o), i): s.rank for o in plan for i, s in enumerate(o.shards) if s.rank is not None}
+            self._results.append(_Evaluated(perf_rating, choice, self._bottlenecks(plan), placement))
         elif not math.isfinite(self._current_rating) and not self._results and not self._queue:
-            self._queue = self._repair(choice)  # nothing fits yet: shrink the largest shard
+            self._queue = self._repair(choice)  # nothing of this descent fits yet: shrink the largest shard
+            if not self._queue:
+                self._next_descent()
             return
         if self._queue:
             return
-        self._round += 1
-        self.rounds_run = self._round
+        self.rounds_run += 1
         best = min(self._results, key=lambda e: e.rating, default=None)
         self._results = []
-        if best is None or best.rating >= self._current_rating * (1 - 1e-9) or self._round >= self._max_rounds:
-            self._queue = []
-            return
-        self._current, self._current_rating = best.choice, best.rating
-        self._queue = self._neighbours(best)
+        if best is not None and best.rating < self._current_rating * (1 - 1e-9) and self.rounds_run < self._max_rounds:
+            self._current_rating = best.rating
+            self._ctx.warm_start = best.placement
+            self._queue = self._neighbours(best)
+        if not self._queue:
+            if self.rounds_run >= self._max_rounds:
+                self._starts = []
+            self._next_descent()
 
     # -- neighbourhood
     def _key(self, choice: dict[str, int]) -> tuple[tuple[str, int], ...]:
@@ -646,7 +775,7 @@ class BalancedProposer(Proposer):
         """Per weighted metric: the tables on its most loaded rank, biggest contribution first."""
         ctx = self._ctx
         loads = ctx.rank_loads(plan)
-        w = ctx.weights.as_tuple()
+        w = ctx.balance.weights()
         result: dict[int, list[str]] = {}
         for m in range(_NUM_METRICS):
             if w[m] <= 0:
@@ -660,8 +789,19 @@ class BalancedProposer(Proposer):
             result[m] = [fqn for fqn, _ in contribution.most_common()]
         return result
 
+    def _add(self, out: list[dict[str, int]], base: dict[str, int], fqn: str, index: int) -> bool:
+        candidate = dict(base)
+        candidate[fqn] = index
+        key = self._key(candidate)
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        out.append(candidate)
+        return True
+
     def _neighbours(self, evaluated: _Evaluated) -> list[dict[str, int]]:
         ctx = self._ctx
+        choice = evaluated.choice
         out: list[dict[str, int]] = []
         for metric, tables in evaluated.bottlenecks.items():
             taken = 0
@@ -669,42 +809,40 @@ class BalancedProposer(Proposer):
                 if taken >= self._tables_per_round:
                     break
                 options = self._options[fqn]
-                current = options[evaluated.choice[fqn]]
-                piece = ctx.largest_piece(current, metric)
+                piece = ctx.largest_piece(options[choice[fqn]], metric)
                 finer = [i for i, o in enumerate(options) if ctx.largest_piece(o, metric) < piece * (1 - 1e-9)]
                 added = 0
-                for i in finer:  # options are sorted by total cost: cheapest finer ones first
-                    candidate = dict(evaluated.choice)
-                    candidate[fqn] = i
-                    key = self._key(candidate)
-                    if key in self._seen:
-                        continue
-                    self._seen.add(key)
-                    out.append(candidate)
-                    added += 1
+                for i in finer:  # options are sorted by total cost: the cheapest finer ones first
+                    added += self._add(out, choice, fqn, i)
                     if added >= self._options_per_table:
                         break
                 taken += 1 if finer else 0
+        overhead = sorted(
+            ((ctx.total_cost(self._options[fqn][i]) - ctx.total_cost(self._options[fqn][0]), fqn) for fqn, i in choice.items()),
+            reverse=True,
+        )
+        for extra, fqn in overhead[: self._tables_per_round]:
+            if extra <= 0:
+                break
+            cheaper = [i for i in range(choice[fqn]) if ctx.total_cost(self._options[fqn][i]) < ctx.total_cost(self._options[fqn][choice[fqn]])]
+            if cheaper:
+                self._add(out, choice, fqn, cheaper[-1])  # the least coarsening step
         return out
 
     def _repair(self, failed: dict[str, int]) -> list[dict[str, int]]:
         ctx = self._ctx
         tier = ctx.tier
-        ranked = sorted(
-            failed,
-            key=lambda fqn: -max(_bytes(_storage(s), tier) for s in self._options[fqn][failed[fqn]].shards),
-        )
-        for fqn in ranked:
+
+        def largest(option: ShardingOption) -> int:
+            return max(_bytes(_storage(s), tier) for s in option.shards)
+
+        for fqn in sorted(failed, key=lambda f: -largest(self._options[f][failed[f]])):
             options = self._options[fqn]
-            largest = max(_bytes(_storage(s), tier) for s in options[failed[fqn]].shards)
-            smaller = [i for i, o in enumerate(options) if max(_bytes(_storage(s), tier) for s in o.shards) < largest]
-            for i in sorted(smaller, key=lambda i: ctx.total_cost(options[i])):
-                candidate = dict(failed)
-                candidate[fqn] = i
-                key = self._key(candidate)
-                if key not in self._seen:
-                    self._seen.add(key)
-                    return [candidate]
+            limit = largest(options[failed[fqn]])
+            for i in sorted((i for i, o in enumerate(options) if largest(o) < limit), key=lambda i: ctx.total_cost(options[i])):
+                out: list[dict[str, int]] = []
+                if self._add(out, failed, fqn, i):
+                    return out
         return []
 
 
@@ -724,7 +862,7 @@ class PlanResult:
 
 
 class BalancedPlanner(ShardingPlanner):
-    """A TorchRec planner that balances storage, lookups and comm bytes across one sharding group.
+    """A TorchRec planner that balances storage, lookups, comm bytes and step time across one sharding group.
 
     Args:
         sharding_group_size: ranks the tables are sharded over (one node in 2D).
@@ -737,12 +875,17 @@ class BalancedPlanner(ShardingPlanner):
         hash_partitions: table name -> P: the table's ids are hashed into P equal partitions of
             contiguous rows; it is sharded row-wise with P / G whole partitions per rank.
         comm_costs: wire formats; default: read from the sharders' QComms codecs at plan time.
-        weights: how much storage, lookups and comm count in the objective.
+        balance: the objective: weights of storage, lookups, comm and step time, and the imbalance tolerance.
         memory_per_rank: bytes of HBM (CUDA) or DDR (CPU) per rank; default TorchRec's (32 GiB
             HBM, 128 GiB DDR). ``storage_reservation`` keeps a share of it for the rest of the
             model (default: 15% of HBM).
-        min_column_width, max_column_shards: the finest column-wise splits considered.
-        compute_kernels: kernels every table may use unless its TableConstraints say otherwise.
+        min_column_width, max_column_shards: the finest column-wise splits considered (TorchRec's
+            own enumerator stops at 128 columns; balance across many ranks needs narrower ones).
+        compute_kernels: kernels every table may use unless its TableConstraints say otherwise;
+            default ``fused`` (and ``dense`` for data-parallel). The objective does not model the
+            slower UVM/caching kernels, so they are used only where a table's constraints ask.
+        max_rounds: rounds of the proposer's descents, in total.
+        timeout_seconds: planning time limit; the best plan found by then is used.
     """
 
     def __init__(
@@ -756,13 +899,14 @@ class BalancedPlanner(ShardingPlanner):
         constraints: Mapping[str, TableConstraints] | None = None,
         hash_partitions: Mapping[str, int] | None = None,
         comm_costs: CommCosts | None = None,
-        weights: BalanceWeights | None = None,
+        balance: BalanceObjective | None = None,
         memory_per_rank: int | None = None,
         storage_reservation: StorageReservation | None = None,
-        min_column_width: int = 16,
+        min_column_width: int = 4,
         max_column_shards: int | None = None,
         compute_kernels: Sequence[str] | None = None,
         max_rounds: int = 200,
+        timeout_seconds: int | None = 300,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"BalancedPlanner(batch_size={batch_size!r}) must be an integer >= 1 (examples per rank per step).")
@@ -770,6 +914,15 @@ class BalancedPlanner(ShardingPlanner):
             raise ValueError(f"BalancedPlanner(compute_device={compute_device!r}) must be 'cpu' or 'cuda'.")
         if max_rounds < 1:
             raise ValueError(f"BalancedPlanner(max_rounds={max_rounds}) must be >= 1.")
+        if timeout_seconds is not None and timeout_seconds < 1:
+            raise ValueError(f"BalancedPlanner(timeout_seconds={timeout_seconds}) must be >= 1, or None for no limit.")
+        if min_column_width < 4 or min_column_width % 4:
+            raise ValueError(f"BalancedPlanner(min_column_width={min_column_width}) must be a multiple of 4 (FBGEMM's row alignment).")
+        if max_column_shards is not None and max_column_shards < 1:
+            raise ValueError(f"BalancedPlanner(max_column_shards={max_column_shards}) must be >= 1, or None for the group size.")
+        for name, value in (constraints or {}).items():
+            if not isinstance(value, TableConstraints):
+                raise TypeError(f"BalancedPlanner(constraints[{name!r}]) must be a TableConstraints, got {type(value).__name__}.")
         self.topology = make_topology(sharding_group_size, local_world_size, compute_device, memory_per_rank)
         self.sharding_group_size = sharding_group_size
         self.local_world_size = self.topology.local_world_size
@@ -779,20 +932,29 @@ class BalancedPlanner(ShardingPlanner):
         self.constraints = dict(constraints or {})
         self.hash_partitions = dict(hash_partitions or {})
         self.comm_costs = comm_costs
-        self.weights = weights or BalanceWeights()
+        self.balance = balance or BalanceObjective()
         self.storage_reservation = storage_reservation or FixedPercentageStorageReservation(percentage=0.15)
         self.min_column_width = min_column_width
         self.max_column_shards = max_column_shards
-        self.compute_kernels = list(compute_kernels) if compute_kernels is not None else None
+        self.compute_kernels = list(compute_kernels) if compute_kernels is not None else list(DEFAULT_COMPUTE_KERNELS)
         self.max_rounds = max_rounds
+        self.timeout_seconds = timeout_seconds
         self.last_result: PlanResult | None = None
 
     @staticmethod
-    def profile(datamodule: Any, batches: int) -> LoadProfile:
-        """Observed traffic of ``batches`` batches of ``datamodule.train_dataloader()`` (see ``profile_datamodule``)."""
-        return profile_datamodule(datamodule, batches)
+    def profile(datamodule: Any, batches: int, *, setup: bool = True) -> LoadProfile:
+        """Observed traffic of ``batches`` batches of ``datamodule.train_dataloader()`` (see ``profile_datamodule``).
+
+        ``setup=True`` first calls ``datamodule.setup("fit")``; pass False where the Trainer already did.
+        """
+        return profile_datamodule(datamodule, batches, setup=setup)
 
     def plan(self, module: nn.Module, sharders: list[ModuleSharder[nn.Module]]) -> ShardingPlan:
+        """Plan ``module``'s tables for one sharding group (group-local ranks), in this process.
+
+        Raises ``ValueError`` for bad hash partitions or constraints, and TorchRec's ``PlannerError``,
+        prefixed with which tables do not fit and by how much, when no plan fits in memory.
+        """
         tables = embedding_tables(module)
         defaults = {n: c.pooling_factor for n, c in self.constraints.items() if c.pooling_factor is not None}
         stats, assumed = resolve_table_stats(tables, self.stats, defaults)
@@ -811,7 +973,7 @@ class BalancedPlanner(ShardingPlanner):
             batch_size=self.batch_size,
             group_size=self.sharding_group_size,
             comm=comm,
-            weights=self.weights,
+            balance=self.balance,
             tier=storage_tier(self.compute_device),
             intra_group_size=self.topology.intra_group_size,
         )
@@ -835,9 +997,11 @@ class BalancedPlanner(ShardingPlanner):
             stats=[],  # our PlanReport replaces TorchRec's stats table
             constraints=constraints,
             debug=False,
+            timeout_seconds=self.timeout_seconds,  # TorchRec keeps the best plan found when time runs out
         )
         try:
-            plan = planner.plan(module, sharders)
+            with quiet_torchrec_planner():
+                plan = planner.plan(module, sharders)
         except PlannerError as err:
             raise PlannerError(
                 self._explain_infeasible(enumerator.last_search_space, reservation, context) + "\n" + str(err),
@@ -862,8 +1026,8 @@ class BalancedPlanner(ShardingPlanner):
     def collective_plan(
         self,
         module: nn.Module,
-        sharders: Optional[list[ModuleSharder[nn.Module]]] = None,
-        pg: Optional[dist.ProcessGroup] = None,
+        sharders: list[ModuleSharder[nn.Module]] | None = None,
+        pg: dist.ProcessGroup | None = None,
     ) -> ShardingPlan:
         """Plan on rank 0 of ``pg`` (default WORLD) and broadcast; a planning error is raised on every rank.
 
@@ -937,8 +1101,10 @@ class BalancedPlanner(ShardingPlanner):
             if known is None or biggest < known[0]:
                 per_table[option.name] = (biggest, total, option.sharding_type)
         lines = [
-            f"BalancedPlanner: the tables do not fit in {tier.upper()} of the sharding group "
-            f"({self.sharding_group_size} ranks x {_fmt_bytes(capacity)} left per rank after the storage reservation)."
+            (
+                f"BalancedPlanner: the tables do not fit in {tier.upper()} of the sharding group "
+                f"({self.sharding_group_size} ranks x {_fmt_bytes(capacity)} left per rank after the storage reservation)."
+            )
         ]
         too_big = sorted(((n, v) for n, v in per_table.items() if v[0] > capacity), key=lambda kv: -kv[1][0])
         for name, (biggest, _, sharding_type) in too_big:

@@ -11,7 +11,10 @@ Every shard of a plan costs its rank three things per training step:
   the sharding group, at the configured QComms precision: pooled outputs (forward), their
   gradients (backward) and the ids routed to it (input distribution). Following TorchRec's
   estimator, the whole exchange of a shard is counted on the rank that holds it. Data-parallel
-  tables exchange nothing; their gradient all-reduce is counted separately.
+  tables exchange nothing; their gradient all-reduce is counted separately;
+* **step time**: TorchRec's perf estimate of the shard (forward and backward compute and comms,
+  in ms), which also prices what the counts above do not see: narrow column shards run FBGEMM's
+  kernels less efficiently, and bandwidths differ inside and across nodes.
 
 With ``b`` examples per rank, ``G`` ranks in the group, ``L`` ids per example and wire bytes
 ``f``/``g`` per value forward/backward, a table-wise or column-wise shard of ``c`` columns moves
@@ -34,7 +37,7 @@ from torchrec.distributed.types import CommOp, ModuleSharder, ShardingType
 from lightning_recsys.parallel.qcomms import BlockScaledCodec, CastCodec
 from lightning_recsys.planner.stats import TableStats
 
-METRICS: tuple[str, str, str] = ("storage", "lookups", "comm")
+METRICS: tuple[str, str, str, str] = ("storage", "lookups", "comm", "step_time")
 
 _ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
 _SCALE_BYTES = 4.0  # our block-scaled fp8/int8 codecs send one fp32 scale per block (see parallel/qcomms.py)
@@ -144,20 +147,51 @@ def _codec_bytes(codec: Any) -> tuple[float, float]:
 
 
 @dataclass(frozen=True, kw_only=True)
-class BalanceWeights:
-    """How much each per-rank cost counts in the balanced planner's objective (all >= 0, not all 0)."""
+class BalanceObjective:
+    """What the balanced planner minimizes: ``sum_m w_m * f_m`` over storage, lookups, comm and step time.
+
+    ``f_m = max_m + excess_penalty * max(0, max_m / mean_m - 1 - tolerance)``, where ``max_m`` and
+    ``mean_m`` are the largest and the mean per-rank load of metric ``m``, in units of an ideal
+    rank's load (see ``BalanceContext.refs``). The first term is the min-max load itself (it also
+    charges the extra traffic of finer splits); the second makes a rank more than ``tolerance``
+    above the mean cost ``excess_penalty`` per unit of imbalance, so the planner trades some total
+    traffic for balance only up to that point.
+
+    Args:
+        storage, lookups, comm, step_time: weights ``w_m``, >= 0 and not all 0.
+        tolerance: the imbalance (max / mean - 1) allowed without penalty, >= 0.
+        excess_penalty: the cost per unit of imbalance above ``tolerance``, >= 0.
+    """
 
     storage: float = 1.0
     lookups: float = 1.0
     comm: float = 1.0
+    step_time: float = 1.0
+    tolerance: float = 0.02
+    excess_penalty: float = 10.0
 
     def __post_init__(self) -> None:
-        values = self.as_tuple()
+        values = self.weights()
         if any(v < 0 for v in values) or not any(v > 0 for v in values):
-            raise ValueError(f"BalanceWeights(storage={self.storage}, lookups={self.lookups}, comm={self.comm}) must be >= 0 and not all 0.")
+            raise ValueError(
+                f"BalanceObjective(storage={self.storage}, lookups={self.lookups}, comm={self.comm}, step_time={self.step_time}): "
+                "weights must be >= 0 and not all 0."
+            )
+        if self.tolerance < 0:
+            raise ValueError(f"BalanceObjective(tolerance={self.tolerance}) must be >= 0 (an allowed max/mean - 1).")
+        if self.excess_penalty < 0:
+            raise ValueError(f"BalanceObjective(excess_penalty={self.excess_penalty}) must be >= 0.")
 
-    def as_tuple(self) -> tuple[float, float, float]:
-        return (self.storage, self.lookups, self.comm)
+    def weights(self) -> tuple[float, float, float, float]:
+        return (self.storage, self.lookups, self.comm, self.step_time)
+
+    def metric_cost(self, metric: int, peak: float, mean: float) -> float:
+        """``w_m * f_m`` for one metric with per-rank maximum ``peak`` and mean ``mean``."""
+        weight = self.weights()[metric]
+        if weight == 0:
+            return 0.0
+        excess = max(0.0, peak / mean - 1.0 - self.tolerance) if mean > 0 else 0.0
+        return weight * (peak + self.excess_penalty * excess)
 
 
 @dataclass(frozen=True)
@@ -168,13 +202,14 @@ class ShardCost:
     lookups: float
     a2a_bytes: float
     allreduce_bytes: float
+    step_time_ms: float = 0.0
 
     @property
     def comm(self) -> float:
         return self.a2a_bytes + self.allreduce_bytes
 
-    def vector(self) -> tuple[float, float, float]:
-        return (self.storage, self.lookups, self.comm)
+    def vector(self) -> tuple[float, float, float, float]:
+        return (self.storage, self.lookups, self.comm, self.step_time_ms)
 
 
 @dataclass(frozen=True)
@@ -213,16 +248,17 @@ def shard_cost(
     """The per-step cost of ``option.shards[shard_index]`` on its rank (see the module docstring)."""
     shard = option.shards[shard_index]
     rows_total, dim = int(option.tensor.shape[0]), int(option.tensor.shape[1])
-    row_offset, col_offset = int(shard.offset[0]), int(shard.offset[1])
+    row_offset = int(shard.offset[0])
     rows, cols = int(shard.size[0]), int(shard.size[1])
     sharding_type = option.sharding_type
     ids_per_step = batch_size * group_size * stats.lookups_per_example  # ids of the whole group's batch
     storage = float(getattr(shard.storage, tier)) if shard.storage is not None else 0.0
+    perf = float(shard.perf.total) if shard.perf is not None else 0.0
     peers = group_size - 1
 
     if sharding_type == ShardingType.DATA_PARALLEL.value:
         grad_bytes = 2.0 * peers / group_size * rows_total * dim * comm.dense_grad_bytes
-        return ShardCost(storage, batch_size * stats.lookups_per_example, 0.0, grad_bytes)
+        return ShardCost(storage, batch_size * stats.lookups_per_example, 0.0, grad_bytes, perf)
 
     id_share = stats.share_of_rows(row_offset, row_offset + rows, rows_total) if sharding_type in _ROW_SHARDED else 1.0
     lookups = ids_per_step * id_share * cols / dim  # table-/row-wise shards have every column
@@ -235,4 +271,4 @@ def shard_cost(
         payload = batch_size * peers * comm.reduce_scatter.row_bytes(cols)
     else:
         payload = batch_size * peers * comm.pooled_all_to_all.row_bytes(cols)
-    return ShardCost(storage, lookups, payload + ids_bytes, 0.0)
+    return ShardCost(storage, lookups, payload + ids_bytes, 0.0, perf)

@@ -18,12 +18,25 @@ from typing import Any
 
 from torch import nn
 from torchrec.distributed.planner import ParameterConstraints
-from torchrec.distributed.planner.enumerators import EmbeddingEnumerator, get_partition_by_type
+from torchrec.distributed.planner.enumerators import (
+    EmbeddingEnumerator,
+    get_partition_by_type,
+)
 from torchrec.distributed.planner.types import Shard, ShardingOption
-from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan, ShardingType
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    ModuleSharder,
+    ShardingPlan,
+    ShardingType,
+)
 
 from lightning_recsys.planner.balanced import embedding_tables, make_topology
-from lightning_recsys.planner.load_model import CommCosts, Imbalance, shard_cost, storage_tier
+from lightning_recsys.planner.load_model import (
+    CommCosts,
+    Imbalance,
+    shard_cost,
+    storage_tier,
+)
 from lightning_recsys.planner.plan import TableConstraints
 from lightning_recsys.planner.reshape import ReshapeAdvice
 from lightning_recsys.planner.stats import LoadProfile, TableStats, resolve_table_stats
@@ -148,8 +161,10 @@ class PlanReport:
     def to_table(self) -> str:
         """A fixed-width text rendering for logs and the ``plan`` CLI."""
         lines = [
-            f"Sharding plan ({self.planner}): {self.sharding_group_size} ranks per sharding group, "
-            f"{self.local_world_size} per node, {self.compute_device}, batch {self.batch_size} per rank",
+            (
+                f"Sharding plan ({self.planner}): {self.sharding_group_size} ranks per sharding group, "
+                f"{self.local_world_size} per node, {self.compute_device}, batch {self.batch_size} per rank"
+            ),
             f"Comm: {self.comm}",
             "",
         ]

@@ -34,7 +34,12 @@ from typing import Any, Literal
 
 import torch
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor, KeyedTensor
+from torchrec import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    KeyedJaggedTensor,
+    KeyedTensor,
+)
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_recsys.planner.load_model import CommCosts
@@ -116,9 +121,10 @@ def suggest_reshape(
             continue
         table_stats = (stats or {}).get(table.name)
         lookups = table_stats.lookups_per_example if table_stats else float(len(table.feature_names))
-        kwargs = dict(lookups_per_example=lookups, batch_size=batch_size, sharding_group_size=sharding_group_size, comm=comm)
-        before = table_exchange_bytes(dim, **kwargs)  # type: ignore[arg-type]
-        after = table_exchange_bytes(new_dim, **kwargs)  # type: ignore[arg-type]
+        before, after = (
+            table_exchange_bytes(d, lookups_per_example=lookups, batch_size=batch_size, sharding_group_size=sharding_group_size, comm=comm)
+            for d in (dim, new_dim)
+        )
         if before <= 0 or 1 - after / before < min_saving:
             continue
         advice.append(ReshapeAdvice(table.name, rows, dim, 2 * rows, new_dim, before, after))
