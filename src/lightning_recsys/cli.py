@@ -3,6 +3,7 @@
     lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml
     lightning-recsys fit --config examples/configs/movielens_dlrm.yaml --data.path data/ml-100k
     lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml --print_config
+    lightning-recsys plan --config examples/configs/synthetic_dlrm.yaml --world-size 16 --sharding-group-size 8
 
 Configs are read in jsonargparse's omegaconf mode, so ``${...}`` interpolation works in YAML. The
 strategy can be written ``strategy: twod_rec`` or with ``class_path``/``init_args``.
@@ -10,6 +11,7 @@ strategy can be written ``strategy: twod_rec`` or with ``class_path``/``init_arg
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Optional
 
 from jsonargparse import lazy_instance
@@ -59,7 +61,12 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True) -> RecSysCLI:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    """The ``lightning-recsys`` console script."""
+    """The ``lightning-recsys`` console script; ``lightning-recsys plan ...`` prints a plan report."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["plan"]:
+        from lightning_recsys.plan_cli import plan_main
+
+        raise SystemExit(plan_main(argv[1:]))
     build_cli(args)
 
 

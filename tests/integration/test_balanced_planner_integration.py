@@ -124,3 +124,23 @@ def test_balanced_plan_trains_like_unsharded() -> None:
     assert all(r["report_ranks"] == WORLD_SIZE for r in results)
     assert results[0]["planning_error"] == results[1]["planning_error"] and "needs at least" in results[0]["planning_error"]
     assert_matches([r["shards"] for r in results], [r["predictions"] for r in results], expected_state, expected_predictions)
+
+
+def _fit_with_balanced_strategy(rank: int, world_size: int) -> dict:
+    from oracle import fit_sharded, sgd_strategy
+
+    strategy = sgd_strategy(
+        planner="balanced", profile_batches=STEPS, hash_partitions={HASHED_TABLE: PARTITIONS}, table_constraints=CONSTRAINTS
+    )
+    model, _, predictions = fit_sharded(rank, world_size, strategy)
+    report = strategy.plan_report.to_json() if strategy.plan_report is not None else None
+    return {"shards": shards_of(model), "predictions": predictions, "plan": plan_rows(strategy.sharded_model.plan), "report": report}
+
+
+def test_strategy_with_the_balanced_planner_matches_unsharded():
+    expected_state, expected_predictions = train_unsharded()
+    results = run_ranks(_fit_with_balanced_strategy, WORLD_SIZE, timeout=240)
+    assert_matches([r["shards"] for r in results], [r["predictions"] for r in results], expected_state, expected_predictions)
+    hashed = next(row for row in results[0]["plan"] if row["table"] == HASHED_TABLE)
+    assert hashed["sharding_type"] == "row_wise"
+    assert results[0]["report"] is not None and results[1]["report"] is None  # reported on rank 0

@@ -6,7 +6,7 @@ import atexit
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
+from torchrec.distributed.types import ShardingPlan
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import ShardedState
@@ -55,10 +56,25 @@ from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCom
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
-from lightning_recsys.planner import TableConstraints, make_sharding_plan, plan_rows, summarize_plan
+from lightning_recsys.planner import (
+    BalancedPlanner,
+    CommCosts,
+    PlanReport,
+    TableConstraints,
+    TableStats,
+    apply_reshape,
+    build_plan_report,
+    embedding_tables,
+    make_balanced_plan,
+    make_sharding_plan,
+    plan_rows,
+    suggest_reshape,
+    summarize_plan,
+)
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 log = logging.getLogger(__name__)
+PlannerName = Literal["torchrec", "balanced"]
 
 class TwoDRecStrategy(ParallelStrategy):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
@@ -104,6 +120,15 @@ class TwoDRecStrategy(ParallelStrategy):
         check_finite: stop every rank with the step number when the loss or a looked-up embedding
             is not finite (also on with ``Trainer(detect_anomaly=True)``). Costs one small
             all-reduce per step.
+        planner: ``"torchrec"`` (TorchRec's planner) or ``"balanced"`` (``BalancedPlanner``: balances
+            storage, lookups and all-to-all bytes per rank, not just memory).
+        planner_stats: per-table traffic statistics for the balanced planner, keyed by table name.
+        profile_batches: with the balanced planner, measure the statistics on this many training
+            batches of the DataModule first (rank 0).
+        hash_partitions: tables hashed into P partitions, keyed by table name; the balanced planner
+            shards them row-wise on partition boundaries, P / sharding_group_size per rank.
+        reshape_tables: apply the reshape advice (halve the dim, double the rows, where that cuts
+            the all-to-all bytes) to the model's tables before sharding. Opt-in; changes the model.
     """
 
     strategy_name = "twod_rec"
@@ -123,6 +148,11 @@ class TwoDRecStrategy(ParallelStrategy):
         qcomms: Union[str, QCommsConfig, None] = None,
         validate_inputs: ValidateInputs = "error",
         check_finite: bool = False,
+        planner: PlannerName = "torchrec",
+        planner_stats: Optional[dict[str, TableStats]] = None,
+        profile_batches: int = 0,
+        hash_partitions: Optional[dict[str, int]] = None,
+        reshape_tables: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -157,8 +187,27 @@ class TwoDRecStrategy(ParallelStrategy):
             raise ValueError(f"sync_every_n_steps={sync_every_n_steps!r} must be an integer >= 1.")
         if validate_inputs not in VALIDATE_INPUTS:
             raise ValueError(f"validate_inputs={validate_inputs!r} is not one of {list(VALIDATE_INPUTS)}.")
+        if planner not in ("torchrec", "balanced"):
+            raise ValueError(f"planner={planner!r} is not one of ['torchrec', 'balanced'].")
+        if isinstance(profile_batches, bool) or not isinstance(profile_batches, int) or profile_batches < 0:
+            raise ValueError(f"profile_batches={profile_batches!r} must be an integer >= 0.")
+        balanced_only = {"planner_stats": planner_stats, "profile_batches": profile_batches, "hash_partitions": hash_partitions}
+        for name, value in balanced_only.items():
+            if value and planner != "balanced":
+                raise ValueError(f"{name}={value!r} needs planner='balanced' (TorchRec's planner does not use it).")
+        if hash_partitions and sharding_types is not None and "row_wise" not in sharding_types:
+            raise ValueError(
+                f"hash_partitions={hash_partitions!r} shards those tables row-wise, but sharding_types={sharding_types!r} "
+                "does not allow 'row_wise'."
+            )
         self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
         self._validate_inputs: ValidateInputs = validate_inputs
+        self._planner: PlannerName = planner
+        self._planner_stats = dict(planner_stats) if planner_stats else None
+        self._profile_batches = profile_batches
+        self._hash_partitions = dict(hash_partitions) if hash_partitions else None
+        self._reshape_tables = bool(reshape_tables)
+        self.plan_report: Optional[PlanReport] = None  # rank 0, after setup
         self._check_finite = bool(check_finite)
         self._coordination_group: Optional[dist.ProcessGroup] = None
         self._input_validator: Optional[InputValidator] = None
@@ -356,22 +405,16 @@ class TwoDRecStrategy(ParallelStrategy):
         sharders = make_sharders(
             self.embedding_optimizer_config.fused_params(), allowed, qcomm_codecs_registry=codecs.registry
         )
-        plan = make_sharding_plan(
-            module,
-            sharders,
-            sharding_group_size=topology.sharding_group_size,
-            local_world_size=topology.sharding_group_ranks_per_node(),
-            compute_device=self.root_device.type,
-            constraints=self._table_constraints,
-        )
+        plan = self._plan(module, sharders, topology)
         codecs.fix_block_size(plan)
         # Row-wise pooling reduce-scatters, which needs the same batch size on every rank.
         self._equal_batch_sizes_required = any(
             row["sharding_type"] in ("row_wise", "table_row_wise", "grid_shard") for row in plan_rows(plan)
         )
+        report = self.plan_report.to_table() if self.plan_report is not None else summarize_plan(plan)
         rank_zero_info(
-            f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks):\n{summarize_plan(plan)}"
-            f"\nQComms (effective precisions):\n{self._effective_qcomms.describe()}"
+            f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks, {self._planner} planner):\n"
+            f"{report}\nQComms (effective precisions):\n{self._effective_qcomms.describe()}"
         )
         if self._effective_qcomms.fallbacks:
             rank_zero_warn("QComms: " + "; ".join(self._effective_qcomms.fallbacks) + ".")
@@ -400,6 +443,42 @@ class TwoDRecStrategy(ParallelStrategy):
         self._sharded = sharded
         self._steps_since_sync = 0
         return sharded
+
+    def _plan(self, module: LightningModule, sharders: list[Any], topology: ParallelTopology) -> ShardingPlan:
+        """Profile (optional), reshape (optional), plan on rank 0 and broadcast, and report the plan."""
+        stats, batch_size, advice = self._planner_stats, 512, []
+        datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+        if self._profile_batches and self.global_rank == 0 and datamodule is not None:
+            profile = BalancedPlanner.profile(datamodule, self._profile_batches, setup=False)
+            stats = profile.table_stats(embedding_tables(module))  # before any reshape: the original rows
+            batch_size = max(1, profile.examples // max(1, profile.batches))
+        if self._reshape_tables:
+            if self.global_rank == 0:
+                advice = suggest_reshape(
+                    embedding_tables(module), stats=stats, batch_size=batch_size,
+                    sharding_group_size=topology.sharding_group_size, comm_costs=CommCosts.from_sharders(sharders),
+                )
+            advice = self.broadcast(advice, src=0)  # every rank must rebuild the same tables
+            apply_reshape(module, advice)
+        common = {
+            "sharding_group_size": topology.sharding_group_size,
+            "local_world_size": topology.sharding_group_ranks_per_node(),
+            "compute_device": self.root_device.type,
+        }
+        if self._planner == "balanced":
+            plan, _ = make_balanced_plan(
+                module, sharders, constraints=self._table_constraints, batch_size=batch_size, stats=stats,
+                hash_partitions=self._hash_partitions, **common,
+            )
+        else:
+            plan = make_sharding_plan(module, sharders, constraints=self._table_constraints, **common)
+        self.plan_report = None
+        if self.global_rank == 0:  # before shard_model: DMP replaces the embedding modules in place
+            self.plan_report = build_plan_report(
+                plan, module, sharders, batch_size=batch_size, stats=stats, table_constraints=self._table_constraints,
+                hash_partitions=self._hash_partitions, planner=self._planner, reshape=advice, **common,
+            )
+        return plan
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
