@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast gpu-check install clean
+.PHONY: demo test test-fast gpu-check bench install clean
 
 $(STAMP): pyproject.toml scripts/install.sh
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,13 @@ test-fast: $(STAMP)
 
 gpu-check: $(STAMP)  # results under OUT (default gpu-results/); see README "GPU check"
 	PYTHON=$(VPY) bash scripts/gpu_check.sh $(or $(OUT),gpu-results)
+
+bench: $(STAMP)  # about 10 min on 2 cores; the emulated cluster needs root and iproute2 (else it exits 2; make -k goes on)
+	$(VPY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
+	$(VPY) benchmarks/emulated_cluster.py --repeats 1
+	$(VPY) benchmarks/cost_model.py
+	$(VPY) benchmarks/overhead.py
+	$(VPY) benchmarks/planner_balance.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache lightning_logs

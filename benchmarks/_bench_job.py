@@ -1,0 +1,249 @@
+"""One timed training job for the benchmarks: run it under torchrun on every "node".
+
+    torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr ... --master-port ... \
+        benchmarks/_bench_job.py --num-nodes 2 --devices 2 --sharding-group-size 4 --out result.json
+
+Trains ``DLRMRanker`` on synthetic click logs with ``TwoDRecStrategy`` for ``--warmup-steps`` then
+``--steps`` steps, and on global rank 0 writes a JSON file with the step time (warm-up excluded),
+examples per second and the bytes per step of every collective from ``strategy.comm_accounting``,
+split by purpose and by intra- or inter-node. The batches are generated before training and
+cycled, so data generation does not count as step time (it is not what is being compared).
+
+Step time: the time between consecutive ``on_train_batch_start`` calls on rank 0. Steps are
+grouped in windows of ``sync_every_n_steps`` (one replica sync each), and the reported step time is
+the median over windows of the window's mean step time: a median drops the spikes a shared machine
+adds, and a window keeps the periodic sync in the average instead of dropping it as an outlier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+QCOMMS_CHOICES = ("fp32", "bf16", "fp16", "fp8", "int8", "fp8_fwd_bf16_bwd")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="JSON result path (written by global rank 0)")
+    parser.add_argument("--devices", type=int, default=2, help="ranks per node")
+    parser.add_argument("--num-nodes", type=int, default=2)
+    parser.add_argument("--warmup-steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=24, help="timed steps after warm-up")
+    parser.add_argument("--global-batch-size", type=int, default=4096)
+    parser.add_argument("--tables", type=int, default=8)
+    parser.add_argument("--table-rows", type=int, default=256)
+    parser.add_argument("--embedding-dim", type=int, default=64)
+    parser.add_argument("--pooling-factor", type=float, default=2.0)
+    parser.add_argument("--sharding-type", default="table_wise")
+    parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")
+    parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
+    parser.add_argument("--sync-every-n-steps", type=int, default=1)
+    parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
+    parser.add_argument("--unique-batches", type=int, default=8, help="distinct pre-generated batches, cycled")
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args(argv)
+
+
+def qcomms_setting(name: str) -> Any:
+    from lightning_recsys import QCommsConfig
+
+    if name == "fp8_fwd_bf16_bwd":
+        return QCommsConfig(forward="fp8", backward="bf16")
+    return name
+
+
+def _cached_datamodule(config: Any, unique: int) -> Any:
+    """SyntheticClickLogDataModule whose train split cycles ``unique`` pre-generated global batches."""
+    from torch.utils.data import IterableDataset
+
+    from lightning_recsys.data import SyntheticClickLogDataModule
+    from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+
+    class _Cycled(IterableDataset):
+        def __init__(self, inner: SyntheticClickLogDataset) -> None:
+            self.num_batches = inner.num_batches
+            self.batches = [b for _, b in zip(range(unique), iter(inner))]
+
+        def __len__(self) -> int:
+            return self.num_batches
+
+        def __iter__(self) -> Iterator[Any]:
+            for index in range(self.num_batches):
+                yield self.batches[index % len(self.batches)]
+
+    class _CachedSyntheticClickLogDataModule(SyntheticClickLogDataModule):
+        def _dataset(self, split: Any, rank: int, world_size: int) -> Any:
+            inner = super()._dataset(split, rank, world_size)
+            return _Cycled(inner) if split == "train" else inner
+
+    return _CachedSyntheticClickLogDataModule(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
+    torch.set_num_threads(1)
+
+    from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+    from lightning_recsys.data import SyntheticClickLogConfig
+    from lightning_recsys.models import DLRMRanker
+
+    world = args.devices * args.num_nodes
+    group_size = args.sharding_group_size or world
+    if args.warmup_steps % args.sync_every_n_steps or args.steps % args.sync_every_n_steps:
+        raise ValueError(
+            f"--warmup-steps={args.warmup_steps} and --steps={args.steps} must be multiples of "
+            f"--sync-every-n-steps={args.sync_every_n_steps}, so the timed window holds whole sync periods."
+        )
+    total_steps = args.warmup_steps + args.steps
+    pl.seed_everything(args.seed, verbose=False)
+    data = _cached_datamodule(
+        SyntheticClickLogConfig(
+            table_sizes=[args.table_rows] * args.tables,
+            pooling_factors=args.pooling_factor,
+            global_batch_size=args.global_batch_size,
+            train_batches=total_steps + 1,  # +1: the last step's end is timed by the next start
+            val_batches=0,
+            seed=args.seed,
+        ),
+        args.unique_batches,
+    )
+    model = DLRMRanker(
+        table_sizes=data.config.table_sizes,
+        num_dense_features=data.config.num_dense_features,
+        embedding_dim=args.embedding_dim,
+        dense_arch_layer_sizes=[64, args.embedding_dim],
+        over_arch_layer_sizes=[64, 32, 1],
+        embedding_device="meta",
+        dense_optimizer="sgd",
+    )
+    strategy = TwoDRecStrategy(
+        embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.05),
+        sharding_types=[args.sharding_type],
+        sharding_group_size=group_size,
+        layout=args.layout,
+        sync_every_n_steps=args.sync_every_n_steps,
+        qcomms=qcomms_setting(args.qcomms),
+        process_group_timeout=120.0,  # a stuck peer fails the run instead of hanging it
+    )
+    timer = _StepTimer(strategy, warmup=args.warmup_steps, steps=args.steps)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        num_nodes=args.num_nodes,
+        strategy=strategy,
+        max_steps=total_steps + 1,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        logger=False,
+        callbacks=[timer],
+    )
+    trainer.fit(model, datamodule=data)
+    if not trainer.is_global_zero:
+        return None
+    result = timer.result(args, strategy, world)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+    print(f"[bench_job] step {result['step_time_s'] * 1e3:.1f} ms, {result['examples_per_s']:.0f} examples/s -> {args.out}")
+    print(strategy.comm_accounting.summary())
+    return result
+
+
+class _StepTimer(pl.Callback):
+    """Step start times and per-step traffic on this rank."""
+
+    def __init__(self, strategy: Any, *, warmup: int, steps: int) -> None:
+        self.strategy, self.warmup, self.steps = strategy, warmup, steps
+        self.starts: list[float] = []
+        self.traffic: list[dict[Any, Any]] = []
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        self.starts.append(time.perf_counter())
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # The strategy closes the step's accounting in optimizer_step, before this hook.
+        self.traffic.append(dict(self.strategy.comm_accounting.last_step))
+
+    def result(self, args: argparse.Namespace, strategy: Any, world: int) -> dict[str, Any]:
+        w, n, k = self.warmup, self.steps, args.sync_every_n_steps
+        if len(self.starts) < w + n + 1:
+            raise RuntimeError(f"only {len(self.starts)} steps ran; expected {w + n + 1}")
+        step_times = [b - a for a, b in zip(self.starts[w : w + n], self.starts[w + 1 : w + n + 1])]
+        windows = [statistics.fmean(step_times[i : i + k]) for i in range(0, n, k)]
+        step = statistics.median(windows)
+        rows: dict[tuple[str, str, str, bool], dict[str, float]] = {}
+        for table in self.traffic[w : w + n]:
+            for key, t in table.items():
+                row = rows.setdefault(
+                    (key.purpose, key.op, key.group, key.spans_nodes), {"calls": 0.0, "payload_bytes": 0.0, "inter_node_bytes": 0.0}
+                )
+                row["calls"] += t.calls / n
+                row["payload_bytes"] += t.payload_bytes / n
+                row["inter_node_bytes"] += t.inter_node_bytes / n
+        topology = strategy.topology
+        traffic = [
+            {"purpose": p, "op": o, "group": g, "spans_nodes": s, "group_size": _group_size(topology, g, world), **v}
+            for (p, o, g, s), v in sorted(rows.items())
+        ]
+        payload = sum(r["payload_bytes"] for r in traffic)
+        inter = sum(r["inter_node_bytes"] for r in traffic)
+        return {
+            "config": {k2: v for k2, v in vars(args).items() if k2 != "out"},
+            "world_size": world,
+            "ranks_per_node": args.devices,
+            "sharding_groups": topology.sharding_groups(),
+            "replica_groups": topology.replica_groups(),
+            "plan": _plan_summary(strategy),
+            "step_time_s": step,
+            "step_time_mean_s": statistics.fmean(step_times),
+            "step_time_min_s": min(step_times),
+            "step_times_s": step_times,
+            "examples_per_s": args.global_batch_size / step,
+            "bytes_per_step_rank0": {"intra_node": payload - inter, "inter_node": inter, "total": payload},
+            "traffic_per_step_rank0": traffic,
+        }
+
+
+def _group_size(topology: Any, group: str, world: int) -> int:
+    if group == "world":
+        return world
+    if group == "shard":
+        return topology.sharding_group_size
+    if group == "replicate":
+        return topology.num_replicas
+    return len(group.removeprefix("ranks").split(","))
+
+
+def _plan_summary(strategy: Any) -> dict[str, str]:
+    """Table -> sharding type, best effort (for the record; the benchmark does not depend on it)."""
+    try:
+        plan = strategy.sharded_model.plan
+        out = {}
+        for module_plan in plan.plan.values():
+            for table, sharding in module_plan.items():
+                out[table] = f"{sharding.sharding_type} ranks={sharding.ranks}"
+        return out
+    except Exception as exc:  # noqa: BLE001 - the plan is informational only
+        return {"unavailable": repr(exc)}
+
+
+if __name__ == "__main__":
+    # Quiet Lightning's banners on the non-zero ranks; errors still print.
+    if os.environ.get("RANK", "0") != "0":
+        import logging
+
+        logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    main()

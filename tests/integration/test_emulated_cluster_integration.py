@@ -1,0 +1,105 @@
+"""benchmarks/emulated_cluster.py, very small: one configuration on a shaped 2-node namespace cluster.
+
+Needs root, iproute2 and network namespaces; skips with the reason otherwise.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmarks" / "emulated_cluster.py"
+
+
+def _skip_reason() -> str | None:
+    if not sys.platform.startswith("linux"):
+        return f"network namespaces need Linux (this is {sys.platform})"
+    if os.geteuid() != 0:
+        return "needs root to create network namespaces and tc qdiscs"
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
+    if missing:
+        return f"iproute2 is not installed ({', '.join(missing)} not on PATH)"
+    probe = f"lrsec-probe{os.getpid()}"
+    made = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True, timeout=20)
+    if made.returncode != 0:
+        return f"`ip netns add` fails here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=20)
+    return None
+
+
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
+
+
+def _namespaces_of(pid: int) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], check=False, capture_output=True, text=True, timeout=20).stdout
+    return [line.split()[0] for line in listed.splitlines() if line.startswith(f"lrsec{pid}-")]
+
+
+def _processes_mentioning(text: str, but: int = -1) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and int(proc.name) != but:
+            try:
+                if text.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                pass
+    return pids
+
+
+def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
+    out = tmp_path / "ec.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--configs", "2d_a2a_fp8_bf16", "--warmup-steps", "2", "--steps", "3",
+         "--global-batch-size", "512", "--table-rows", "64", "--bandwidth-mbit", "100", "--latency-ms", "1",
+         "--run-timeout", "50", "--json", str(out), "--no-png"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        output = proc.communicate(timeout=150)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, output[-4000:]
+    assert "**network penalty**" in output
+    result = json.loads(out.read_text())
+    assert result["shaping"]["bandwidth_mbit"] == 100
+    (entry,) = result["configs"]
+    assert entry["network_penalty"] > 0
+    rows = entry["cluster"]["traffic_per_step_rank0"]
+    # 2D all-to-all optimized: the embedding all-to-all stays inside the node, the replica sync crosses.
+    assert all(r["inter_node_bytes"] == 0 for r in rows if r["purpose"] in ("embeddings", "sparse_ids"))
+    assert any(r["purpose"] == "replica_sync" and r["inter_node_bytes"] > 0 for r in rows)
+    assert sum(link["bytes"] for link in entry["cluster"]["tbf"].values()) > 0  # traffic went through the shaped links
+    assert not _namespaces_of(proc.pid)
+    assert not _processes_mentioning(str(tmp_path))
+
+
+def test_sigterm_removes_namespaces_and_processes(tmp_path):
+    out = tmp_path / "ec.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--configs", "1d_fp32", "--run-timeout", "60", "--json", str(out), "--no-png"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 40
+        # Wait until the ranks are starting inside the node namespaces, then stop the benchmark.
+        while time.monotonic() < deadline and not _processes_mentioning(str(tmp_path), but=proc.pid):
+            time.sleep(0.2)
+        assert _namespaces_of(proc.pid), "the benchmark made no namespaces"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=40)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    assert not _namespaces_of(proc.pid)
+    time.sleep(0.5)
+    assert not _processes_mentioning(str(tmp_path))
