@@ -8,8 +8,8 @@ Same model, same data (pre-generated batches, so data generation does not count)
 * ``lightning+checks``: the default ``validate_inputs="error"`` (the per-step input check and the
   batch handshake between ranks).
 
-    python benchmarks/overhead.py                 # prints a Markdown table, writes benchmarks/results/overhead.json
-    python benchmarks/overhead.py --repeats 5 --steps 400
+    python benchmarks/overhead.py                      # Markdown table; JSON in benchmarks/results/
+    python benchmarks/overhead.py --global-batch 8192 --steps 150
 """
 
 from __future__ import annotations
@@ -38,8 +38,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _batches(rank: int, steps: int) -> list[Any]:
     from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, slice_batch
 
-    log = SyntheticClickLog(SyntheticClickLogConfig(table_sizes=[ROWS] * TABLES, global_batch_size=GLOBAL_BATCH, seed=3))
-    local = GLOBAL_BATCH // WORLD_SIZE
+    global_batch = int(os.environ.get("OVERHEAD_GLOBAL_BATCH", GLOBAL_BATCH))
+    log = SyntheticClickLog(SyntheticClickLogConfig(table_sizes=[ROWS] * TABLES, global_batch_size=global_batch, seed=3))
+    local = global_batch // WORLD_SIZE
     unique = [slice_batch(log.global_batch("train", i), rank * local, (rank + 1) * local) for i in range(16)]
     return [unique[i % len(unique)] for i in range(steps)]
 
@@ -148,7 +149,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--global-batch", type=int, default=GLOBAL_BATCH)
     args = parser.parse_args(argv)
+    os.environ["OVERHEAD_GLOBAL_BATCH"] = str(args.global_batch)  # read by the spawned ranks
     variants = ["raw", "lightning", "lightning+checks"]
     runs: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(args.repeats):
@@ -157,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"repeat {repeat + 1}/{args.repeats} {variant}: {runs[variant][-1]:.1f} steps/s", file=sys.stderr)
     raw = statistics.median(runs["raw"])
     summary = {
-        "setup": {"world_size": WORLD_SIZE, "tables": TABLES, "rows": ROWS, "dim": DIM, "global_batch": GLOBAL_BATCH,
+        "setup": {"world_size": WORLD_SIZE, "tables": TABLES, "rows": ROWS, "dim": DIM, "global_batch": args.global_batch,
                   "steps": args.steps, "warmup": WARMUP, "repeats": args.repeats, "sharding": "table_wise", "backend": "gloo (CPU)"},
         "variants": {
             v: {"median_steps_per_s": statistics.median(r), "min": min(r), "max": max(r), "runs": r,
@@ -166,14 +169,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         },
     }
     print(f"\nOverhead against a raw TorchRec loop ({WORLD_SIZE} processes, {TABLES} tables x {ROWS} rows x dim {DIM}, "
-          f"global batch {GLOBAL_BATCH}, table_wise, gloo on CPU; {args.repeats} interleaved runs of {args.steps} steps, "
+          f"global batch {args.global_batch}, table_wise, gloo on CPU; {args.repeats} interleaved runs of {args.steps} steps, "
           f"first {WARMUP} excluded)\n")
     print("| variant | median steps/s | spread (min-max) | median / raw |")
     print("|---|---|---|---|")
     for v, row in summary["variants"].items():
         print(f"| {v} | {row['median_steps_per_s']:.1f} | {row['min']:.1f}-{row['max']:.1f} | {row['ratio_to_raw']:.3f} |")
     RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / "overhead.json").write_text(json.dumps(summary, indent=2))
+    (RESULTS / f"overhead_batch{args.global_batch}.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
