@@ -26,9 +26,9 @@ test-fast: $(STAMP)
 gpu-check: $(STAMP)  # results under OUT (default gpu-results/); see README "GPU check"
 	PYTHON=$(VPY) bash scripts/gpu_check.sh $(or $(OUT),gpu-results)
 
-bench: $(STAMP)  # about 10 min on 2 cores; the emulated cluster needs root and iproute2 (else it exits 2; make -k goes on)
+bench: $(STAMP)  # about 11 min on 2 cores; the emulated cluster needs root and iproute2 (else it exits 2; make -k goes on)
 	$(VPY) -m pip install -q --disable-pip-version-check -e ".[test,bench]"
-	$(VPY) benchmarks/emulated_cluster.py --repeats 1
+	$(VPY) benchmarks/emulated_cluster.py
 	$(VPY) benchmarks/cost_model.py
 	$(VPY) benchmarks/overhead.py
 	$(VPY) benchmarks/planner_balance.py
