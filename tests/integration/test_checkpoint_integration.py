@@ -36,6 +36,7 @@ from lightning_recsys.checkpoint import (
     read_meta,
     save_checkpoint,
 )
+from lightning_recsys.checkpoint.layout import temporary_path
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.planner import TableConstraints, make_sharding_plan
@@ -399,7 +400,7 @@ def test_async_save_commits_the_state_of_when_it_started(chain: dict[str, Any]) 
     weights, _ = _full([r["orig"] for r in chain["a"]])
     changed, _ = _full([r["changed"] for r in chain["b"]])
     assert not all(torch.equal(changed[k], weights[k]) for k in weights), "training after the async save changed nothing"
-    assert is_committed(chain["root"] / "b") and not (chain["root"] / "b.tmp").exists()
+    assert is_committed(chain["root"] / "b") and not temporary_path(chain["root"] / "b").exists()
     # What step c loaded from b equals a, checked in the chain test; here: b's meta is complete.
     meta = read_meta(chain["root"] / "b")
     assert (meta.world_size, meta.sharding_group_size, meta.written_by_ranks) == (2, 2, [0, 1])
@@ -480,7 +481,7 @@ def _save_then_crash(rank: int, world: int, root: str) -> None:
 def test_crash_during_save_leaves_the_previous_checkpoint_as_the_latest(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="died without a result"):
         run_ranks(_save_then_crash, 2, str(tmp_path), timeout=120)
-    partial = tmp_path / "newer.tmp"
+    partial = temporary_path(tmp_path / "newer")
     assert any(partial.glob("*.distcp")), "the crash happened before any data file was written"
     assert not is_committed(partial) and not (tmp_path / "newer").exists()
     assert latest_checkpoint(tmp_path) == tmp_path / "good"
