@@ -28,6 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from _workload import add_workload_arguments
 
 QCOMMS_CHOICES = ("fp32", "bf16", "fp16", "fp8", "int8", "fp8_fwd_bf16_bwd")
 
@@ -37,12 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON result path (written by global rank 0)")
     parser.add_argument("--devices", type=int, default=2, help="ranks per node")
     parser.add_argument("--num-nodes", type=int, default=2)
-    parser.add_argument("--warmup-steps", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=24, help="timed steps after warm-up")
-    parser.add_argument("--global-batch-size", type=int, default=4096)
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--table-rows", type=int, default=256)
-    parser.add_argument("--embedding-dim", type=int, default=64)
+    add_workload_arguments(parser, table_rows=256, steps_help="timed steps after warm-up")
     parser.add_argument("--pooling-factor", type=float, default=2.0)
     parser.add_argument("--sharding-type", default="table_wise")
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")

@@ -53,6 +53,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from _workload import add_workload_arguments, workload_argv
+
 HERE = Path(__file__).resolve().parent
 JOB = HERE / "_bench_job.py"
 DELAY_LINE = HERE / "_delay_line.py"
@@ -372,9 +374,7 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
     """Two torchrun launches (node ranks 0 and 1) of _bench_job.py in ``env``; rank 0's JSON result."""
     job_args = [
         "--out", str(out_json), "--devices", str(RANKS_PER_NODE), "--num-nodes", str(NODES),
-        "--warmup-steps", str(args.warmup_steps), "--steps", str(args.steps),
-        "--global-batch-size", str(args.global_batch_size), "--tables", str(args.tables),
-        "--table-rows", str(args.table_rows), "--embedding-dim", str(args.embedding_dim),
+        *workload_argv(args),
         "--sharding-group-size", str(cfg.sharding_group_size), "--layout", cfg.layout,
         "--sync-every-n-steps", str(cfg.sync_every_n_steps), "--qcomms", cfg.qcomms,
     ]  # fmt: skip
@@ -565,12 +565,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs", default=",".join(c.name for c in CONFIGS), help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS)
     )
-    parser.add_argument("--warmup-steps", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=24, help="timed steps (a multiple of every config's sync interval)")
-    parser.add_argument("--global-batch-size", type=int, default=4096)
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--table-rows", type=int, default=512)
-    parser.add_argument("--embedding-dim", type=int, default=64)
+    add_workload_arguments(parser, table_rows=512, steps_help="timed steps (a multiple of every config's sync interval)")
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs of every (config, environment), in alternating order; the fastest is reported"
     )

@@ -117,33 +117,34 @@ def compare(group_size: int, *, batch_size: int = 512, dim: int = 128, seed: int
     reports: dict[str, PlanReport] = {}
     seconds: dict[str, float] = {}
 
-    start = time.perf_counter()
-    default = EmbeddingShardingPlanner(
-        topology=make_topology(group_size, local, "cuda"),
-        batch_size=batch_size,
-        constraints=torchrec_constraints(tables, stats=stats, compute_kernels=KERNELS),
-        stats=[],
-        debug=False,
-    )
-    with quiet_torchrec_planner():
-        plan = default.plan(model, sharders)
-    seconds["default"] = time.perf_counter() - start
-    reports["default"] = build_plan_report(
-        plan, model, sharders, sharding_group_size=group_size, local_world_size=local, compute_device="cuda",
-        batch_size=batch_size, stats=stats, planner="TorchRec EmbeddingShardingPlanner",
-    )  # fmt: skip
-
-    start = time.perf_counter()
-    balanced = BalancedPlanner(
-        sharding_group_size=group_size, local_world_size=local, compute_device="cuda", batch_size=batch_size,
-        stats=stats, compute_kernels=KERNELS,
-    )  # fmt: skip
-    plan = balanced.plan(model, sharders)
-    seconds["balanced"] = time.perf_counter() - start
-    reports["balanced"] = build_plan_report(
-        plan, model, sharders, sharding_group_size=group_size, local_world_size=local, compute_device="cuda",
-        batch_size=batch_size, stats=stats, planner="BalancedPlanner",
-    )  # fmt: skip
+    planners: dict[str, tuple[str, Any]] = {
+        "default": (
+            "TorchRec EmbeddingShardingPlanner",
+            EmbeddingShardingPlanner(
+                topology=make_topology(group_size, local, "cuda"),
+                batch_size=batch_size,
+                constraints=torchrec_constraints(tables, stats=stats, compute_kernels=KERNELS),
+                stats=[],
+                debug=False,
+            ),
+        ),
+        "balanced": (
+            "BalancedPlanner",
+            BalancedPlanner(
+                sharding_group_size=group_size, local_world_size=local, compute_device="cuda", batch_size=batch_size,
+                stats=stats, compute_kernels=KERNELS,
+            ),
+        ),
+    }  # fmt: skip
+    for name, (label, planner) in planners.items():
+        start = time.perf_counter()
+        with quiet_torchrec_planner():
+            plan = planner.plan(model, sharders)
+        seconds[name] = time.perf_counter() - start
+        reports[name] = build_plan_report(
+            plan, model, sharders, sharding_group_size=group_size, local_world_size=local, compute_device="cuda",
+            batch_size=batch_size, stats=stats, planner=label,
+        )  # fmt: skip
     return {
         "group_size": group_size,
         "imbalance": {name: {m: r.imbalance[m].ratio for m in METRICS} for name, r in reports.items()},

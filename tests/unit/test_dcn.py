@@ -57,7 +57,7 @@ def test_builds_tables_on_meta_and_dense_layers_on_cpu():
     assert dense and not any(p.is_meta for p in dense)
 
 
-# The DCN arguments, then a sample of the checks DCNRanker shares with DLRMRanker through build_dlrm_parts.
+# The DCN arguments, then a sample of the checks DCNRanker shares with DLRMRanker through dlrm_arguments.
 _INVALID = [
     ({"dcn_num_layers": 0}, r"dcn_num_layers=0 must be an integer >= 1"),
     ({"dcn_num_layers": 1.5}, r"dcn_num_layers=1.5 must be an integer >= 1"),

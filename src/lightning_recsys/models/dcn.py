@@ -7,7 +7,7 @@ from torchrec.models.dlrm import DLRM_DCN
 
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
-from lightning_recsys.models.dlrm import build_dlrm_parts
+from lightning_recsys.models.dlrm import dlrm_arguments
 
 
 class DCNRanker(RankerModule):
@@ -47,22 +47,8 @@ class DCNRanker(RankerModule):
         for arg, value in (("dcn_num_layers", dcn_num_layers), ("dcn_low_rank_dim", dcn_low_rank_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{arg}={value!r} must be an integer >= 1.")
-        parts = build_dlrm_parts(
-            table_sizes,
-            num_dense_features,
-            embedding_dim,
-            dense_arch_layer_sizes,
-            over_arch_layer_sizes,
-            feature_names,
-            embedding_device,
-        )
         self.dcn = DLRM_DCN(
-            embedding_bag_collection=parts.embedding_bag_collection,
-            dense_in_features=num_dense_features,
-            dense_arch_layer_sizes=parts.dense_arch_layer_sizes,
-            over_arch_layer_sizes=parts.over_arch_layer_sizes,
-            dcn_num_layers=dcn_num_layers,
-            dcn_low_rank_dim=dcn_low_rank_dim,
+            **dlrm_arguments(self.hparams), dcn_num_layers=dcn_num_layers, dcn_low_rank_dim=dcn_low_rank_dim
         )
 
     def forward(self, batch: RecBatch) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
@@ -19,6 +21,28 @@ class DLRMParts:
     embedding_bag_collection: EmbeddingBagCollection
     dense_arch_layer_sizes: list[int]
     over_arch_layer_sizes: list[int]
+
+
+_PART_ARGUMENTS = (
+    "table_sizes",
+    "num_dense_features",
+    "embedding_dim",
+    "dense_arch_layer_sizes",
+    "over_arch_layer_sizes",
+    "feature_names",
+    "embedding_device",
+)
+
+
+def dlrm_arguments(hparams: Mapping[str, Any]) -> dict[str, Any]:
+    """The validated keyword arguments of TorchRec's ``DLRM``/``DLRM_DCN``, from a ranker's hyperparameters."""
+    parts = build_dlrm_parts(*(hparams[name] for name in _PART_ARGUMENTS))
+    return {
+        "embedding_bag_collection": parts.embedding_bag_collection,
+        "dense_in_features": hparams["num_dense_features"],
+        "dense_arch_layer_sizes": parts.dense_arch_layer_sizes,
+        "over_arch_layer_sizes": parts.over_arch_layer_sizes,
+    }
 
 
 def build_dlrm_parts(
@@ -108,21 +132,7 @@ class DLRMRanker(RankerModule):
     ) -> None:
         super().__init__(dense_optimizer=dense_optimizer, dense_lr=dense_lr)
         self.save_hyperparameters()
-        parts = build_dlrm_parts(
-            table_sizes,
-            num_dense_features,
-            embedding_dim,
-            dense_arch_layer_sizes,
-            over_arch_layer_sizes,
-            feature_names,
-            embedding_device,
-        )
-        self.dlrm = DLRM(
-            embedding_bag_collection=parts.embedding_bag_collection,
-            dense_in_features=num_dense_features,
-            dense_arch_layer_sizes=parts.dense_arch_layer_sizes,
-            over_arch_layer_sizes=parts.over_arch_layer_sizes,
-        )
+        self.dlrm = DLRM(**dlrm_arguments(self.hparams))
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
         return self.dlrm(batch.dense, batch.sparse).squeeze(-1)
