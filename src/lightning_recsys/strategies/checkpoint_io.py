@@ -30,6 +30,8 @@ class ShardedCheckpointSource(Protocol):
 
     def load_strictly(self) -> bool: ...
 
+    def restores_optimizer_state(self) -> bool: ...
+
 
 class DCPCheckpointIO(CheckpointIO):
     """Sharded checkpoints with PyTorch Distributed Checkpoint, written and read on every rank.
@@ -88,6 +90,8 @@ class DCPCheckpointIO(CheckpointIO):
             state=source.sharded_checkpoint_state(),
             topology=source.topology,
             strict=source.load_strictly(),
+            # validate/test/predict have no optimizers to restore (data-parallel tables get none then)
+            load_embedding_optimizer_state=source.restores_optimizer_state(),
             weights_only=weights_only,
         )
         return dict(loaded.host_state)

@@ -700,6 +700,11 @@ class TwoDRecStrategy(ParallelStrategy):
     def load_strictly(self) -> bool:
         return bool(getattr(self.lightning_module, "strict_loading", True))
 
+    def restores_optimizer_state(self) -> bool:
+        """Only ``fit`` restores optimizer state; evaluation needs the weights alone."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
