@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
@@ -397,6 +398,37 @@ class TwoDRecStrategy(ParallelStrategy):
         if self._sharded is not None and self._sharded.dmp.module is module:
             return self._sharded  # a later fit/validate/test call on the same, already sharded module
         topology = self.topology
+        settings = self._sharding_settings()
+        previous: Optional[_ShardingRecord] = module.__dict__.get(_SHARDING_RECORD)
+        if previous is not None:  # sharded by an earlier Trainer's strategy: reuse it if it fits
+            _check_reusable(previous.settings, settings)
+            sharded = previous.sharded
+            self._input_validator = previous.input_validator
+            self._equal_batch_sizes_required = previous.equal_batch_sizes_required
+        else:
+            sharded = self._shard_fresh(module, topology)
+            module.__dict__[_SHARDING_RECORD] = _ShardingRecord(
+                sharded, settings, self._input_validator, self._equal_batch_sizes_required  # type: ignore[arg-type]
+            )
+        replica_group = topology.replica_process_group()
+        self._replica_sync = None
+        if replica_group is not None:
+            self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
+                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
+                sharded.fused_optimizer,
+                replica_group,
+                include_optimizer_state=self._sync_optimizer_state,
+            )
+            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
+            self._replica_sync.broadcast_from_first_replica()
+        if self._comm is not None:
+            self._comm.stop()
+        self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
+        self._sharded = sharded
+        self._steps_since_sync = 0
+        return sharded
+
+    def _shard_fresh(self, module: LightningModule, topology: ParallelTopology) -> ShardedModel:
         self._input_validator = InputValidator(feature_tables(module))  # also refuses tables without features
         allowed = self._sharding_types
         if allowed is None and not topology.is_1d:
@@ -418,7 +450,7 @@ class TwoDRecStrategy(ParallelStrategy):
         )
         if self._effective_qcomms.fallbacks:
             rank_zero_warn("QComms: " + "; ".join(self._effective_qcomms.fallbacks) + ".")
-        sharded = shard_model(
+        return shard_model(
             module,
             topology=topology,
             device=self.root_device,
@@ -426,23 +458,23 @@ class TwoDRecStrategy(ParallelStrategy):
             plan=plan,
             dense_grads_precision=self._effective_qcomms.dense_grads,
         )
-        replica_group = topology.replica_process_group()
-        self._replica_sync = None
-        if replica_group is not None:
-            self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
-                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
-                sharded.fused_optimizer,
-                replica_group,
-                include_optimizer_state=self._sync_optimizer_state,
-            )
-            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
-            self._replica_sync.broadcast_from_first_replica()
-        if self._comm is not None:
-            self._comm.stop()
-        self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
-        self._sharded = sharded
-        self._steps_since_sync = 0
-        return sharded
+
+    def _sharding_settings(self) -> dict[str, Any]:
+        """Everything that decides how the tables are sharded and updated (compared when a module is reused)."""
+        topology = self.topology
+        return {
+            "topology": (topology.world_size, topology.sharding_group_size, topology.layout, topology.node_size),
+            "device": self.root_device.type,
+            "embedding_optimizer": self.embedding_optimizer_config,
+            "qcomms": self.qcomms_config,
+            "sharding_types": self._sharding_types,
+            "table_constraints": self._table_constraints,
+            "planner": self._planner,
+            "planner_stats": self._planner_stats,
+            "hash_partitions": self._hash_partitions,
+            "reshape_tables": self._reshape_tables,
+        }
+
 
     def _plan(self, module: LightningModule, sharders: list[Any], topology: ParallelTopology) -> ShardingPlan:
         """Profile (optional), reshape (optional), plan on rank 0 and broadcast, and report the plan."""
@@ -728,6 +760,28 @@ class TwoDRecStrategy(ParallelStrategy):
 
 
 _T = TypeVar("_T")
+_SHARDING_RECORD = "_lightning_recsys_sharding"  # in the module's __dict__: not a submodule, not in state_dict
+
+
+@dataclass(frozen=True)
+class _ShardingRecord:
+    """What a strategy left on a module it sharded, so a later Trainer's strategy can reuse the shards."""
+
+    sharded: ShardedModel
+    settings: dict[str, Any]
+    input_validator: InputValidator
+    equal_batch_sizes_required: bool
+
+
+def _check_reusable(previous: dict[str, Any], current: dict[str, Any]) -> None:
+    differing = [f"{name}: {previous[name]!r} then, {current[name]!r} now" for name in previous if previous[name] != current[name]]
+    if differing:
+        raise ValueError(
+            "TwoDRecStrategy: this module's tables were already sharded by an earlier Trainer's strategy with other "
+            f"settings ({'; '.join(differing)}). TorchRec replaces the tables in place, so they cannot be re-planned. "
+            "Use the same strategy settings and world, or build a fresh model and load a checkpoint into it "
+            "(Trainer(...).test(fresh_model, ckpt_path=...))."
+        )
 
 
 def _available(value: Optional[_T], attribute: str, after: str) -> _T:
