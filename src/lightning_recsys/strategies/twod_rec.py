@@ -47,6 +47,7 @@ from lightning_recsys.parallel import (
 from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
 from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
+from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.parallel.input_guard import (
     VALIDATE_INPUTS,
     CoordinatedBatches,
@@ -307,6 +308,7 @@ class TwoDRecStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        silence_known_upstream_warnings()  # before planning and sharding, where most of them come from
         super().setup_environment()
         self.set_world_ranks()
         topology = self._make_topology()
