@@ -137,6 +137,7 @@ def _setup(tmp_path: Path, case: str) -> Path:
     return final
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="kills forked children")
 @pytest.mark.parametrize("case", ["replace", "replace a real directory", "first save"])
 def test_a_kill_at_every_filesystem_step_of_a_save_keeps_a_checkpoint_under_the_name(tmp_path: Path, case: str) -> None:
     seen: list[int] = []
