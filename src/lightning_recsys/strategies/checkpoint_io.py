@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -18,6 +16,7 @@ from lightning_recsys.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from lightning_recsys.checkpoint.layout import remove_checkpoint
 from lightning_recsys.parallel.topology import ParallelTopology
 
 
@@ -98,11 +97,8 @@ class DCPCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        target = Path(path)
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            os.remove(target)
+        """Delete the name, the data directory it points to, and that name's leftovers of interrupted saves."""
+        remove_checkpoint(path)
 
     def wait(self) -> Optional[Path]:
         """Commit the pending background save, if any (collective: every rank)."""

@@ -118,9 +118,11 @@ class TwoDRecStrategy(ParallelStrategy):
             accumulators (default True).
         qcomms: precision of the embedding collectives: a preset (``"fp32"``, ``"bf16"``,
             ``"fp16"``, ``"fp8"``, ``"int8"``) or a ``QCommsConfig``; default fp32 (off).
-        validate_inputs: check every batch's sparse ids against the tables before the step:
-            ``"error"`` (default) stops every rank with the feature, table, id and example;
-            ``"warn"`` logs and goes on (FBGEMM then clamps the id to row 0); ``"off"``.
+        validate_inputs: check every batch's sparse ids, keys, lengths and weights against the
+            tables before the step: ``"error"`` (default) stops every rank with the feature,
+            table, id and example; ``"warn"`` logs out-of-range ids and goes on (FBGEMM then
+            clamps the id to row 0) but still stops on problems no clamp can fix (duplicate or
+            missing keys, bad weights); ``"off"``.
         check_finite: stop every rank with the step number when the loss or a looked-up embedding
             is not finite (also on with ``Trainer(detect_anomaly=True)``). Costs one small
             all-reduce per step.
