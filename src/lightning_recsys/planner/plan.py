@@ -73,7 +73,8 @@ def make_sharding_plan(
     """Plan ``module`` for one sharding group, on global rank 0, and broadcast it to every rank.
 
     The plan's ranks are group-local (0..sharding_group_size-1). It is broadcast over WORLD: a
-    broadcast over a subgroup breaks TorchRec's collective_plan (see DESIGN.md).
+    broadcast over a subgroup breaks TorchRec's ``collective_plan`` (torchrec ``distributed/planner/planners.py``:
+    it broadcasts with ``src=0``, a global rank, over the group it is given).
     """
     unknown = set(constraints or {}) - set(_table_names(module))
     if unknown:
