@@ -73,8 +73,9 @@ def make_sharding_plan(
     """Plan ``module`` for one sharding group, on global rank 0, and broadcast it to every rank.
 
     The plan's ranks are group-local (0..sharding_group_size-1). It is broadcast over WORLD: a
-    broadcast over a subgroup breaks TorchRec's ``collective_plan`` (torchrec ``distributed/planner/planners.py``:
-    it broadcasts with ``src=0``, a global rank, over the group it is given).
+    broadcast over a subgroup breaks TorchRec's ``collective_plan`` (torchrec
+    ``distributed/collective_utils.py`` ``invoke_on_rank_and_broadcast_result`` compares the group-local
+    ``pg.rank()`` with its rank but passes that number to ``broadcast_object_list`` as a global ``src``).
     """
     unknown = set(constraints or {}) - set(_table_names(module))
     if unknown:
