@@ -15,6 +15,7 @@ EMITTED = [
     ("`torch.distributed.reduce_scatter_tensor` is deprecated. Please use ...", FutureWarning, "torch.distributed.c10d_logger"),
     ("`torch.distributed.all_gather_into_tensor` is deprecated. Please use ...", FutureWarning, "torch.distributed.c10d_logger"),
     ("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.", FutureWarning, "torchrec.distributed.model_parallel"),
+    ("`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead.", FutureWarning, "torchrec.distributed.embeddingbag"),
     ("HeuristicalStorageReservation is known to cause issues, particularly ...", FutureWarning, "torchrec.distributed.planner.planners"),
     ("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning, "torchrec.distributed.embeddingbag"),
     ("fbgemm::split_embedding_codegen_lookup_sgd_function_cpu: an autograd kernel was not registered to the Autograd key(s) but we are trying to backprop through it.", UserWarning, "torch.autograd.graph"),
@@ -49,11 +50,19 @@ def test_other_warnings_still_show(message, category, module):
     assert _emit(message, category, module) == [message]
 
 
+def _log(logger: logging.Logger, message: str, pathname: str) -> None:
+    record = logger.makeRecord(logger.name, logging.WARNING, pathname, 1, message, None, None)
+    if logger.filter(record):
+        logger.handle(record)
+
+
 def test_known_torchrec_log_lines_are_dropped_and_others_kept(caplog):
     silence_known_upstream_warnings()
-    for logger_name, text in KNOWN_LOG_MESSAGES.items():
+    for logger_name, text, origin in KNOWN_LOG_MESSAGES:
+        logger = logging.getLogger(logger_name)
         with caplog.at_level(logging.WARNING, logger=logger_name):
             caplog.clear()
-            logging.getLogger(logger_name).warning("Sharding Type is data_parallel, %s", text)
-            logging.getLogger(logger_name).warning("something else")
-        assert [r.getMessage() for r in caplog.records] == ["something else"]
+            _log(logger, f"Sharding Type is data_parallel, {text} t_0", "/site-packages/" + origin)
+            _log(logger, "something else", "/site-packages/" + origin)
+            _log(logger, f"my own: {text}", "/home/me/train.py")  # the same words from a user's code still show
+        assert [r.getMessage() for r in caplog.records] == ["something else", f"my own: {text}"]

@@ -25,8 +25,8 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         r"torch\.distributed\.c10d_logger", "TorchRec 1.8's row-wise sharding calls the old names; torch 2.13 forwards them",
     ),
     KnownWarning(
-        r"`broadcast_buffers` is deprecated", FutureWarning, r"torchrec\.distributed\.model_parallel",
-        "TorchRec's DefaultDataParallelWrapper passes it to DDP; the behaviour is unchanged",
+        r"`broadcast_buffers` is deprecated", FutureWarning, r"torchrec\.distributed\.(model_parallel|embeddingbag|embedding)\Z",
+        "TorchRec's DDP wrappers (dense part, data-parallel tables) pass it; the behaviour is unchanged",
     ),
     KnownWarning(
         r"HeuristicalStorageReservation is known to cause issues", FutureWarning, r"torchrec\.distributed\.planner",
@@ -46,22 +46,27 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
     ),
 )
 
-# TorchRec logs these with logging.warning, once per table and rank.
-KNOWN_LOG_MESSAGES: dict[str, str] = {
-    "torchrec.distributed.utils": "caching params will be ignored",  # data-parallel tables have no cache to configure
-    "torchrec.distributed.planner.storage_reservations": "There is a known issue with TorchRec's dense tensor size calculation",
-}
+# TorchRec logs these with logging.warning, once per table and rank: (logger, text, the file that logs it).
+KNOWN_LOG_MESSAGES: tuple[tuple[str, str, str], ...] = (
+    # data-parallel tables have no cache to configure
+    ("torchrec.distributed.utils", "caching params will be ignored", "torchrec/distributed/utils.py"),
+    ("torchrec.distributed.planner.storage_reservations", "There is a known issue with TorchRec's dense tensor size calculation",
+     "torchrec/distributed/planner/storage_reservations.py"),
+    # data-parallel tables have no sharding spec; logged on the root logger by the plan validation
+    ("", "Sharding spec not found for ", "torchrec/distributed/planner/planners.py"),
+)
 
 _installed = False
 
 
 class _DropMessage(logging.Filter):
-    def __init__(self, text: str) -> None:
+    def __init__(self, text: str, origin: str) -> None:
         super().__init__()
         self.text = text
+        self.origin = origin
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return self.text not in record.getMessage()
+        return not (record.pathname.replace("\\", "/").endswith(self.origin) and self.text in record.getMessage())
 
 
 def silence_known_upstream_warnings() -> None:
@@ -72,6 +77,6 @@ def silence_known_upstream_warnings() -> None:
     _installed = True
     for known in KNOWN_WARNINGS:
         warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
-    for logger_name, text in KNOWN_LOG_MESSAGES.items():
-        logging.getLogger(logger_name).addFilter(_DropMessage(text))
+    for logger_name, text, origin in KNOWN_LOG_MESSAGES:
+        logging.getLogger(logger_name).addFilter(_DropMessage(text, origin))
 
