@@ -19,11 +19,15 @@ they run the same on CPU and CUDA:
 On CUDA (``QCommsConfig.kernels="auto"``), fp8 and int8 use FBGEMM's fused rowwise kernels
 instead where they apply: fp8 rows of one block (TorchRec's ``fp8_quantize_dim``), int8 rows of 32.
 
-The block size is the gcd of the plan's shard widths, so it is known only with the plan. Where a
-byte format would not send fewer bytes than bf16 at that block size (4 scale bytes per block: a
-block of 4 or fewer values), it runs as bf16 instead. A reduce-scatter sums its payloads on the wire
-and TorchRec sizes its buffers by the input shape, so it can only use the casts: a byte format
-requested there runs as ``bf16`` too. ``EffectiveQComms`` says what really runs and why.
+The block size is the gcd of the plan's shard widths, so it is known only with the plan. A byte
+format sends ``1 + 4 / block`` bytes per value; where that is not fewer than bf16's 2 (a block of 4
+or fewer values), it runs as bf16 instead. TorchRec's fused embedding kernels need shard widths that
+are multiples of 4 (``_assert_local_cols_divisible_by_4`` in
+torchrec/distributed/batched_embedding_kernel.py), so blocks have at least 4 values and a byte
+format never sends more than fp32; at exactly 4 it would send as many bytes as bf16 at less precision.
+A reduce-scatter sums its payloads on the wire and TorchRec sizes its buffers by the input shape, so
+it can only use the casts: a byte format requested there runs as ``bf16`` too. ``EffectiveQComms``
+says what really runs and why.
 """
 
 from __future__ import annotations
