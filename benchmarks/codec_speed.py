@@ -100,7 +100,7 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--values", type=int, nargs="+", default=[1 << 18, 1 << 22], help="fp32 values per payload")
+    parser.add_argument("--values", type=int, nargs="+", default=[1 << 16, 1 << 18, 1 << 20, 1 << 22], help="fp32 values per payload")
     parser.add_argument("--block", type=int, default=64, help="values per scale block (one embedding row of dim 64)")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")

@@ -95,10 +95,12 @@ class PassThroughCodec(_Codec):
 
 
 class CastCodec(_Codec):
-    """fp16/bf16: a cast, then NaN -> 0 and +-Inf -> +-max in place on the 16-bit result.
+    """fp16/bf16: a cast; where a value is non-finite or beyond the format's max, NaN -> 0 and
+    +-Inf -> +-max in place on the 16-bit result.
 
     Values just above the format's max round to it in the cast; larger ones become Inf and then the
-    max, so the result equals clamping in fp32 before the cast, at one pass over 2-byte data.
+    max, so the result equals clamping in fp32 before the cast. On CPU one ``aminmax`` pass over
+    the input tells whether that fix-up is needed (on CUDA it would be a host sync, so it always runs).
     """
 
     def __init__(self, precision: str) -> None:
@@ -115,6 +117,10 @@ class CastCodec(_Codec):
     def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
         with torch.no_grad():
             out = input_tensor.to(self._dtype, copy=True)
+            if input_tensor.device.type == "cpu" and input_tensor.numel():
+                low, high = torch.aminmax(input_tensor)
+                if -self._max <= float(low) and float(high) <= self._max:  # False for NaN
+                    return out
             return torch.nan_to_num_(out, nan=0.0, posinf=self._max, neginf=-self._max)
 
     def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
