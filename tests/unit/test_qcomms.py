@@ -387,5 +387,6 @@ def test_fbgemm_kernels_on_cuda_agree_with_the_torch_codecs(precision, bound):
         assert ((ours - rows).abs() <= row_max / 127 / 2 * 1.001).all()
     else:  # values at least 2**-6 of their row's max are in both formats' normal ranges
         keep = rows.abs() >= row_max * 2.0**-6
-        for decoded in (theirs, ours):
-            assert (((decoded - rows).abs() / rows.abs())[keep] <= bound * 1.001).all()
+        relative = lambda decoded: ((decoded - rows).abs() / rows.abs())[keep].max()  # noqa: E731
+        assert relative(ours) <= bound * 1.001  # half a step: round to nearest
+        assert relative(theirs) <= 2 * bound * 1.001  # within one step of FBGEMM's HFP8 rounding
