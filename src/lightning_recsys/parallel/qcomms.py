@@ -1,36 +1,75 @@
-"""Quantized embedding communication (QComms): precision config, codecs, and what each backend gets.
+"""Quantized embedding communication (QComms): precision config, the codecs each collective gets, and why.
 
 TorchRec quantizes the payload of its embedding collectives through ``QuantizedCommCodec``
-objects registered per collective in a sharder's ``qcomm_codecs_registry``. Its FBGEMM codecs do
-not run FP8 on CPU and silently swap BF16 for FP16 on gloo (see DESIGN.md), so this module
-provides its own codecs, written with plain torch ops so they run the same on CPU and CUDA:
+objects registered per collective in a sharder's ``qcomm_codecs_registry``. Its own registry
+(``torchrec.distributed.fbgemm_qcomm_codec.get_qcomm_codecs_registry``) replaces BF16 with FP16
+whenever the device is CPU, and FBGEMM's fp8 kernel has no CPU implementation
+(``torch.ops.fbgemm.FloatToFP8RowwiseQuantized`` raises "fp8 is not supported by CPU" in
+fbgemm_gpu 1.8), so the codecs are ours (``parallel/codecs.py``), written with plain torch ops so
+they run the same on CPU and CUDA:
 
-* ``fp32``/``fp16``/``bf16``: a cast. Non-finite values are clamped: NaN -> 0, +-Inf and
-  out-of-range values -> the format's largest finite magnitude.
+* ``fp32``: no codec work at all; the tensor is sent as it is (NaN and Inf included).
+* ``fp16``/``bf16``: a cast. Non-finite values are clamped: NaN -> 0, +-Inf and out-of-range
+  values -> the format's largest finite magnitude.
 * ``fp8`` (e4m3 or e5m2) and ``int8``: block-scaled. Every ``block_size`` consecutive values (one
   embedding row when all shards have the same width) share an fp32 scale ``amax / format_max``;
   the payload travels as ``uint8`` bytes ``[block bytes | 4 scale bytes]`` per block, which gloo and
   nccl both carry. NaN -> 0; +-Inf saturate to the block's largest finite magnitude.
 
-A reduce-scatter sums its payloads on the wire and TorchRec sizes its buffers by the input shape,
-so it can only use the casts: a byte format requested there falls back to ``bf16`` with one
-warning, and ``effective`` says so.
+On CUDA (``QCommsConfig.kernels="auto"``), fp8 and int8 use FBGEMM's fused rowwise kernels
+instead where they apply: fp8 rows of one block (TorchRec's ``fp8_quantize_dim``), int8 rows of 32.
+
+The block size is the gcd of the plan's shard widths, so it is known only with the plan. A byte
+format sends ``1 + 4 / block`` bytes per value; where that is not fewer than bf16's 2 (a block of 4
+or fewer values), it runs as bf16 instead. TorchRec's fused embedding kernels need shard widths that
+are multiples of 4 (``_assert_local_cols_divisible_by_4`` in
+torchrec/distributed/batched_embedding_kernel.py), so blocks have at least 4 values and a byte
+format never sends more than fp32; at exactly 4 it would send as many bytes as bf16 at less precision.
+A reduce-scatter sums its payloads on the wire and TorchRec sizes its buffers by the input shape, so
+it can only use the casts: a byte format requested there runs as ``bf16`` too. ``EffectiveQComms``
+says what really runs and why.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Optional, Union, get_args
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingPlan
 
+from lightning_recsys.parallel.codecs import (
+    BYTE_DTYPES,
+    CAST_DTYPES,
+    BlockScaledCodec,
+    CastCodec,
+    PassThroughCodec,
+    fbgemm_codec,
+    fbgemm_unsupported,
+    wire_bytes_per_value,
+)
+
+__all__ = [
+    "BlockScaledCodec",
+    "CastCodec",
+    "EffectiveQComms",
+    "PassThroughCodec",
+    "QCommsCodecs",
+    "QCommsConfig",
+    "block_size_for_plan",
+    "dense_grads_hook",
+    "make_codec",
+    "resolve_qcomms",
+    "wire_bytes_per_value",
+]
+
 Precision = Literal["fp32", "bf16", "fp16", "fp8", "int8"]
 Fp8Format = Literal["e4m3", "e5m2"]
 Collective = Literal["pooled_all_to_all", "sequence_all_to_all", "reduce_scatter"]
 DenseGradPrecision = Literal["fp32", "bf16", "fp16"]
+Kernels = Literal["auto", "torch", "fbgemm"]
 
 PRECISIONS: tuple[str, ...] = get_args(Precision)
 COLLECTIVES: tuple[str, ...] = get_args(Collective)
@@ -40,9 +79,7 @@ _COMM_OPS: dict[str, CommOp] = {
     "reduce_scatter": CommOp.POOLED_EMBEDDINGS_REDUCE_SCATTER,
 }
 _BYTE_FORMATS = ("fp8", "int8")
-_CAST_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_SCALE_BYTES = 4
+_FP8_FORMATS = ("e4m3", "e5m2")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,6 +94,9 @@ class QCommsConfig:
         fp8_forward_format / fp8_backward_format: the float8 layout when a direction is fp8
             (default e4m3 forward for precision, e5m2 backward for range).
         dense_grads: precision of DDP's dense-gradient all-reduce (fp32, bf16 or fp16; a DDP comm hook).
+        kernels: what runs the fp8/int8 codecs: ``"auto"`` (FBGEMM's fused rowwise kernels on CUDA where
+            they apply, the torch codecs elsewhere), ``"torch"`` (always the torch codecs) or
+            ``"fbgemm"`` (FBGEMM's kernels or an error that says why not).
     """
 
     forward: Precision = "fp32"
@@ -65,6 +105,7 @@ class QCommsConfig:
     fp8_forward_format: Fp8Format = "e4m3"
     fp8_backward_format: Fp8Format = "e5m2"
     dense_grads: DenseGradPrecision = "fp32"
+    kernels: Kernels = "auto"
 
     def __post_init__(self) -> None:
         for name in ("forward", "backward"):
@@ -79,10 +120,12 @@ class QCommsConfig:
             )
         for name in ("fp8_forward_format", "fp8_backward_format"):
             value = getattr(self, name)
-            if value not in _FP8_DTYPES:
-                raise ValueError(f"QCommsConfig({name}={value!r}) is not one of {list(_FP8_DTYPES)}.")
+            if value not in _FP8_FORMATS:
+                raise ValueError(f"QCommsConfig({name}={value!r}) is not one of {list(_FP8_FORMATS)}.")
         if self.dense_grads not in get_args(DenseGradPrecision):
             raise ValueError(f"QCommsConfig(dense_grads={self.dense_grads!r}) is not one of {list(get_args(DenseGradPrecision))}.")
+        if self.kernels not in get_args(Kernels):
+            raise ValueError(f"QCommsConfig(kernels={self.kernels!r}) is not one of {list(get_args(Kernels))}.")
 
     @classmethod
     def preset(cls, name: str) -> QCommsConfig:
@@ -111,16 +154,39 @@ class QCommsConfig:
 
 @dataclass(frozen=True)
 class EffectiveQComms:
-    """What each collective really uses (``"fp8_e4m3"``, ``"bf16"``, ...), and why where it differs."""
+    """What each collective really uses (``"fp8_e4m3"``, ``"bf16"``, ...), and why where it differs.
+
+    ``block_size`` (the scale block of fp8/int8) and ``fbgemm`` (the ``(collective, direction)``
+    pairs FBGEMM's kernels carry) are set once the codecs are built from the sharding plan.
+    """
 
     precisions: dict[str, tuple[str, str]]
     dense_grads: str
     fallbacks: tuple[str, ...] = ()
+    kernels: str = "auto"
+    block_size: Optional[int] = None
+    fbgemm: tuple[tuple[str, str], ...] = ()
 
     def describe(self) -> str:
-        lines = [f"{c}: forward {f}, backward {b}" for c, (f, b) in self.precisions.items()]
+        lines = [
+            f"{c}: forward {self._name(c, 'forward', f)}, backward {self._name(c, 'backward', b)}"
+            for c, (f, b) in self.precisions.items()
+        ]
         lines.append(f"dense gradient all-reduce: {self.dense_grads}")
+        if self.block_size is not None and any(p in BYTE_DTYPES for pair in self.precisions.values() for p in pair):
+            lines.append(f"fp8/int8 scale blocks: {self.block_size} values (the gcd of the plan's shard widths)")
         return "\n".join(lines)
+
+    def wire_bytes(self, collective: str) -> tuple[float, float]:
+        """Bytes on the wire per value (forward, backward) of ``collective``, scales included."""
+        forward, backward = self.precisions[collective]
+        return (
+            wire_bytes_per_value(forward, self.block_size, fbgemm=(collective, "forward") in self.fbgemm),
+            wire_bytes_per_value(backward, self.block_size, fbgemm=(collective, "backward") in self.fbgemm),
+        )
+
+    def _name(self, collective: str, direction: str, precision: str) -> str:
+        return f"{precision} (FBGEMM)" if (collective, direction) in self.fbgemm else precision
 
     @property
     def is_off(self) -> bool:
@@ -147,165 +213,148 @@ def resolve_qcomms(config: QCommsConfig) -> EffectiveQComms:
                 precision = "bf16"
             resolved.append(f"fp8_{fp8_format}" if precision == "fp8" else precision)
         precisions[collective] = (resolved[0], resolved[1])
-    return EffectiveQComms(precisions=precisions, dense_grads=config.dense_grads, fallbacks=tuple(fallbacks))
+    return EffectiveQComms(
+        precisions=precisions, dense_grads=config.dense_grads, fallbacks=tuple(fallbacks), kernels=config.kernels
+    )
 
 
 # ----------------------------------------------------------------------------------- codecs
-class CastCodec:
-    """TorchRec QuantizedCommCodec that casts to fp32/fp16/bf16 (clamping non-finite values)."""
-
-    def __init__(self, precision: str) -> None:
-        self.precision = precision
-        self._dtype = _CAST_DTYPES[precision]
-        self._max = torch.finfo(self._dtype).max
-
-    @property
-    def quantized_dtype(self) -> torch.dtype:
-        return self._dtype
-
-    def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
-        clamped = torch.nan_to_num(input_tensor, nan=0.0, posinf=self._max, neginf=-self._max)
-        return clamped.clamp(-self._max, self._max).to(self._dtype)
-
-    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
-        return input_grad.to(torch.float32)
-
-    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int:
-        return input_len
-
-    def create_context(self) -> None:
-        return None
-
-    def padded_size(self, input_tensor: torch.Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any) -> tuple[int, int]:
-        return (input_tensor.shape[0] if input_tensor.dim() == 1 else input_tensor.shape[1]), 0
+Codec = Union[PassThroughCodec, CastCodec, BlockScaledCodec]
 
 
-@dataclass
-class BlockSize:
-    """The block (scale group) size shared by the byte codecs; fixed once the sharding plan is known."""
-
-    value: Optional[int] = None
-
-
-@dataclass
-class BlockScaledCodec:
-    """TorchRec QuantizedCommCodec for fp8 (e4m3/e5m2) or int8 with one fp32 scale per block, sent as bytes."""
-
-    precision: str  # "fp8_e4m3", "fp8_e5m2" or "int8"
-    block: BlockSize = field(default_factory=BlockSize)
-
-    def __post_init__(self) -> None:
-        if self.precision == "int8":
-            self._dtype, self._max = torch.int8, 127.0
-        else:
-            self._dtype = _FP8_DTYPES[self.precision.removeprefix("fp8_")]
-            self._max = float(torch.finfo(self._dtype).max)
-
-    @property
-    def quantized_dtype(self) -> torch.dtype:
-        return torch.uint8
-
-    @property
-    def block_size(self) -> int:
-        if self.block.value is None:
-            raise RuntimeError(f"the {self.precision} codec's block size is set from the sharding plan before use")
-        return self.block.value
-
-    def encode(self, input_tensor: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
-        """Flat uint8: whole blocks, then (outside TorchRec's aligned payloads) one shorter tail block."""
-        flat = input_tensor.reshape(-1).to(torch.float32)
-        whole = flat.numel() // self.block_size * self.block_size
-        parts = [self._encode_blocks(flat[:whole].view(-1, self.block_size))]
-        if whole < flat.numel():
-            parts.append(self._encode_blocks(flat[whole:].view(1, -1)))
-        return torch.cat([p.reshape(-1) for p in parts])
-
-    def decode(self, input_grad: torch.Tensor, ctx: Optional[Any] = None) -> torch.Tensor:
-        size = self.block_size
-        stride = size + _SCALE_BYTES
-        whole = input_grad.numel() // stride * stride
-        tail = input_grad.numel() - whole
-        if 0 < tail <= _SCALE_BYTES:
-            raise ValueError(f"{self.precision} qcomms: {input_grad.numel()} bytes is not a valid encoded payload.")
-        parts = [self._decode_blocks(input_grad[:whole].view(-1, stride), size)]
-        if tail:
-            parts.append(self._decode_blocks(input_grad[whole:].view(1, -1), tail - _SCALE_BYTES))
-        return torch.cat([p.reshape(-1) for p in parts])
-
-    def calc_quantized_size(self, input_len: int, ctx: Optional[Any] = None) -> int:
-        # TorchRec sizes each rank's chunk with this and decodes the chunks concatenated, so every
-        # chunk must be whole blocks; a shorter tail block is only decodable at the very end.
-        size = self.block_size
-        if input_len % size:
-            raise ValueError(
-                f"{self.precision} qcomms: a payload of {input_len} values is not a whole number of blocks of "
-                f"{size} (the block size is the gcd of the sharded embedding widths)."
-            )
-        return input_len // size * (size + _SCALE_BYTES)
-
-    def _encode_blocks(self, blocks: torch.Tensor) -> torch.Tensor:
-        finite = torch.isfinite(blocks)
-        amax = torch.where(finite, blocks.abs(), torch.zeros_like(blocks)).amax(dim=1, keepdim=True)
-        scale = torch.where(amax > 0, amax / self._max, torch.ones_like(amax))
-        scaled = torch.nan_to_num(blocks / scale, nan=0.0, posinf=self._max, neginf=-self._max).clamp_(-self._max, self._max)
-        if self._dtype is torch.int8:
-            scaled = scaled.round_()
-        return torch.cat([scaled.to(self._dtype).view(torch.uint8), scale.view(torch.uint8)], dim=1)
-
-    def _decode_blocks(self, rows: torch.Tensor, size: int) -> torch.Tensor:
-        payload = rows[:, :size].contiguous().view(self._dtype).to(torch.float32)
-        scale = rows[:, size:].flatten().clone().view(torch.float32).unsqueeze(1)  # fresh storage: 4-byte aligned
-        return payload * scale
-
-    def create_context(self) -> None:
-        return None
-
-    def padded_size(self, input_tensor: torch.Tensor, dim_per_rank: list[int], my_rank: int, qcomm_ctx: Any) -> tuple[int, int]:
-        return (input_tensor.shape[0] if input_tensor.dim() == 1 else input_tensor.shape[1]), 0
-
-
-Codec = Union[CastCodec, BlockScaledCodec]
-
-
-def make_codec(precision: str, block: BlockSize) -> Codec:
-    """The codec for an effective precision string such as ``"bf16"`` or ``"fp8_e4m3"``."""
-    if precision in _CAST_DTYPES:
+def make_codec(precision: str, block_size: Optional[int] = None, *, fbgemm: bool = False) -> Any:
+    """The codec for an effective precision such as ``"bf16"`` or ``"fp8_e4m3"`` (FBGEMM's with ``fbgemm``)."""
+    if precision == "fp32":
+        return PassThroughCodec()
+    if precision in CAST_DTYPES:
         return CastCodec(precision)
-    return BlockScaledCodec(precision, block)
+    if fbgemm:
+        if block_size is None:
+            raise ValueError(f"FBGEMM's {precision} codec needs the block size, known once the sharding plan is")
+        return fbgemm_codec(precision, block_size)
+    return BlockScaledCodec(precision, block_size)
 
 
 @dataclass
 class QCommsCodecs:
-    """The codecs registry handed to TorchRec's sharders, and the block size its byte codecs share."""
+    """The codecs registry handed to TorchRec's sharders, and what each collective really uses.
+
+    ``build(effective)`` makes the codecs the planner reads (only their wire dtypes count there);
+    their byte codecs have no block size yet and refuse to encode. ``build(effective, plan)`` makes
+    the final ones: the block size is the gcd of the plan's shard widths, and a byte format that
+    would not send fewer bytes than bf16 at that block size runs as bf16 (``effective`` says so).
+    """
 
     effective: EffectiveQComms
     registry: Optional[dict[str, QuantizedCommCodecs]]
-    block: BlockSize
+    block_size: Optional[int] = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    requested: Optional[EffectiveQComms] = None  # what ``effective`` was made from, before the plan
 
     @classmethod
-    def build(cls, effective: EffectiveQComms) -> QCommsCodecs:
-        block = BlockSize()
+    def build(
+        cls, effective: EffectiveQComms, plan: Optional[ShardingPlan] = None, *, device: Union[str, torch.device, None] = None
+    ) -> QCommsCodecs:
+        device = torch.device(device if device is not None else "cpu")
+        requested = effective
+        block = None
+        if plan is not None:
+            block = block_size_for_plan(plan)
+            effective = _final_effective(effective, block, device)
+        elif effective.kernels == "fbgemm":  # refuse now what no plan can make possible
+            for collective, pair in effective.precisions.items():
+                for direction, precision in zip(("forward", "backward"), pair):
+                    why_not = fbgemm_unsupported(precision, None, device) if precision in BYTE_DTYPES else None
+                    if why_not is not None:
+                        raise _fbgemm_refusal(f"{collective} {direction}", precision, device, why_not)
+        fbgemm = set(effective.fbgemm)
         registry: dict[str, QuantizedCommCodecs] = {}
         for collective, (forward, backward) in effective.precisions.items():
             if (forward, backward) != ("fp32", "fp32"):
                 registry[_COMM_OPS[collective].name] = QuantizedCommCodecs(
-                    forward=make_codec(forward, block), backward=make_codec(backward, block)  # type: ignore[arg-type]
+                    forward=make_codec(forward, block, fbgemm=(collective, "forward") in fbgemm),
+                    backward=make_codec(backward, block, fbgemm=(collective, "backward") in fbgemm),
                 )
-        return cls(effective=effective, registry=registry or None, block=block)
+        return cls(effective=effective, registry=registry or None, block_size=block, device=device, requested=requested)
 
     def fix_block_size(self, plan: ShardingPlan) -> None:
-        """Use one block per embedding row: the gcd of every shard's width in ``plan``."""
-        self.block.value = block_size_for_plan(plan)
+        """Make these codecs the final ones for ``plan``, in place.
+
+        The sharders made from ``self.registry`` hold that very dict, so its entries are replaced
+        rather than the dict; ``self.effective`` then says what really runs.
+        """
+        final = type(self).build(self.requested or self.effective, plan, device=self.device)
+        if self.registry is not None:
+            self.registry.clear()
+            self.registry.update(final.registry or {})
+        self.effective, self.block_size = final.effective, final.block_size
 
 
-def block_size_for_plan(plan: ShardingPlan) -> int:
+def block_size_for_plan(plan: ShardingPlan) -> Optional[int]:
+    """The gcd of every shard's width in ``plan``; None when no table is sharded (all data-parallel)."""
     widths: list[int] = []
     for module_plan in plan.plan.values():
         for sharding in module_plan.values():  # type: ignore[union-attr]
             spec = getattr(sharding, "sharding_spec", None)
             for shard in getattr(spec, "shards", None) or []:
                 widths.append(int(shard.shard_sizes[-1]))
-    return math.gcd(*widths) if widths else 1
+    return math.gcd(*widths) if widths else None
+
+
+def _final_effective(effective: EffectiveQComms, block: Optional[int], device: torch.device) -> EffectiveQComms:
+    precisions: dict[str, tuple[str, str]] = {}
+    fallbacks = list(effective.fallbacks)
+    fbgemm: list[tuple[str, str]] = []
+    for collective, pair in effective.precisions.items():
+        resolved = []
+        for direction, precision in zip(("forward", "backward"), pair):
+            precision, use_fbgemm, notes = _choose_codec(collective, direction, precision, block, device, effective.kernels)
+            resolved.append(precision)
+            fallbacks.extend(notes)
+            if use_fbgemm:
+                fbgemm.append((collective, direction))
+        precisions[collective] = (resolved[0], resolved[1])
+    return replace(effective, precisions=precisions, fallbacks=tuple(fallbacks), block_size=block, fbgemm=tuple(fbgemm))
+
+
+def _choose_codec(
+    collective: str, direction: str, precision: str, block: Optional[int], device: torch.device, kernels: str
+) -> tuple[str, bool, list[str]]:
+    """(precision, whether FBGEMM's kernel carries it, notes) for one direction, once the block size is known."""
+    if precision not in BYTE_DTYPES or block is None:
+        return precision, False, []
+    label, notes = f"{collective} {direction}", []
+    bf16 = wire_bytes_per_value("bf16")
+    if kernels == "fbgemm" or (kernels == "auto" and device.type == "cuda"):
+        why_not = fbgemm_unsupported(precision, block, device)
+        if why_not is not None and kernels == "fbgemm":
+            raise _fbgemm_refusal(label, precision, device, why_not)
+        if why_not is None:
+            fbgemm_bytes = wire_bytes_per_value(precision, block, fbgemm=True)
+            if fbgemm_bytes < bf16:
+                return precision, True, []
+            why_not = (
+                f"FBGEMM's {precision} rows of {block} values carry 8 bytes of scale and padding, {fbgemm_bytes:.2f} "
+                f"bytes per value, not fewer than bf16's {bf16:g}"
+            )
+            if kernels == "fbgemm":
+                return "bf16", False, [f"{label}: {why_not}; using bf16 instead"]
+        notes.append(f"{label}: {why_not}; using the torch {precision} codec")
+    own = wire_bytes_per_value(precision, block)
+    if own < bf16:
+        return precision, False, notes
+    notes.append(
+        f"{label}: {precision} with a 4-byte scale per block of {block} values (the gcd of the plan's shard "
+        f"widths) sends {own:.2f} bytes per value, not fewer than bf16's {bf16:g}; using bf16 instead"
+    )
+    return "bf16", False, notes
+
+
+def _fbgemm_refusal(label: str, precision: str, device: torch.device, why_not: str) -> ValueError:
+    return ValueError(
+        f"QCommsConfig(kernels='fbgemm'): {label} {precision} on {device.type}: {why_not}. Use kernels='auto' "
+        "(FBGEMM's kernels where they apply, the torch codecs elsewhere) or kernels='torch'."
+    )
 
 
 # ----------------------------------------------------------------------------------- dense grads

@@ -22,8 +22,11 @@ ALL_SHARDING_TYPES: tuple[str, ...] = (
     ShardingType.TABLE_ROW_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
 )
-# TorchRec's stock sharders offer RW/TWRW only on CUDA, but both run forward and backward on
-# CPU/gloo (checked in DESIGN.md), so we add them back there.
+# TorchRec's stock sharders offer RW/TWRW only on CUDA (``BaseEmbeddingSharder.sharding_types`` in
+# torchrec/distributed/embedding_types.py adds them for "cuda" only), but both run forward and
+# backward on CPU/gloo and match unsharded training
+# (tests/integration/test_strategy_integration.py::test_sharded_training_matches_unsharded), so we
+# add them back there.
 _CPU_EXTRA_TYPES: tuple[str, ...] = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 # TorchRec's table_row_wise builds its intra-/cross-node process groups over the whole world unless
 # given its own 2D environment, so inside one sharding group of a 2D layout it would mix replicas.
