@@ -117,10 +117,6 @@ def test_fp8_at_blocks_of_4_runs_as_bf16():
         assert torch.equal(result["fp8"]["predictions"], result["bf16"]["predictions"]), f"rank {rank}: fp8 did not run as bf16"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="needs TwoDRecStrategy._shard to publish codecs.effective after codecs.fix_block_size(plan)",
-)
 def test_tiny_block_fallback_is_in_effective_qcomms():
     for result in _tiny_block_results():
         assert result["fp8"]["precisions"]["pooled_all_to_all"] == ("bf16", "bf16")

@@ -457,12 +457,14 @@ class TwoDRecStrategy(ParallelStrategy):
         allowed = self._sharding_types
         if allowed is None and not topology.is_1d:
             allowed = supported_sharding_types(self.root_device.type, two_d=True)
-        codecs = QCommsCodecs.build(self._effective_qcomms)
+        # From the request, not from an earlier plan's fallbacks; device= picks FBGEMM's kernels on CUDA.
+        codecs = QCommsCodecs.build(resolve_qcomms(self.qcomms_config), device=self.root_device)
         sharders = make_sharders(
             self.embedding_optimizer_config.fused_params(), allowed, qcomm_codecs_registry=codecs.registry
         )
         plan = self._plan(module, sharders, topology)
         codecs.fix_block_size(plan)
+        self._effective_qcomms = codecs.effective  # with the block size and any block-size fallback
         # Row-wise pooling reduce-scatters, which needs the same batch size on every rank.
         self._equal_batch_sizes_required = any(
             row["sharding_type"] in ("row_wise", "table_row_wise", "grid_shard") for row in plan_rows(plan)
