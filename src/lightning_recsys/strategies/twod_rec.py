@@ -400,7 +400,7 @@ class TwoDRecStrategy(ParallelStrategy):
                 f"{type(precision).__name__} (precision={getattr(precision, 'precision', '?')!r}). The tables stay in "
                 "their own dtype; embedding communication precision is set separately (qcomms)."
             )
-        if trainer.gradient_clip_val:
+        if getattr(trainer, "gradient_clip_val", None):
             rank_zero_warn(
                 f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the dense parameters only: FBGEMM "
                 "updates the model-parallel embedding tables inside backward, before clipping could run.",
