@@ -43,7 +43,7 @@ from lightning_recsys.planner import (
     suggest_reshape,
     torchrec_constraints,
 )
-from lightning_recsys.planner.balanced import make_topology, quiet_torchrec_planner
+from lightning_recsys.planner.torchrec_planner import make_topology, quiet_torchrec_planner
 from lightning_recsys.planner.stats import resolve_table_stats
 
 _GPU_ACCELERATORS = {"gpu", "cuda"}

@@ -31,7 +31,7 @@ from lightning_recsys.planner import (
     plan_rows,
     suggest_reshape,
 )
-from lightning_recsys.planner.reshape import remap_ids
+from lightning_recsys.parallel.reshape import remap_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 64  # examples per rank per step in these plans

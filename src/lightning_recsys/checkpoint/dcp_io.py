@@ -45,8 +45,8 @@ from lightning_recsys.checkpoint.table_state import (
 from lightning_recsys.checkpoint.validation import ExpectedEntry, check_entries, model_key, saved_tensors
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
+from lightning_recsys.parallel.sharding_plan import plan_rows
 from lightning_recsys.parallel.topology import ParallelTopology
-from lightning_recsys.planner.plan import plan_rows
 
 StorageWriterFactory = Callable[[Path], StorageWriter]
 

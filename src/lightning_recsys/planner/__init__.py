@@ -1,8 +1,10 @@
-"""Sharding plans for the sharding group: TorchRec default and load-balanced planning, plan reports, reshape advice.
+"""Sharding plans for the sharding group: TorchRec's and the balanced planner, plan reports, reshape advice.
 
 No Lightning imports.
 """
 
+from lightning_recsys.parallel.reshape import ReshapedEmbeddingBagCollection, apply_reshape
+from lightning_recsys.parallel.sharding_plan import plan_rows, summarize_plan
 from lightning_recsys.planner.balanced import (
     BalancedEnumerator,
     BalancedPartitioner,
@@ -10,22 +12,9 @@ from lightning_recsys.planner.balanced import (
     BalancedPlanner,
     BalancedProposer,
     PlanResult,
-    embedding_tables,
     make_balanced_plan,
-    torchrec_constraints,
 )
-from lightning_recsys.planner.load_model import (
-    BalanceObjective,
-    CommCosts,
-    Imbalance,
-    WireFormat,
-)
-from lightning_recsys.planner.plan import (
-    TableConstraints,
-    make_sharding_plan,
-    plan_rows,
-    summarize_plan,
-)
+from lightning_recsys.planner.constraints import TableConstraints, torchrec_constraints
 from lightning_recsys.planner.report import (
     PlanReport,
     RankReport,
@@ -33,13 +22,15 @@ from lightning_recsys.planner.report import (
     TableReport,
     build_plan_report,
 )
-from lightning_recsys.planner.reshape import (
-    ReshapeAdvice,
-    ReshapedEmbeddingBagCollection,
-    apply_reshape,
-    suggest_reshape,
+from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
+from lightning_recsys.planner.shard_cost import (
+    BalanceObjective,
+    CommCosts,
+    Imbalance,
+    WireFormat,
 )
 from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule
+from lightning_recsys.planner.torchrec_planner import embedding_tables, make_sharding_plan
 
 __all__ = [
     "BalanceObjective",
