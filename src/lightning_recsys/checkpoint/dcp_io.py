@@ -307,7 +307,7 @@ class AsyncCheckpointSaver:
 
 @dataclass
 class AsyncCheckpointHandle:
-    """A save in flight. ``wait()`` on every rank commits it; ``done()`` polls this rank's write."""
+    """A save in flight. ``wait()`` on every rank commits it."""
 
     prepared: _PreparedSave
     future: Future[Any] | None
@@ -316,10 +316,6 @@ class AsyncCheckpointHandle:
     @property
     def path(self) -> Path:
         return self.prepared.final
-
-    def done(self) -> bool:
-        """True when this rank's background write has finished (no collective; the commit still needs wait())."""
-        return self.future is None or self.future.done()
 
     def wait(self) -> Path:
         """Wait for every rank's write, then commit (rank 0 renames); collective. Returns the path."""

@@ -1,5 +1,7 @@
-"""Sharding plans for the sharding group: TorchRec's and the balanced planner, plan reports, reshape advice.
+"""Sharding plans for one sharding group: TorchRec's and the balanced planner, plan reports, reshape advice.
 
+``PlanningPipeline`` (``pipeline.py``) is the one way a plan is made, by the strategy at setup and
+by ``lightning-recsys plan``: profile, stats, reshape advice, plan on rank 0 for every rank, report.
 No Lightning imports.
 """
 
@@ -15,6 +17,7 @@ from lightning_recsys.planner.balanced import (
     make_balanced_plan,
 )
 from lightning_recsys.planner.constraints import TableConstraints, torchrec_constraints
+from lightning_recsys.planner.pipeline import PlannedSharding, PlanningConfig, PlanningInputs, PlanningPipeline
 from lightning_recsys.planner.report import (
     PlanReport,
     RankReport,
@@ -44,6 +47,10 @@ __all__ = [
     "LoadProfile",
     "PlanReport",
     "PlanResult",
+    "PlannedSharding",
+    "PlanningConfig",
+    "PlanningInputs",
+    "PlanningPipeline",
     "RankReport",
     "ReshapeAdvice",
     "ReshapedEmbeddingBagCollection",
