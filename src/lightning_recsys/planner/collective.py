@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from torch import nn
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlanner
 
 Broadcast = Callable[[Any], Any]
 T = TypeVar("T")
@@ -89,3 +91,18 @@ def on_rank_zero(fn: Callable[[], T], *, rank: int, broadcast: Broadcast) -> T:
     if status == "error":
         raise value.rebuild()
     return value
+
+
+def plan_for_every_rank(
+    planner: ShardingPlanner,
+    module: nn.Module,
+    sharders: list[ModuleSharder[nn.Module]],
+    group: dist.ProcessGroup | None = None,
+) -> ShardingPlan:
+    """``planner.plan(module, sharders)`` on the first rank of ``group`` (default WORLD), for every rank.
+
+    Unlike TorchRec's ``collective_plan``, which leaves the other ranks waiting in the broadcast
+    when rank 0 fails, rank 0's error is raised on every rank. Without a process group, it plans here.
+    """
+    rank = dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+    return on_rank_zero(lambda: planner.plan(module, sharders), rank=rank, broadcast=broadcast_over(group))

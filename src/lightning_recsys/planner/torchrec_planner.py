@@ -15,7 +15,6 @@ import contextlib
 import logging
 from collections.abc import Iterator, Mapping
 
-import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.planner import EmbeddingShardingPlanner
@@ -23,7 +22,7 @@ from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyF
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from lightning_recsys.planner.collective import broadcast_over, on_rank_zero
+from lightning_recsys.planner.collective import plan_for_every_rank
 from lightning_recsys.planner.constraints import TableConstraints, pooling_factor_defaults, torchrec_constraints
 from lightning_recsys.planner.shard_cost import storage_tier
 from lightning_recsys.planner.stats import LoadProfile, TableStats, resolve_table_stats
@@ -139,9 +138,7 @@ def make_sharding_plan(
 ) -> ShardingPlan:
     """Plan ``module`` for one sharding group with TorchRec's planner, on global rank 0, for every rank.
 
-    The plan's ranks are group-local (0..sharding_group_size-1). Rank 0 plans and broadcasts the
-    plan over WORLD, or its error, which every rank then raises (TorchRec's own ``collective_plan``
-    leaves the other ranks waiting when rank 0 fails).
+    The plan's ranks are group-local (0..sharding_group_size-1); see ``plan_for_every_rank``.
     """
     planner = torchrec_planner(
         module,
@@ -152,5 +149,4 @@ def make_sharding_plan(
         stats=stats,
         constraints=constraints,
     )
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return on_rank_zero(lambda: planner.plan(module, sharders), rank=rank, broadcast=broadcast_over())
+    return plan_for_every_rank(planner, module, sharders)

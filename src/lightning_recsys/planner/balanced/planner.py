@@ -30,7 +30,7 @@ from lightning_recsys.planner.balanced.enumerator import BalancedEnumerator
 from lightning_recsys.planner.balanced.partitioner import BalancedPartitioner
 from lightning_recsys.planner.balanced.perf_model import BalancedPerfModel
 from lightning_recsys.planner.balanced.proposer import BalancedProposer
-from lightning_recsys.planner.collective import broadcast_over, on_rank_zero
+from lightning_recsys.planner.collective import plan_for_every_rank
 from lightning_recsys.planner.constraints import (
     TableConstraints,
     check_hash_partitions,
@@ -232,16 +232,13 @@ class BalancedPlanner(ShardingPlanner):
         sharders: list[ModuleSharder[nn.Module]] | None = None,
         pg: dist.ProcessGroup | None = None,
     ) -> ShardingPlan:
-        """Plan on rank 0 of ``pg`` (default WORLD) and broadcast; a planning error is raised on every rank.
+        """Plan on rank 0 of ``pg`` (default WORLD) for every rank; a planning error is raised on every rank.
 
-        TorchRec's ``collective_plan`` leaves the other ranks waiting in the broadcast when rank 0
-        fails; here rank 0 broadcasts the error instead.
+        See ``lightning_recsys.planner.collective.plan_for_every_rank``.
         """
         if sharders is None:
             raise ValueError("BalancedPlanner.collective_plan needs the sharders (the same ones DMP gets).")
-        group = pg if pg is not None else dist.group.WORLD
-        assert group is not None
-        return on_rank_zero(lambda: self.plan(module, sharders), rank=dist.get_rank(group), broadcast=broadcast_over(group))
+        return plan_for_every_rank(self, module, sharders, pg)
 
     # -- checks
     def _check_row_wise_allowed(self, sharders: Sequence[ModuleSharder[nn.Module]]) -> None:
@@ -326,7 +323,7 @@ def make_balanced_plan(
     hash_partitions: Mapping[str, int] | None = None,
     **planner_kwargs: Any,
 ) -> tuple[ShardingPlan, BalancedPlanner]:
-    """``make_sharding_plan``'s counterpart: plan on global rank 0 with ``BalancedPlanner``, broadcast over WORLD.
+    """``make_sharding_plan``'s counterpart: ``BalancedPlanner`` on global rank 0, for every rank.
 
     Returns the plan and the planner (its ``last_result`` is set on rank 0 only).
     """
@@ -340,6 +337,4 @@ def make_balanced_plan(
         hash_partitions=hash_partitions,
         **planner_kwargs,
     )
-    if dist.is_initialized():
-        return planner.collective_plan(module, sharders, dist.group.WORLD), planner
-    return planner.plan(module, sharders), planner
+    return plan_for_every_rank(planner, module, sharders), planner
