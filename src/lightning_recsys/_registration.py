@@ -73,7 +73,7 @@ class _RegisterAfterImport(importlib.abc.MetaPathFinder):
         loader = getattr(spec, "loader", None)
         exec_module = getattr(loader, "exec_module", None)
         if exec_module is None:
-            return spec  # an unusual loader: leave it alone; TwoDRecStrategy's import still registers the name
+            return spec  # not a loader this hook knows how to wrap: leave the import alone
 
         def exec_and_register(module: ModuleType) -> None:
             exec_module(module)
