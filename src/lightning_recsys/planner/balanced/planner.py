@@ -311,30 +311,11 @@ class BalancedPlanner(ShardingPlanner):
 
 
 def make_balanced_plan(
-    module: nn.Module,
-    sharders: list[ModuleSharder[nn.Module]],
-    *,
-    sharding_group_size: int,
-    local_world_size: int,
-    compute_device: str,
-    constraints: dict[str, TableConstraints] | None = None,
-    batch_size: int | None = None,
-    stats: Mapping[str, TableStats] | LoadProfile | None = None,
-    hash_partitions: Mapping[str, int] | None = None,
-    **planner_kwargs: Any,
+    module: nn.Module, sharders: list[ModuleSharder[nn.Module]], **planner_kwargs: Any
 ) -> tuple[ShardingPlan, BalancedPlanner]:
-    """``make_sharding_plan``'s counterpart: ``BalancedPlanner`` on global rank 0, for every rank.
+    """``make_sharding_plan``'s counterpart: ``BalancedPlanner(**planner_kwargs)`` on global rank 0, for every rank.
 
     Returns the plan and the planner (its ``last_result`` is set on rank 0 only).
     """
-    planner = BalancedPlanner(
-        sharding_group_size=sharding_group_size,
-        local_world_size=local_world_size,
-        compute_device=compute_device,
-        batch_size=batch_size or DEFAULT_BATCH_SIZE,
-        stats=stats,
-        constraints=constraints,
-        hash_partitions=hash_partitions,
-        **planner_kwargs,
-    )
+    planner = BalancedPlanner(**planner_kwargs)
     return plan_for_every_rank(planner, module, sharders), planner
