@@ -48,10 +48,12 @@ class CommunicationMonitor(Callback):
 class RunSummary(Callback):
     """Measures the training steps and, at the end of ``fit``, prints a short summary (rank 0).
 
-    The summary has examples per second, the step time split into forward, backward and
-    optimizer (the fused embedding update happens inside backward; the replica sync counts as
-    optimizer), the bytes per step from the communication accounting, peak memory, and the final
-    metrics. Communication time is not split out: TorchRec's collectives are asynchronous and
+    The summary has examples per second (wall clock from the end of one training step to the end
+    of the next, so data loading and the batch handshake count; validation does not), the step
+    time split into forward, backward and optimizer (the fused embedding update happens inside
+    backward; the replica sync counts as optimizer), the bytes per step from the communication
+    accounting, peak memory, and the final metrics. On CUDA every step end synchronizes the device,
+    so the clock sees the kernels, not just their launch. Communication time is not split out: TorchRec's collectives are asynchronous and
     overlap the compute around them, so their time sits inside forward and backward. Examples per
     second also go to the progress bar as ``examples_per_sec``.
 
@@ -70,6 +72,8 @@ class RunSummary(Callback):
         self._totals = {"step": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self._timed_steps = 0
         self._timed_examples = 0
+        self._wall_seconds = 0.0
+        self._last_step_end: float | None = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._marks = {"start": time.perf_counter()}
@@ -86,19 +90,27 @@ class RunSummary(Callback):
         marks = self._marks
         if "start" not in marks or "backward_end" not in marks:
             return  # a skipped step (no backward ran)
+        if trainer.strategy.root_device.type == "cuda":
+            torch.cuda.synchronize(trainer.strategy.root_device)
         end = time.perf_counter()
+        previous_end, self._last_step_end = self._last_step_end, end
         step_time = end - marks["start"]
         examples = int(getattr(batch, "batch_size", 0)) * trainer.world_size
-        if step_time > 0 and examples:
-            pl_module.log("examples_per_sec", examples / step_time, prog_bar=True, on_step=True, on_epoch=False, logger=False)
-        if trainer.global_step <= self.warmup_steps:
+        wall = end - previous_end if previous_end is not None else None
+        if wall and examples:
+            pl_module.log("examples_per_sec", examples / wall, prog_bar=True, on_step=True, on_epoch=False, logger=False)
+        if trainer.global_step <= self.warmup_steps or wall is None:
             return
         self._timed_steps += 1
         self._timed_examples += examples
+        self._wall_seconds += wall
         self._totals["step"] += step_time
         self._totals["forward"] += marks["forward_end"] - marks["start"]
         self._totals["backward"] += marks["backward_end"] - marks["forward_end"]
         self._totals["optimizer"] += end - marks["backward_end"]
+
+    def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._last_step_end = None  # the next step's interval would include validation
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = self._build(trainer)
@@ -116,7 +128,8 @@ class RunSummary(Callback):
             "world_size": trainer.world_size,
             "global_steps": trainer.global_step,
             "timed_steps": steps,
-            "examples_per_sec": self._timed_examples / self._totals["step"] if steps and self._totals["step"] else None,
+            "examples_per_sec": self._timed_examples / self._wall_seconds if steps and self._wall_seconds else None,
+            "wall_seconds_timed": self._wall_seconds,
             "step_time_ms": per_step_ms.get("step"),
             "forward_ms": per_step_ms.get("forward"),
             "backward_ms": per_step_ms.get("backward"),

@@ -10,13 +10,18 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 from lightning.pytorch import Callback, LightningDataModule, Trainer
 from multiprocess import run_ranks
 from oracle import CONFIG, make_model, sgd_strategy
 from torch.utils.data import DataLoader, IterableDataset
+from torchrec import KeyedJaggedTensor
 
 from lightning_recsys import TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, slice_batch
+from lightning_recsys.parallel.input_guard import InputValidator
+from lightning_recsys.strategies import twod_rec
 
 PG_TIMEOUT = 20
 
@@ -72,6 +77,80 @@ def test_out_of_range_id_on_one_rank_stops_every_rank_with_the_culprit():
         assert f"rank {rank} failed" in message and "InvalidInputError" in message
     assert "rank 1: batch 2: feature 'sparse_0' has id 10000 at example 0, but table 't_sparse_0' has 40 rows" in message
     assert time.monotonic() - start < 120
+
+
+# ----------------------------------------------------------------- duplicate keys, a check that raises
+def _duplicate_keys_on_rank_1(r: int, i: int, batch: RecBatch) -> RecBatch:
+    """Rank 1's batch 2 gets sparse_0's block twice: every feature is there, one of them twice."""
+    if r != 1 or i != 2:
+        return batch
+    kjt, first = batch.sparse, batch.sparse["sparse_0"]
+    batch.sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=[*kjt.keys(), "sparse_0"], values=torch.cat([kjt.values(), first.values()]),
+        lengths=torch.cat([kjt.lengths(), first.lengths()]),
+    )
+    return batch
+
+
+class _CheckRaisesOnRank1(InputValidator):
+    """A check with a bug that only rank 1's batch 2 triggers."""
+
+    def check(self, kjt, *, batch):
+        self._fail(batch)
+        return super().check(kjt, batch=batch)
+
+    def problems(self, kjt, *, batch):
+        self._fail(batch)
+        return super().problems(kjt, batch=batch)
+
+    @staticmethod
+    def _fail(batch: int) -> None:
+        if dist.get_rank() == 1 and batch == 2:
+            raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
+
+
+def _loader_raises_on_rank_1(r: int, i: int, batch: RecBatch) -> RecBatch:
+    if r == 1 and i == 2:
+        raise OSError("corrupt shard part-00017")
+    return batch
+
+
+def _guarded_fit(rank: int, world_size: int, case: str) -> None:
+    if case == "check raises":
+        twod_rec.InputValidator = _CheckRaisesOnRank1  # the strategy builds its validator from this name
+    edit = {"duplicate keys": _duplicate_keys_on_rank_1, "loader raises": _loader_raises_on_rank_1}.get(case, lambda r, i, b: b)
+    # validate_inputs="warn" would go on after an out-of-range id, but not after these.
+    strategy = sgd_strategy(sharding_types=["table_wise"], process_group_timeout=PG_TIMEOUT, validate_inputs="warn")
+    _fit(world_size, _DataModule([5, 5], edit), strategy)
+
+
+@pytest.mark.parametrize(("case", "expected"), [
+    ("duplicate keys", "rank 1: batch 2: the KeyedJaggedTensor has duplicate key(s): 'sparse_0' at key positions [0, 3]"),
+    ("check raises", "rank 1: batch 2: checking the batch raised IndexError: index 0 is out of bounds"),
+])
+def test_malformed_batch_on_one_rank_stops_every_rank_with_the_same_error(case, expected):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_guarded_fit, 2, case, timeout=120, grace_after_failure=PG_TIMEOUT + 30)
+    message = str(failed.value)
+    for rank in (0, 1):
+        assert f"rank {rank} failed" in message, message[-3000:]
+    # Both ranks raised InvalidInputError with the same text, before any step ran on the bad batch.
+    assert message.count("InvalidInputError: invalid sparse input") == 2, message[-3000:]
+    assert message.count(expected) == 2, message[-3000:]
+    assert message.count("stop training whatever validate_inputs says") == 2
+    assert time.monotonic() - start < PG_TIMEOUT + 60, "a rank waited for the process group's timeout"
+
+
+def test_dataloader_error_on_one_rank_stops_every_rank_at_once():
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as failed:
+        run_ranks(_guarded_fit, 2, "loader raises", timeout=120, grace_after_failure=PG_TIMEOUT + 30)
+    message = str(failed.value)
+    rank_0, rank_1 = message.split("rank 1 failed")
+    assert "InvalidInputError" in rank_0 and "rank 1: batch 2: the dataloader raised OSError: corrupt shard part-00017" in rank_0
+    assert rank_1.strip().splitlines()[-1] == "OSError: corrupt shard part-00017"  # its own error, not a copy
+    assert time.monotonic() - start < PG_TIMEOUT + 60, "rank 0 waited for the process group's timeout"
 
 
 # ----------------------------------------------------------------- uneven and empty batches

@@ -4,11 +4,12 @@ import csv
 import math
 from pathlib import Path
 
+import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 from multiprocess import run_ranks
 
-from lightning_recsys import CommunicationMonitor, TwoDRecStrategy
+from lightning_recsys import CommunicationMonitor, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 
@@ -55,3 +56,81 @@ def test_validate_test_predict_after_fit(tmp_path):
     assert all(float(r["comm/sparse_ids/all_to_all/world/bytes"]) > 0 for r in rows)
     assert all(float(r["comm/dense_grads/all_reduce/world/bytes"]) > 0 for r in rows)
     assert all(float(r["comm/inter_node_bytes"]) == 0 for r in rows)  # one node
+
+
+def _trainer(world_size: int, strategy: TwoDRecStrategy, **kwargs) -> Trainer:
+    return Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )
+
+
+def _model() -> DLRMRanker:
+    return DLRMRanker(table_sizes=CONFIG.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8, 8], embedding_device="meta")
+
+
+def _strategy() -> TwoDRecStrategy:
+    # t_sparse_1 data_parallel, whatever the planner would pick for it
+    return TwoDRecStrategy(process_group_timeout=60, table_constraints={"t_sparse_1": TableConstraints(sharding_types=["data_parallel"])})
+
+
+def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_recsys.planner import plan_rows
+
+    strategy = _strategy()
+    trainer = _trainer(world_size, strategy, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")])
+    model, data = _model(), SyntheticClickLogDataModule(CONFIG)
+    trainer.fit(model, datamodule=data)
+    return {
+        "sharding": sorted({row["sharding_type"] for row in plan_rows(strategy.sharded_model.plan)}),
+        "val_auc": trainer.validate(model, datamodule=data, verbose=False)[0]["val/auc"],
+    }
+
+
+def _evaluate_from_checkpoint(rank: int, world_size: int, ckpt_path: str) -> dict:
+    data = SyntheticClickLogDataModule(CONFIG)
+    results = {}
+    for fn in ("validate", "test", "predict"):
+        trainer = _trainer(world_size, _strategy())
+        results[fn] = getattr(trainer, fn)(_model(), datamodule=data, ckpt_path=ckpt_path)
+    return {"val_auc": results["validate"][0]["val/auc"], "num_predictions": sum(p.numel() for p in results["predict"])}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_validate_test_predict_from_a_checkpoint_in_a_fresh_process(tmp_path, world_size):
+    """Every plan, data-parallel tables included (one device plans every table data_parallel)."""
+    fitted = run_ranks(_fit_and_save, world_size, str(tmp_path), timeout=180)
+    assert "data_parallel" in fitted[0]["sharding"], fitted[0]
+    evaluated = run_ranks(_evaluate_from_checkpoint, world_size, str(tmp_path / "fitted.ckpt"), timeout=180)
+    for rank in range(world_size):
+        assert evaluated[rank]["val_auc"] == pytest.approx(fitted[rank]["val_auc"], abs=1e-6)
+        assert evaluated[rank]["num_predictions"] == CONFIG.test_batches * CONFIG.global_batch_size // world_size
+
+
+def _fit_then_test_in_a_second_trainer(rank: int, world_size: int, second: dict) -> dict:
+    model, data = _model(), SyntheticClickLogDataModule(CONFIG)
+    first = _trainer(world_size, TwoDRecStrategy(process_group_timeout=60), enable_checkpointing=False)
+    first.fit(model, datamodule=data)
+    expected = first.validate(model, datamodule=data, verbose=False)[0]["val/auc"]
+    strategy = TwoDRecStrategy(process_group_timeout=60, **second)
+    try:
+        auc = _trainer(world_size, strategy, enable_checkpointing=False).validate(model, datamodule=data, verbose=False)[0]["val/auc"]
+    except ValueError as error:
+        return {"error": str(error)}
+    return {"expected": expected, "auc": auc, "reused": strategy.sharded_model.dmp.module is model}
+
+
+def test_a_fitted_model_is_reused_by_a_second_trainer(tmp_path):
+    results = run_ranks(_fit_then_test_in_a_second_trainer, 2, {}, timeout=180)
+    for r in results:
+        assert r.get("reused"), r
+        assert r["auc"] == pytest.approx(r["expected"], abs=1e-6)
+
+
+def test_a_second_trainer_with_other_sharding_settings_is_refused(tmp_path):
+    results = run_ranks(_fit_then_test_in_a_second_trainer, 2, {"qcomms": "bf16"}, timeout=180)
+    for r in results:
+        assert "already sharded" in r.get("error", ""), r
+        assert "qcomms" in r["error"], r

@@ -20,20 +20,41 @@ from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unshard
 from lightning_recsys.data import CriteoDataModule, MalformedLineError, SyntheticClickLogConfig
 from lightning_recsys.data.criteo import CriteoDataset
 from lightning_recsys.models import DLRMRanker
-from lightning_recsys.parallel.input_guard import InputValidator, feature_tables
+from lightning_recsys.data import RecBatch
+from lightning_recsys.parallel.input_guard import CoordinatedBatches, InputValidator, feature_tables
 from lightning_recsys.parallel.sharders import validate_sharding_types
 
 VALIDATOR = InputValidator(feature_tables(DLRMRanker(table_sizes=[10, 20], num_dense_features=2, embedding_dim=4, dense_arch_layer_sizes=[4])))
 
 
-def _kjt(keys=("sparse_0", "sparse_1"), values=(1, 2, 3), lengths=(1, 1, 0, 1), values_dtype=torch.int64) -> KeyedJaggedTensor:
-    return KeyedJaggedTensor(keys=list(keys), values=torch.tensor(values, dtype=values_dtype), lengths=torch.tensor(lengths))
+# A weighted collection (per-id weights) and an unweighted one feeding from the same batch.
+WEIGHTED = InputValidator(feature_tables(torch.nn.ModuleList([
+    EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t_w", embedding_dim=4, num_embeddings=10, feature_names=["sparse_0"])], is_weighted=True
+    ),
+    EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t_u", embedding_dim=4, num_embeddings=20, feature_names=["sparse_1"])]),
+])))
 
 
-def _raise_problems(kjt: KeyedJaggedTensor) -> None:
-    problems = VALIDATOR.problems(kjt, batch=7)
+def _kjt(
+    keys=("sparse_0", "sparse_1"), values=(1, 2, 3), lengths=(1, 1, 0, 1), values_dtype=torch.int64, weights=None
+) -> KeyedJaggedTensor:
+    return KeyedJaggedTensor(
+        keys=list(keys), values=torch.tensor(values, dtype=values_dtype), lengths=torch.tensor(lengths),
+        weights=None if weights is None else torch.tensor(weights),
+    )
+
+
+def _raise_problems(kjt: KeyedJaggedTensor, validator: InputValidator = VALIDATOR) -> None:
+    problems = validator.problems(kjt, batch=7)
     if problems:
         raise ValueError("\n".join(problems))
+
+
+# Keys sparse_0, sparse_1, sparse_0: every feature is there, so only a duplicate check sees it.
+_DUPLICATE = {"keys": ("sparse_0", "sparse_1", "sparse_0"), "values": (1, 2, 3, 4), "lengths": (1, 1, 0, 1, 1, 0)}
+# The same with an out-of-range id in the second sparse_0 block: indexing by key name raised IndexError.
+_DUPLICATE_OUT_OF_RANGE = {**_DUPLICATE, "values": (1, 2, 3, 15)}
 
 
 def _strategy_on(devices: int, num_nodes: int, **kwargs) -> TwoDRecStrategy:
@@ -84,6 +105,11 @@ CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] 
      ValueError, r"'table_row_wise', which is not supported under 2D"),
     ("adam on CPU fused tables", lambda t: _strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(name="adam"))._validate_backend(),
      ValueError, r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"),
+    ("weight decay with an optimizer FBGEMM cannot decay", lambda t: EmbeddingOptimizerConfig(name="sgd", weight_decay=0.01),
+     ValueError, r"name='sgd', weight_decay=0.01\) is not supported: FBGEMM's fused EXACT_SGD kernel has no weight decay"),
+    ("weight decay on CPU fused tables",
+     lambda t: _strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(weight_decay=0.01))._validate_backend(),
+     ValueError, r"weight_decay=0.01\) would be ignored on CPU.*restrict sharding_types to \['data_parallel'\]"),
     ("nccl on CPU", lambda t: _strategy_on(1, 1, process_group_backend="nccl")._validate_backend(), ValueError,
      r"process_group_backend='nccl' needs CUDA devices"),
     ("unknown precision", lambda t: QCommsConfig(forward="fp4"), ValueError, r"QCommsConfig\(forward='fp4'\) is not one of"),
@@ -95,6 +121,23 @@ CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] 
     ("malformed data line", lambda t: _read_criteo(t, "1\t2\tthree"), MalformedLineError, r"day.gz.*line 1"),
     ("batch not divisible by the world", lambda t: SyntheticClickLogConfig(global_batch_size=0), ValueError, r"global_batch_size=0 must be >= 1"),
     ("half-written checkpoint", _uncommitted_checkpoint, UncommittedCheckpointError, r"half"),
+    ("duplicate KJT keys", lambda t: _raise_problems(_kjt(**_DUPLICATE)), ValueError,
+     r"batch 7: the KeyedJaggedTensor has duplicate key\(s\): 'sparse_0' at key positions \[0, 2\].*merge the ids into one key"),
+    ("duplicate KJT keys with a bad id in the second copy", lambda t: _raise_problems(_kjt(**_DUPLICATE_OUT_OF_RANGE)), ValueError,
+     r"duplicate key\(s\): 'sparse_0' at key positions \[0, 2\]"),
+    ("weights shorter than the values", lambda t: _raise_problems(_kjt(weights=(1.0, 2.0)), WEIGHTED), ValueError,
+     r"batch 7: the KeyedJaggedTensor has 2 weights for 3 ids; give exactly one weight per id"),
+    ("non-finite weight", lambda t: _raise_problems(_kjt(values=(1, 2, 3, 4), lengths=(1, 2, 0, 1), weights=(1.0, 1.0, float("inf"), 1.0)), WEIGHTED),
+     ValueError, r"feature 'sparse_0' has a non-finite weight at example 1; 1 non-finite weight\(s\).*Weights must be finite"),
+    ("NaN weight of the second feature", lambda t: _raise_problems(_kjt(weights=(1.0, 1.0, float("nan"))), WEIGHTED),
+     ValueError, r"feature 'sparse_1' has a non-finite weight at example 1"),
+    ("weighted table without weights", lambda t: _raise_problems(_kjt(), WEIGHTED), ValueError,
+     r"feature\(s\) \['sparse_0'\] feed weighted table\(s\) \['t_w'\] \(EmbeddingBagCollection\(is_weighted=True\)\), "
+     r"but the KeyedJaggedTensor has no weights"),
+    ("integer weights", lambda t: _raise_problems(_kjt(weights=(1, 2, 3)), WEIGHTED), ValueError,
+     r"weights have dtype torch.int64; use a float dtype"),
+    ("weights for an unweighted model", lambda t: _raise_problems(_kjt(weights=(1.0, 2.0, 3.0))), ValueError,
+     r"carries weights, but no table its features feed is weighted, so they are ignored.*is_weighted=True"),
 ]
 
 
@@ -110,3 +153,24 @@ def test_the_catalogue_is_at_least_fifteen_cases():
 
 def test_valid_input_has_no_problems():
     assert VALIDATOR.problems(_kjt(), batch=0) == []
+    assert WEIGHTED.problems(_kjt(weights=(0.5, 1.0, 2.0)), batch=0) == []
+
+
+def test_only_clampable_problems_may_be_downgraded_to_a_warning():
+    # validate_inputs="warn" goes on after these only; FBGEMM clamps ids, unweighted tables drop weights.
+    assert [p.fatal for p in VALIDATOR.check(_kjt(values=(1, 2, 25)), batch=0)] == [False]
+    assert [p.fatal for p in VALIDATOR.check(_kjt(weights=(1.0, 2.0, 3.0)), batch=0)] == [False]
+    for kjt, validator in ((_kjt(**_DUPLICATE), VALIDATOR), (_kjt(weights=(1.0,)), WEIGHTED), (_kjt(), WEIGHTED)):
+        assert all(p.fatal for p in validator.check(kjt, batch=0))
+
+
+def test_an_exception_inside_the_check_becomes_a_fatal_problem_not_an_exception():
+    class Broken(InputValidator):
+        def check(self, kjt, *, batch):
+            raise IndexError("index 0 is out of bounds")
+
+    batches = CoordinatedBatches([], group=None, validator=Broken({}), validate="warn", equal_sizes_required=False)
+    problems, size = batches.check(RecBatch(dense=torch.zeros(2, 1), sparse=_kjt(), labels=torch.zeros(2)), 3)
+    assert size == 2 and [p.fatal for p in problems] == [True]
+    assert "batch 3: checking the batch raised IndexError: index 0 is out of bounds" in problems[0].message
+

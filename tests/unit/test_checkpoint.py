@@ -95,7 +95,9 @@ def test_commit_writes_marker_and_meta_last_and_replaces_an_existing_checkpoint(
     (final / "old_file").touch()
     _commit_empty(tmp_path, "ckpt", step=2)
     assert read_meta(final).step == 2 and not (final / "old_file").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or replaced directory left behind
+    # The name is a symlink to its one data directory; no temporary or replaced directory is left behind.
+    assert final.is_symlink() and sorted(p.name for p in tmp_path.iterdir()) == sorted(["ckpt", os.readlink(final)])
+    assert os.readlink(final).startswith(".ckpt-")
 
 
 def test_prepare_removes_a_stale_partial_save_but_finishes_an_interrupted_commit(tmp_path: Path) -> None:

@@ -62,6 +62,19 @@ def test_bad_config_value_is_a_clear_error(capsys):
     assert "layout" in capsys.readouterr().err
 
 
+def test_default_logger_writes_under_default_root_dir(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    cli = _build("synthetic_dlrm.yaml", "--trainer.default_root_dir", str(tmp_path))
+    assert isinstance(cli.trainer.logger, CSVLogger)
+    assert Path(cli.trainer.logger.save_dir) == tmp_path
+
+
+def test_a_configured_logger_is_kept(tmp_path):
+    cli = _build("synthetic_dlrm.yaml", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path))
+    assert cli.trainer.logger is None
+
+
 def test_help_lists_the_trainer_subcommands_and_plan(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])

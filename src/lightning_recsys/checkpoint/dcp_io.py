@@ -29,6 +29,7 @@ from lightning_recsys.checkpoint.layout import (
     commit,
     prepare_temporary,
     read_meta,
+    resolve,
     software_versions,
     temporary_path,
     utc_now,
@@ -133,9 +134,10 @@ def save_checkpoint(
 
     Sharding group 0 writes the model and embedding optimizer state with ``dcp.save`` over its
     process group; global rank 0 writes ``host_state`` with ``torch.save``. After every rank has
-    finished, rank 0 writes ``meta.json`` and the commit marker and renames its temporary directory to
-    ``path`` (an existing checkpoint there is replaced). A failure on any rank raises on every rank
-    and leaves no committed checkpoint behind. ``step`` orders ``latest_checkpoint``;
+    finished, rank 0 writes ``meta.json`` and the commit marker and swaps ``path`` (a symlink to the
+    data directory) onto the new copy in one ``os.replace`` (an existing checkpoint there is replaced;
+    see ``layout`` for the protocol). A failure on any rank raises on every rank and leaves no
+    committed checkpoint behind. ``step`` orders ``latest_checkpoint``;
     ``extra_meta`` (JSON-serializable) goes into ``meta.json``.
     """
     final = Path(path)
@@ -318,7 +320,7 @@ class AsyncCheckpointHandle:
         return self.prepared.final
 
     def wait(self) -> Path:
-        """Wait for every rank's write, then commit (rank 0 renames); collective. Returns the path."""
+        """Wait for every rank's write, then commit (rank 0 swaps the name); collective. Returns the path."""
         if self._committed:
             return self.path
         error: Exception | None = None
@@ -360,6 +362,7 @@ def load_checkpoint(
     meta: CheckpointMeta | None = None
     error: Exception | None = None
     try:
+        directory = resolve(directory)  # the newest committed copy of this name (see layout)
         meta = read_meta(directory)
         metadata = FileSystemReader(directory).read_metadata()
         optimizer_state = state.embedding_optimizer_state(group) if load_embedding_optimizer_state else None
@@ -434,7 +437,7 @@ def load_unsharded(
     optimizer state is not read. ``module`` must have the saved model's structure, with real (not
     meta) storage. Validation and ``strict`` are as in ``load_checkpoint``.
     """
-    directory = Path(path)
+    directory = resolve(path)  # the newest committed copy of this name (see layout)
     meta = read_meta(directory)
     metadata = FileSystemReader(directory).read_metadata()
     model_state = module.state_dict()

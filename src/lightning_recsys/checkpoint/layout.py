@@ -2,25 +2,46 @@
 
 A checkpoint is one directory::
 
-    <name>/
+    <data>/
         .metadata            DCP's index: every key's global shape and where its chunks are
         __<r>_<i>.distcp     DCP's data files, written by the ranks of sharding group 0
         host_state.pt        trainer state (torch.save by global rank 0)
         meta.json            human-readable description (CheckpointMeta)
         COMMITTED            commit marker, written last
 
-It is written as ``.partial-<hash of name>`` and renamed to ``<name>`` by global rank 0 after
-every rank has finished. A directory without the marker is never a checkpoint (``is_committed``).
-The temporary names do not contain ``<name>``, so a search by name (Lightning's ``ckpt_path="last"``
-looks for "last" in the names) never finds a partial save.
+and its name, ``<name>`` (e.g. ``last.ckpt``), is a symlink to it, so that replacing a checkpoint
+is one atomic ``os.replace`` of a symlink: at every instant ``<name>`` is the old checkpoint or the
+new one, never missing. All helper names start with a dot and hold a hash of ``<name>``, not
+``<name>`` itself, so a search by name (Lightning's ``ckpt_path="last"`` looks for ``last*.ckpt``)
+only ever finds ``<name>``. The commit protocol, by global rank 0 once every rank has written:
+
+1. every rank writes into ``.partial-<h>`` (created empty by ``prepare_temporary``);
+2. ``meta.json`` and then ``COMMITTED`` are written and fsynced: from here on the save counts;
+3. ``.partial-<h>`` is renamed to a fresh ``.ckpt-<h>-<id>`` (the data directory);
+4. a symlink ``.link-<h>`` -> ``.ckpt-<h>-<id>`` is made and ``os.replace``-d onto ``<name>``;
+5. the previous data directory is deleted, its marker first (a half-deleted copy is never committed).
+
+A crash anywhere leaves ``<name>`` pointing at the old copy (before 4) or the new one (after).
+The recovery rule makes a resume never go backwards: ``resolve`` (used by every load, and by
+``read_meta``) picks, among ``<name>`` and this name's committed helper directories (a save that
+died between 2 and 4), the newest by step, then commit time; the next save first points
+``<name>`` at that copy atomically, then deletes the rest. A ``<name>`` that is still a real
+directory (written before this layout) is swapped for the symlink with Linux's atomic
+``renameat2(RENAME_EXCHANGE)``; where that is unavailable it is renamed aside first, a gap in
+which only ``resolve`` (not a search by name) finds the checkpoint. A directory without the marker
+is never a checkpoint (``is_committed``).
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import hashlib
 import json
 import os
 import shutil
+import sys
+import uuid
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
@@ -33,7 +54,9 @@ META_FILE = "meta.json"
 MARKER_FILE = "COMMITTED"
 HOST_STATE_FILE = "host_state.pt"
 TMP_PREFIX = ".partial-"
-OLD_PREFIX = ".replaced-"
+DATA_PREFIX = ".ckpt-"
+LINK_PREFIX = ".link-"
+OLD_PREFIX = ".replaced-"  # the aside copy of this package's earlier commit protocol; still recovered
 
 _VERSIONED_DISTRIBUTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("torch", ("torch",)),
@@ -122,8 +145,11 @@ def is_committed(path: str | os.PathLike[str]) -> bool:
 
 
 def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
-    """The ``meta.json`` of a committed checkpoint; raises ``UncommittedCheckpointError`` otherwise."""
-    path = Path(path)
+    """The ``meta.json`` of the checkpoint ``path`` names (see ``resolve``); raises ``UncommittedCheckpointError`` otherwise."""
+    return _read_meta_at(resolve(path))
+
+
+def _read_meta_at(path: Path) -> CheckpointMeta:
     if not path.is_dir():
         raise UncommittedCheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a directory).")
     if not is_committed(path):
@@ -139,84 +165,219 @@ def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
     return CheckpointMeta.from_dict(data, source=path)
 
 
+_OrderKey = tuple[int, int, str, float]
+
+
+def _order_key(path: Path) -> _OrderKey | None:
+    """How new the committed checkpoint at ``path`` is: step, then commit time; None if it is not one."""
+    if not is_committed(path):
+        return None
+    try:
+        meta = _read_meta_at(path)
+        mtime = (path / MARKER_FILE).stat().st_mtime
+    except (UncommittedCheckpointError, OSError):
+        return None  # a damaged meta.json: not a checkpoint we can order or load
+    return (int(meta.step is not None), meta.step or 0, meta.saved_at, mtime)
+
+
+def resolve(path: str | os.PathLike[str]) -> Path:
+    """The directory a load of ``path`` reads: ``path``, or a newer committed copy of the same name.
+
+    A save that died after its commit marker but before its symlink swap leaves a complete copy
+    under a helper name; it is newer than ``path``'s, and a resume must not go back behind it.
+    Ties go to ``path`` itself. Paths that are helper directories are returned as they are.
+    """
+    path = Path(path)
+    if _is_helper(path.name):
+        return path
+    best, best_key = path, _order_key(path)
+    for copy in _own_copies(path):
+        key = _order_key(copy)
+        if key is not None and (best_key is None or key > best_key) and not _same_directory(copy, path):
+            best, best_key = copy, key
+    return best
+
+
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     """The newest committed checkpoint directly inside ``directory``, or None if there is none.
 
     Directories without the commit marker (partial saves) are skipped. Order: the ``step`` in
     ``meta.json`` (a checkpoint without a step sorts before any with one), then ``saved_at``, then
-    the marker's mtime, then the name. A save interrupted between its two renames leaves its
-    complete, committed copy at its temporary name; that copy is a valid checkpoint and is
-    returned if it is the newest.
+    the marker's mtime, then the name. A checkpoint is returned by its name (``last.ckpt``), not
+    the helper directory the name points to; a committed copy that no name points to yet (a save
+    that died before its symlink swap) is returned by its helper name if it is the newest.
     """
     directory = Path(directory)
     if not directory.is_dir():
         return None
-    candidates: list[tuple[tuple[int, int, str, float, str], Path]] = []
+    by_directory: dict[str, tuple[tuple[int, int, str, float, int, str], Path]] = {}
     for child in directory.iterdir():
-        if not child.is_dir() or not is_committed(child):
+        if not child.is_dir():
             continue
-        try:
-            meta = read_meta(child)
-        except UncommittedCheckpointError:
-            continue  # a damaged meta.json: not a checkpoint we can order or load
-        has_step = int(meta.step is not None)
-        key = (has_step, meta.step or 0, meta.saved_at, (child / MARKER_FILE).stat().st_mtime, child.name)
-        candidates.append((key, child))
-    return max(candidates)[1] if candidates else None
+        key = _order_key(child)
+        if key is None:
+            continue
+        ranked = (*key, int(not _is_helper(child.name)), child.name)  # names before helpers
+        real = os.path.realpath(child)
+        if real not in by_directory or ranked > by_directory[real][0]:
+            by_directory[real] = (ranked, child)
+    return max(by_directory.values())[1] if by_directory else None
 
 
 # ----------------------------------------------------------------- rank-0 file operations
 def temporary_path(final: Path) -> Path:
+    """Where the ranks write a save of ``final`` before it is committed."""
     return final.with_name(TMP_PREFIX + _name_hash(final))
 
 
-def _aside_path(final: Path) -> Path:
-    return final.with_name(OLD_PREFIX + _name_hash(final))
+def _link_path(final: Path) -> Path:
+    return final.with_name(LINK_PREFIX + _name_hash(final))
+
+
+def _fresh_data_path(final: Path) -> Path:
+    return final.with_name(f"{DATA_PREFIX}{_name_hash(final)}-{uuid.uuid4().hex[:12]}")
 
 
 def _name_hash(final: Path) -> str:
     return hashlib.sha1(final.name.encode()).hexdigest()[:16]
 
 
+def _is_helper(name: str) -> bool:
+    return name.startswith((TMP_PREFIX, DATA_PREFIX, LINK_PREFIX, OLD_PREFIX))
+
+
+def _own_helpers(final: Path) -> list[Path]:
+    """Every helper entry of ``final``'s name: partial save, data directories, link, old protocol's aside."""
+    h = _name_hash(final)
+    names = {TMP_PREFIX + h, LINK_PREFIX + h, OLD_PREFIX + h}
+    if not final.parent.is_dir():
+        return []
+    return sorted(c for c in final.parent.iterdir() if c.name in names or c.name.startswith(f"{DATA_PREFIX}{h}-"))
+
+
+def _own_copies(final: Path) -> list[Path]:
+    """The helper directories of ``final`` that may hold a checkpoint (not symlinks)."""
+    return [c for c in _own_helpers(final) if c.is_dir() and not c.is_symlink()]
+
+
+def _same_directory(a: Path, b: Path) -> bool:
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _own_target(final: Path) -> Path | None:
+    """The data directory ``final`` points to, if ``final`` is a symlink to one of its own."""
+    if not final.is_symlink():
+        return None
+    target = final.parent / os.readlink(final)
+    return target if target.parent == final.parent and target in _own_copies(final) else None
+
+
 def prepare_temporary(final: Path) -> Path:
-    """Rank 0, before a save: an empty temporary directory next to ``final`` (a stale one is removed)."""
+    """Rank 0, before a save: recover ``final`` (see ``resolve``), clear its helpers, make an empty temporary directory."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not (final.is_dir() and (is_committed(final) or not any(final.iterdir()))):
+    if final.is_symlink() and not final.exists():
+        pass  # a dangling symlink (its checkpoint was deleted): nothing to protect
+    elif final.exists() and not (final.is_dir() and (is_committed(final) or not any(final.iterdir()))):
         # The commit replaces `final`; never delete something that is not a checkpoint.
         raise ValueError(
             f"cannot save a checkpoint to {str(final)!r}: it exists and is not a committed checkpoint (a file, or a "
             "directory without a COMMITTED marker). Choose another path or remove it."
         )
-    tmp, old = temporary_path(final), _aside_path(final)
-    if not final.exists() and is_committed(tmp):
-        # The previous save of this name committed but died before its rename: finish it, keep it.
-        os.replace(tmp, final)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    if old.exists() and is_committed(final):
-        shutil.rmtree(old)
+    newest = resolve(final)
+    if newest != final:
+        # An earlier save of this name committed but died before its swap: finish it first, so that
+        # a crash of this save leaves the newest copy under the name.
+        if newest.name in (temporary_path(final).name, OLD_PREFIX + _name_hash(final)):
+            fresh = _fresh_data_path(final)
+            os.rename(newest, fresh)
+            newest = fresh
+        for leftover in _publish(final, newest):
+            _discard(leftover)
+    keep = _own_target(final)
+    for helper in _own_helpers(final):
+        if keep is None or helper != keep:
+            _discard(helper)
+    tmp = temporary_path(final)
     tmp.mkdir()
     return tmp
 
 
 def commit(tmp: Path, final: Path, meta: CheckpointMeta) -> None:
-    """Rank 0, after every rank finished writing into ``tmp``: meta.json, marker, rename to ``final``.
+    """Rank 0, after every rank finished writing into ``tmp``: marker, then one atomic swap of ``final``.
 
-    An existing ``final`` is renamed aside first and deleted last, so at every moment one committed
-    copy exists on disk.
+    The steps are in the module docstring; at every moment ``final`` names a committed copy,
+    the old or the new one (once ``final`` exists at all).
     """
     _write_synced(tmp / META_FILE, meta.to_json())
     _write_synced(tmp / MARKER_FILE, json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION, "step": meta.step}))
     _fsync_directory(tmp)
-    old = _aside_path(final)
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
+    data = _fresh_data_path(final)
+    os.rename(tmp, data)
+    _fsync_directory(final.parent)  # the data directory's name is durable before anything points at it
+    for leftover in _publish(final, data):
+        _discard(leftover)
+
+
+def _publish(final: Path, data: Path) -> list[Path]:
+    """Point ``final`` at ``data`` atomically; returns what ``final`` named before, to delete afterwards."""
+    previous = _own_target(final)
+    link = _link_path(final)
+    if link.exists() or link.is_symlink():
+        _discard(link)
+    os.symlink(data.name, link)  # relative: the directory can be moved or mounted elsewhere
+    if final.is_dir() and not final.is_symlink():
+        # A real directory (the layout before symlinks, or an empty one): a symlink cannot replace it.
+        if _exchange(link, final):
+            _fsync_directory(final.parent)
+            return [link]  # `link` now names the old directory
+        aside = _fresh_data_path(final)
+        os.rename(final, aside)  # no atomic swap on this platform: until the next line only resolve() finds it
+        os.replace(link, final)
+        _fsync_directory(final.parent)
+        return [aside]
+    os.replace(link, final)
     _fsync_directory(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    return [previous] if previous is not None and previous != data else []
+
+
+def remove_checkpoint(path: str | os.PathLike[str]) -> None:
+    """Delete the checkpoint ``path`` names: the name, the data it points to, and its helper directories."""
+    path = Path(path)
+    helpers = _own_helpers(path)
+    if path.is_symlink() or path.exists():
+        _discard(path)
+    for helper in helpers:
+        _discard(helper)
+
+
+def _discard(path: Path) -> None:
+    """Delete a symlink, file or directory; a directory loses its commit marker first."""
+    if path.is_symlink() or path.is_file():
+        os.unlink(path)
+    elif path.is_dir():
+        if (path / MARKER_FILE).is_file():
+            os.unlink(path / MARKER_FILE)  # a half-deleted copy must never look committed
+        shutil.rmtree(path)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False  # glibc older than 2.28
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    error = ctypes.get_errno()
+    if error in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):  # the filesystem cannot swap
+        return False
+    raise OSError(error, os.strerror(error), str(a), None, str(b))
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -7,9 +7,10 @@ lists the subcommands that ``lightning_recsys.cli.main`` runs itself (``plan``).
 
 from __future__ import annotations
 
+import os
 from typing import Any, Optional
 
-from jsonargparse import ArgumentParser, lazy_instance
+from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -27,8 +28,6 @@ class RecSysCLI(LightningCLI):
     """LightningCLI with omegaconf interpolation, CSV logging and a run summary at the end of fit."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # CSV logs by default (a config can set trainer.logger, e.g. TensorBoardLogger).
-        parser.set_defaults({"trainer.logger": lazy_instance(CSVLogger, save_dir=".")})
         parser.add_argument(
             "--summary-json", "--summary_json", type=Optional[str], default=None, help="Also write the run summary to this JSON file (fit)."
         )
@@ -49,6 +48,11 @@ class RecSysCLI(LightningCLI):
             callbacks.append(RichProgressBar())
         if self.subcommand == "fit":
             callbacks.append(RunSummary(json_path=config.get("summary_json")))
+        if config["trainer"].get("logger") in (None, True):
+            # Lightning's default logger, but CSV whether or not tensorboard is installed; it writes under
+            # trainer.default_root_dir as Lightning's own default does (the working directory if unset).
+            root = config["trainer"].get("default_root_dir") or os.getcwd()
+            kwargs["logger"] = CSVLogger(save_dir=root)
         return super().instantiate_trainer(**{**kwargs, "callbacks": callbacks})
 
 

@@ -6,7 +6,8 @@ patch in this package). DDP's gradient all-reduce runs in C++; it becomes visibl
 through a Python comm hook (``sharded_model`` does that).
 
 Each call is filed under its purpose: code in this package labels its own collectives
-(``dense_grads``, ``replica_sync``, ``metrics``) with ``comm_purpose``. Unlabelled collectives on the
+(``dense_grads``, ``replica_sync``, ``metrics``, ``batch_handshake``) with ``comm_purpose``. The batch
+handshake runs when the dataloader yields, between steps, so it is filed under the step that follows. Unlabelled collectives on the
 sharding group are TorchRec's: ``sparse_ids`` when the payload is int32/int64 (the
 KeyedJaggedTensor ids and lengths), ``embeddings`` otherwise (pooled or sequence embeddings and
 their gradients, in whatever precision QComms put them). Anything else is ``other``.
@@ -49,6 +50,9 @@ _WRAPPED: dict[str, tuple[str, int, str, int]] = {
 
 
 _LABEL = threading.local()
+
+
+BATCH_HANDSHAKE = "batch_handshake"  # the purpose input_guard's per-batch all_gather is filed under
 
 
 @contextmanager
@@ -107,9 +111,13 @@ class CommAccountant:
 
     # ----------------------------------------------------------------- step boundaries
     def begin_step(self) -> None:
-        """Start a training step: collectives from now to ``end_step`` count as this step's."""
+        """Start a training step: collectives from now to ``end_step`` count as this step's.
+
+        The batch handshakes issued since the last step (they run while the batch is fetched) are
+        kept: they belong to this step. Anything else since then (setup, evaluation) is not step traffic.
+        """
         with self._lock:
-            self._current = {}
+            self._current = {k: t for k, t in self._current.items() if k.purpose == BATCH_HANDSHAKE}
 
     def end_step(self) -> None:
         with self._lock:

@@ -5,6 +5,12 @@ gets an empty one, which row-wise sharding cannot take) leaves the others waitin
 Every rank therefore checks its batch, then all ranks exchange a few integers on a CPU (gloo)
 group before the step: whether each has a batch, its size, and whether its input is valid. They
 then act on the same facts: stop together, skip a step together, or raise the same error together.
+
+A problem is *fatal* when no setting can make the step right (duplicate or missing keys, lengths
+or weights that do not match the values, non-finite weights, a check that itself failed): it
+raises on every rank even with ``validate_inputs="warn"``. Only out-of-range ids (which FBGEMM
+clamps) and weights that an unweighted model ignores can be downgraded to a warning. A check never
+raises on its own rank: whatever goes wrong becomes a problem every rank learns of in the handshake.
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -40,6 +47,15 @@ class InvalidInputError(ValueError):
 class TableRef:
     table: str
     rows: int
+    weighted: bool = False  # EmbeddingBagCollection(is_weighted=True): pools with per-id weights
+
+
+@dataclass(frozen=True)
+class InputProblem:
+    """One problem with a batch. ``fatal``: the step cannot run correctly whatever ``validate_inputs`` says."""
+
+    message: str
+    fatal: bool = True
 
 
 def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
@@ -51,14 +67,14 @@ def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
     features: dict[str, list[TableRef]] = {}
     for sub in module.modules():
         if isinstance(sub, EmbeddingBagCollection):
-            configs = sub.embedding_bag_configs()
+            configs, weighted = sub.embedding_bag_configs(), sub.is_weighted()
         elif isinstance(sub, EmbeddingCollection):
-            configs = sub.embedding_configs()
+            configs, weighted = sub.embedding_configs(), False
         else:
             continue
         for config in configs:
             for feature in config.feature_names:
-                features.setdefault(feature, []).append(TableRef(config.name, config.num_embeddings))
+                features.setdefault(feature, []).append(TableRef(config.name, config.num_embeddings, weighted))
     return features
 
 
@@ -72,59 +88,133 @@ class InputValidator:
 
     def problems(self, kjt: KeyedJaggedTensor, *, batch: int) -> list[str]:
         """Human-readable problems with ``kjt`` (empty when it is valid)."""
+        return [p.message for p in self.check(kjt, batch=batch)]
+
+    def check(self, kjt: KeyedJaggedTensor, *, batch: int) -> list[InputProblem]:
+        """The problems with ``kjt``, each marked fatal or not (see the module docstring)."""
         keys = list(kjt.keys())
-        missing = sorted(set(self.features) - set(keys))
-        extra = sorted(set(keys) - set(self.features))
-        problems = []
-        if missing:
-            problems.append(f"batch {batch}: the batch has no values for feature(s) {missing} that the model's tables need")
-        if extra:
-            problems.append(
-                f"batch {batch}: the batch has feature(s) {extra} that no table uses (the model's features: {sorted(self.features)})"
-            )
+        problems = self._keys(keys, batch)
         values, lengths = kjt.values(), kjt.lengths()
         for name, tensor in (("values", values), ("lengths", lengths)):
             if tensor.dtype not in _ID_DTYPES:
-                problems.append(f"batch {batch}: KeyedJaggedTensor {name} have dtype {tensor.dtype}; use torch.int64 or torch.int32")
+                problems.append(
+                    InputProblem(f"batch {batch}: KeyedJaggedTensor {name} have dtype {tensor.dtype}; use torch.int64 or torch.int32")
+                )
         if problems:
             return problems
         batch_size = kjt.stride()
         if lengths.numel() != len(keys) * batch_size:
-            return [f"batch {batch}: {lengths.numel()} lengths for {len(keys)} features x batch size {batch_size}"]
+            return [InputProblem(f"batch {batch}: {lengths.numel()} lengths for {len(keys)} features x batch size {batch_size}")]
         total = int(lengths.sum())
         if total != values.numel():
-            return [f"batch {batch}: the lengths sum to {total} but there are {values.numel()} values"]
-        return self._out_of_range(kjt, keys, values, lengths, batch_size, batch)
+            return [InputProblem(f"batch {batch}: the lengths sum to {total} but there are {values.numel()} values")]
+        weight_problems = self._weights(kjt, keys, values, lengths, batch_size, batch)
+        if any(p.fatal for p in weight_problems):
+            return weight_problems
+        return weight_problems + self._out_of_range(kjt, keys, values, lengths, batch_size, batch)
+
+    def _keys(self, keys: list[str], batch: int) -> list[InputProblem]:
+        problems = []
+        duplicated = sorted(k for k, n in Counter(keys).items() if n > 1)
+        if duplicated:
+            where = "; ".join(f"{k!r} at key positions {[i for i, x in enumerate(keys) if x == k]}" for k in duplicated)
+            problems.append(InputProblem(
+                f"batch {batch}: the KeyedJaggedTensor has duplicate key(s): {where} (keys {keys}). Each feature must "
+                "appear once (TorchRec does not check this, and sends a repeated block to the wrong table); merge the "
+                "ids into one key, or name each block after the feature of its table."
+            ))
+        missing = sorted(set(self.features) - set(keys))
+        extra = sorted(set(keys) - set(self.features))
+        if missing:
+            problems.append(InputProblem(f"batch {batch}: the batch has no values for feature(s) {missing} that the model's tables need"))
+        if extra:
+            problems.append(InputProblem(
+                f"batch {batch}: the batch has feature(s) {extra} that no table uses (the model's features: {sorted(self.features)})"
+            ))
+        return problems
+
+    def _weights(
+        self, kjt: KeyedJaggedTensor, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, batch_size: int, batch: int
+    ) -> list[InputProblem]:
+        weights = kjt.weights_or_none()
+        weighted = {k: [r.table for r in self.features[k] if r.weighted] for k in keys}
+        needing = {k: tables for k, tables in weighted.items() if tables}
+        if weights is None:
+            if not needing:
+                return []
+            return [InputProblem(
+                f"batch {batch}: feature(s) {sorted(needing)} feed weighted table(s) "
+                f"{sorted({t for ts in needing.values() for t in ts})} (EmbeddingBagCollection(is_weighted=True)), but the "
+                "KeyedJaggedTensor has no weights. Pass weights= (one float per id), or build the collection with "
+                "is_weighted=False."
+            )]
+        if not weights.is_floating_point():
+            return [InputProblem(f"batch {batch}: KeyedJaggedTensor weights have dtype {weights.dtype}; use a float dtype (torch.float32)")]
+        if weights.numel() != values.numel():
+            return [InputProblem(
+                f"batch {batch}: the KeyedJaggedTensor has {weights.numel()} weights for {values.numel()} ids; "
+                "give exactly one weight per id (weights and values have the same length)."
+            )]
+        finite = torch.isfinite(weights)
+        if not bool(finite.all()):
+            index, offset = self._first_bad(kjt, ~finite)
+            example = self._example(lengths, len(keys), batch_size, index, offset)
+            return [InputProblem(
+                f"batch {batch}: feature {keys[index]!r} has a non-finite weight at example {example}; "
+                f"{int((~finite).sum())} non-finite weight(s) in this batch. Weights must be finite: fix or drop them "
+                "in your data pipeline."
+            )]
+        if not needing:
+            # TorchRec's unweighted collections drop the weights: say so, it is usually a forgotten is_weighted=True.
+            return [InputProblem(
+                f"batch {batch}: the KeyedJaggedTensor carries weights, but no table its features feed is weighted, so "
+                "they are ignored. Build the EmbeddingBagCollection with is_weighted=True, or drop the weights.",
+                fatal=False,
+            )]
+        return []
+
+    @staticmethod
+    def _first_bad(kjt: KeyedJaggedTensor, bad: torch.Tensor) -> tuple[int, int]:
+        """(key index, offset within that key's ids) of the first True in ``bad`` (one flag per id)."""
+        position = int(torch.nonzero(bad)[0])
+        starts = [0, *itertools.accumulate(kjt.length_per_key())]
+        index = next(i for i in range(len(starts) - 1) if starts[i] <= position < starts[i + 1])
+        return index, position - starts[index]
+
+    @staticmethod
+    def _example(lengths: torch.Tensor, num_keys: int, batch_size: int, index: int, offset: int) -> int:
+        """The example holding the ``offset``-th id of key ``index``."""
+        key_lengths = lengths.view(num_keys, batch_size)[index]
+        return int(torch.searchsorted(torch.cumsum(key_lengths, 0), torch.tensor(offset), right=True))
 
     def _out_of_range(
         self, kjt: KeyedJaggedTensor, keys: list[str], values: torch.Tensor, lengths: torch.Tensor, batch_size: int, batch: int
-    ) -> list[str]:
+    ) -> list[InputProblem]:
         # One min/max pass per feature (torch.repeat_interleave to per-id bounds was 50x slower on CPU).
         per_key = kjt.length_per_key()
         segments = values.split(per_key)
-        extremes = [torch.aminmax(seg) for seg in segments if seg.numel()]
-        if not extremes:
+        present = [i for i, seg in enumerate(segments) if seg.numel()]  # positions, not names: never keys.index()
+        if not present:
             return []
+        extremes = [torch.aminmax(segments[i]) for i in present]
         minima = torch.stack([e.min for e in extremes])
         maxima = torch.stack([e.max for e in extremes])
-        present = [k for k, seg in zip(keys, segments) if seg.numel()]
-        limits = torch.tensor([self._limit[k].rows for k in present], dtype=values.dtype, device=values.device)
+        limits = torch.tensor([self._limit[keys[i]].rows for i in present], dtype=values.dtype, device=values.device)
         bad_keys = (minima < 0) | (maxima >= limits)
         if not bool(bad_keys.any()):
             return []
-        key = present[int(torch.nonzero(bad_keys)[0])]
-        index = keys.index(key)
+        index = present[int(torch.nonzero(bad_keys)[0])]
+        key, segment = keys[index], segments[index]
         ref = self._limit[key]
-        segment = segments[index]
         bad = (segment < 0) | (segment >= ref.rows)
         first = int(torch.nonzero(bad)[0])
-        key_lengths = lengths.view(len(keys), batch_size)[index]
-        example = int(torch.searchsorted(torch.cumsum(key_lengths, 0), torch.tensor(first), right=True))
-        return [
+        example = self._example(lengths, len(keys), batch_size, index, first)
+        return [InputProblem(
             f"batch {batch}: feature {key!r} has id {int(segment[first])} at example {example}, but table "
             f"{ref.table!r} has {ref.rows} rows (valid ids are 0..{ref.rows - 1}); {int(bad.sum())} id(s) of that "
-            "feature out of range in this batch. Hash or clamp ids in your data pipeline, or enlarge the table."
-        ]
+            "feature out of range in this batch. Hash or clamp ids in your data pipeline, or enlarge the table.",
+            fatal=False,
+        )]
 
 
 def find_kjts(batch: Any) -> list[KeyedJaggedTensor]:
@@ -147,6 +237,7 @@ class RankBatch:
     has_batch: bool
     size: int  # examples; -1 when the batch carries no KeyedJaggedTensor to count
     problems: int
+    fatal: int  # how many of the problems no validate_inputs setting may downgrade
 
 
 class CoordinatedBatches:
@@ -156,7 +247,10 @@ class CoordinatedBatches:
     * a rank's batch is empty, or sizes differ where the plan needs equal ones (row-wise's
       reduce-scatter): every rank skips that step;
     * invalid input on any rank: every rank raises ``InvalidInputError`` with all ranks' problems
-      (``validate="error"``), or logs them and goes on (``"warn"``; FBGEMM then clamps).
+      (``validate="error"``, or any fatal problem), or logs them and goes on (``"warn"``; FBGEMM
+      then clamps);
+    * the check, or the rank's dataloader, raises: that becomes a fatal problem of the rank, so
+      every rank raises together (the rank whose loader raised re-raises its own exception).
     """
 
     def __init__(
@@ -192,11 +286,11 @@ class CoordinatedBatches:
         pending = self._fetch(iterator, 0)
         for index in itertools.count():
             others = pending.result()
+            if any(r.problems for r in others):  # first: a rank whose loader raised must not stop silently
+                self._report(pending.problems, fatal=any(r.fatal for r in others), own_error=pending.error)
             if not all(r.has_batch for r in others):
                 self._note_dropped(others)
                 return
-            if any(r.problems for r in others):
-                self._report(pending.problems)
             upcoming = self._fetch(iterator, index + 1)
             sizes = {r.size for r in others if r.size >= 0}
             if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
@@ -207,26 +301,53 @@ class CoordinatedBatches:
             pending = upcoming
 
     def _fetch(self, iterator: Iterator[Any], index: int) -> _Handshake:
-        batch = next(iterator, _END)
-        problems = self._check(batch, index) if batch is not _END else []
-        kjts = find_kjts(batch) if batch is not _END else []
-        size = kjts[0].stride() if kjts else -1
-        mine = torch.tensor([int(batch is not _END), size, len(problems)], dtype=torch.int64)
+        # Nothing here may raise before the all-gather: a rank that raised alone would leave the
+        # others waiting in the handshake until the process group's timeout.
+        error: Exception | None = None
+        try:
+            batch = next(iterator, _END)
+        except Exception as e:  # noqa: BLE001 - reported to every rank, then re-raised here
+            batch, error = None, e
+        if error is not None:
+            problems = [InputProblem(f"batch {index}: the dataloader raised {type(error).__name__}: {error}")]
+            size = -1
+        else:
+            problems, size = self.check(batch, index) if batch is not _END else ([], -1)
+        fatal = sum(p.fatal for p in problems)
+        mine = torch.tensor([int(batch is not _END), size, len(problems), fatal], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
         with comm_purpose("batch_handshake"):
             work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
-        return _Handshake(batch, problems, work, gathered)
+        return _Handshake(batch, problems, work, gathered, error)
 
-    def _check(self, batch: Any, index: int) -> list[str]:
-        if self._validator is None:
-            return []
-        return [p for kjt in find_kjts(batch) for p in self._validator.problems(kjt, batch=index)]
+    def check(self, batch: Any, index: int) -> tuple[list[InputProblem], int]:
+        """This rank's problems with ``batch`` and its size (-1: no KeyedJaggedTensor); never raises."""
+        size = -1
+        try:
+            kjts = find_kjts(batch)
+            size = kjts[0].stride() if kjts else -1
+            if self._validator is None:
+                return [], size
+            return [p for kjt in kjts for p in self._validator.check(kjt, batch=index)], size
+        except Exception as error:  # noqa: BLE001 - a malformed batch can break any step of the check
+            log.debug("TwoDRecStrategy: the input check of batch %d raised", index, exc_info=True)
+            return [InputProblem(
+                f"batch {index}: checking the batch raised {type(error).__name__}: {error}. The batch is malformed "
+                "(e.g. a KeyedJaggedTensor whose keys, lengths, offsets or stride disagree); build it with "
+                "KeyedJaggedTensor.from_lengths_sync(keys=..., values=..., lengths=...)."
+            )], size
 
-    def _report(self, problems: list[str]) -> None:
-        everyone: list[list[str]] = [[] for _ in range(dist.get_world_size(self._group))]
-        dist.all_gather_object(everyone, problems, group=self._group)
-        lines = [f"rank {rank}: {p}" for rank, rank_problems in enumerate(everyone) for p in rank_problems]
+    def _report(self, problems: list[InputProblem], *, fatal: bool, own_error: Exception | None) -> None:
+        everyone: list[list[tuple[str, bool]]] = [[] for _ in range(dist.get_world_size(self._group))]
+        dist.all_gather_object(everyone, [(p.message, p.fatal) for p in problems], group=self._group)
+        if own_error is not None:
+            raise own_error  # this rank's dataloader failed; the others raise InvalidInputError naming it
+        lines = [f"rank {rank}: {m}" for rank, rank_problems in enumerate(everyone) for m, _ in rank_problems]
         message = "invalid sparse input (TwoDRecStrategy validate_inputs=" + repr(self._validate) + "):\n  " + "\n  ".join(lines)
+        if fatal:
+            raise InvalidInputError(
+                message + "\nThese problems stop training whatever validate_inputs says: no clamp can make such a batch right."
+            )
         if self._validate == "error":
             raise InvalidInputError(message + "\nSet validate_inputs='warn' to log and continue (FBGEMM clamps such ids to row 0).")
         self._warn(message)
@@ -255,13 +376,14 @@ class _Handshake:
     """One batch and the in-flight exchange about it."""
 
     batch: Any
-    problems: list[str]
+    problems: list[InputProblem]
     work: Any
     gathered: list[torch.Tensor]
+    error: Exception | None = None  # this rank's dataloader raised it
 
     def result(self) -> list[RankBatch]:
         self.work.wait()
-        return [RankBatch(bool(t[0]), int(t[1]), int(t[2])) for t in self.gathered]
+        return [RankBatch(bool(t[0]), int(t[1]), int(t[2]), int(t[3])) for t in self.gathered]
 
 
 def report_lost_ranks(rank: int, world_size: int, *, wait_seconds: float) -> str:

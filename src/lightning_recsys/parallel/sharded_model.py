@@ -106,6 +106,11 @@ def shard_model(
 
     embedding_params = [p for fqn in embedding_modules for p in unwrapped.get_submodule(fqn).parameters()]
     data_parallel_params = [p for p in embedding_params if getattr(p, "_in_backward_optimizers", None) is None]
+    # DDP broadcast the data-parallel tables before the copy above; every rank must start from one copy
+    # (global rank 0's), whatever its RNG state was when the model was built.
+    with torch.no_grad():
+        for param in data_parallel_params:
+            dist.broadcast(param.data, src=0)
     return ShardedModel(
         dmp=dmp,
         plan=plan,

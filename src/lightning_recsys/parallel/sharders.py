@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
-from torchrec.distributed.embedding import EmbeddingCollectionSharder
-from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-from torchrec.distributed.types import ModuleSharder, QuantizedCommCodecs, ShardingType
+from torchrec import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
+from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
+from torchrec.distributed.types import ModuleSharder, ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
 
 ALL_SHARDING_TYPES: tuple[str, ...] = (
     ShardingType.DATA_PARALLEL.value,
@@ -31,6 +36,46 @@ def _with_cpu_extras(stock: list[str], compute_device_type: str, candidates: tup
     return list(stock) + [t for t in candidates if t not in stock]
 
 
+class _WorldDataParallelMixin:
+    """Data-parallel tables are initialized and DDP-synchronized over the world, not the sharding group.
+
+    Workaround: torchrec 1.8's ``ShardedEmbeddingBagCollection``/``ShardedEmbeddingCollection`` use
+    ``env.process_group`` for their data-parallel tables: ``reset_parameters`` broadcasts with a
+    global ``src=0`` over it (under 2D every sharding group but the first raises "Global rank 0 is
+    not part of group"), and ``init_data_parallel`` wraps those lookups in DDP over it (so replicas
+    in other groups would never see each other's gradients). Every rank builds the same tables in
+    the same order, so both are valid over the world, where they keep every copy equal.
+    """
+
+    _env: ShardingEnv
+
+    @contextmanager
+    def _world_env(self) -> Iterator[None]:
+        group_env, world = self._env, dist.group.WORLD
+        if group_env.process_group is not None and world is not None and group_env.process_group is not world:
+            self._env = ShardingEnv.from_process_group(world)
+        try:
+            yield
+        finally:
+            self._env = group_env
+
+    def reset_parameters(self) -> None:
+        with self._world_env():
+            super().reset_parameters()  # type: ignore[misc]
+
+    def init_data_parallel(self) -> None:
+        with self._world_env():
+            super().init_data_parallel()  # type: ignore[misc]
+
+
+class _ShardedEmbeddingBagCollection(_WorldDataParallelMixin, ShardedEmbeddingBagCollection):
+    pass
+
+
+class _ShardedEmbeddingCollection(_WorldDataParallelMixin, ShardedEmbeddingCollection):
+    pass
+
+
 class RecSysEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     """EmbeddingBagCollection sharder with row-wise types on CPU and an optional allow-list."""
 
@@ -41,6 +86,26 @@ class RecSysEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = _with_cpu_extras(super().sharding_types(compute_device_type), compute_device_type, _CPU_EXTRA_TYPES)
         return [t for t in types if self._allowed is None or t in self._allowed]
+
+    def shard(
+        self,
+        module: EmbeddingBagCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedEmbeddingBagCollection:
+        # As the base sharder's shard(), with the subclass that keeps data-parallel tables world-wide.
+        return _ShardedEmbeddingBagCollection(
+            module=module,
+            table_name_to_parameter_sharding=params,
+            env=env,
+            fused_params=self.fused_params,
+            device=device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            module_fqn=module_fqn,
+            sharded_module_order_overwrite=self._sharded_module_order_overwrite,
+        )
 
 
 class RecSysEmbeddingCollectionSharder(EmbeddingCollectionSharder):
@@ -53,6 +118,26 @@ class RecSysEmbeddingCollectionSharder(EmbeddingCollectionSharder):
     def sharding_types(self, compute_device_type: str) -> list[str]:
         types = super().sharding_types(compute_device_type)
         return [t for t in types if self._allowed is None or t in self._allowed]
+
+    def shard(
+        self,
+        module: EmbeddingCollection,
+        params: dict[str, ParameterSharding],
+        env: ShardingEnv,
+        device: torch.device | None = None,
+        module_fqn: str | None = None,
+    ) -> ShardedEmbeddingCollection:
+        # As the base sharder's shard(), with the subclass that keeps data-parallel tables world-wide.
+        return _ShardedEmbeddingCollection(
+            module,
+            params,
+            env,
+            self.fused_params,
+            device,
+            qcomm_codecs_registry=self.qcomm_codecs_registry,
+            use_index_dedup=self._use_index_dedup,
+            module_fqn=module_fqn,
+        )
 
 
 def supported_sharding_types(compute_device_type: str, *, two_d: bool = False) -> list[str]:

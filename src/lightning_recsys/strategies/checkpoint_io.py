@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -18,6 +16,7 @@ from lightning_recsys.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
+from lightning_recsys.checkpoint.layout import remove_checkpoint
 from lightning_recsys.parallel.topology import ParallelTopology
 
 
@@ -29,6 +28,8 @@ class ShardedCheckpointSource(Protocol):
     def sharded_checkpoint_state(self) -> ShardedState: ...
 
     def load_strictly(self) -> bool: ...
+
+    def restores_optimizer_state(self) -> bool: ...
 
 
 class DCPCheckpointIO(CheckpointIO):
@@ -88,17 +89,16 @@ class DCPCheckpointIO(CheckpointIO):
             state=source.sharded_checkpoint_state(),
             topology=source.topology,
             strict=source.load_strictly(),
+            # validate/test/predict have no optimizers to restore (data-parallel tables get none then)
+            load_embedding_optimizer_state=source.restores_optimizer_state(),
             weights_only=weights_only,
         )
         return dict(loaded.host_state)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        target = Path(path)
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        elif target.exists() or target.is_symlink():
-            os.remove(target)
+        """Delete the name, the data directory it points to, and that name's leftovers of interrupted saves."""
+        remove_checkpoint(path)
 
     def wait(self) -> Optional[Path]:
         """Commit the pending background save, if any (collective: every rank)."""

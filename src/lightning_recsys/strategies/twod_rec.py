@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Literal, Optional, TypeVar, Union
 
@@ -21,7 +22,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
@@ -44,6 +45,9 @@ from lightning_recsys.parallel import (
     shard_model,
 )
 from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
+from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
+from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
+from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.parallel.input_guard import (
     VALIDATE_INPUTS,
     CoordinatedBatches,
@@ -108,9 +112,11 @@ class TwoDRecStrategy(ParallelStrategy):
             accumulators (default True).
         qcomms: precision of the embedding collectives: a preset (``"fp32"``, ``"bf16"``,
             ``"fp16"``, ``"fp8"``, ``"int8"``) or a ``QCommsConfig``; default fp32 (off).
-        validate_inputs: check every batch's sparse ids against the tables before the step:
-            ``"error"`` (default) stops every rank with the feature, table, id and example;
-            ``"warn"`` logs and goes on (FBGEMM then clamps the id to row 0); ``"off"``.
+        validate_inputs: check every batch's sparse ids, keys, lengths and weights against the
+            tables before the step: ``"error"`` (default) stops every rank with the feature,
+            table, id and example; ``"warn"`` logs out-of-range ids and goes on (FBGEMM then
+            clamps the id to row 0) but still stops on problems no clamp can fix (duplicate or
+            missing keys, bad weights); ``"off"``.
         check_finite: stop every rank with the step number when the loss or a looked-up embedding
             is not finite (also on with ``Trainer(detect_anomaly=True)``). Costs one small
             all-reduce per step.
@@ -123,6 +129,10 @@ class TwoDRecStrategy(ParallelStrategy):
             shards them row-wise on partition boundaries, P / sharding_group_size per rank.
         reshape_tables: apply the reshape advice (halve the dim, double the rows, where that cuts
             the all-to-all bytes) to the model's tables before sharding. Opt-in; changes the model.
+        embedding_lr_follows_scheduler: the tables' learning rate follows the first LR scheduler:
+            ``embedding_optimizer.lr`` times that scheduler's factor (its optimizer's current lr over
+            its ``initial_lr``), applied before every training step. Off by default: schedulers then
+            move only the dense optimizers.
     """
 
     strategy_name = "twod_rec"
@@ -147,6 +157,7 @@ class TwoDRecStrategy(ParallelStrategy):
         profile_batches: int = 0,
         hash_partitions: Optional[dict[str, int]] = None,
         reshape_tables: bool = False,
+        embedding_lr_follows_scheduler: bool = False,
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -206,12 +217,9 @@ class TwoDRecStrategy(ParallelStrategy):
         self._coordination_group: Optional[dist.ProcessGroup] = None
         self._input_validator: Optional[InputValidator] = None
         self._equal_batch_sizes_required = False
-        self._finite_checks = False
-        self._nonfinite: dict[str, list[str]] = {
-            "the training loss": [],
-            "looked-up embeddings": [],
-            "embedding gradients (the update FBGEMM applied in backward)": [],
-        }
+        self._output_hooks: Optional[EmbeddingOutputHooks] = None
+        self._embedding_lr_follows_scheduler = bool(embedding_lr_follows_scheduler)
+        self._embedding_lr: Optional[EmbeddingLearningRate] = None
         self.qcomms_config = QCommsConfig.parse(qcomms)
         self._effective_qcomms = resolve_qcomms(self.qcomms_config)
         self._sharding_group_size = sharding_group_size
@@ -296,6 +304,7 @@ class TwoDRecStrategy(ParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
+        silence_known_upstream_warnings()  # before planning and sharding, where most of them come from
         super().setup_environment()
         self.set_world_ranks()
         topology = self._make_topology()
@@ -359,10 +368,17 @@ class TwoDRecStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         self._validate_trainer(trainer)
-        self.model = self._shard(self.lightning_module).dmp
+        sharded = self._shard(self.lightning_module)
+        self.model = sharded.dmp
         self.comm_accounting.start()
-        if self._check_finite or getattr(trainer, "_detect_anomaly", False):
-            self._install_finite_checks()
+        scaler = getattr(self.precision_plugin, "scaler", None)  # fp16 loss scaling (16-mixed)
+        hooks = EmbeddingOutputHooks(
+            check_finite=self._check_finite or getattr(trainer, "_detect_anomaly", False),
+            grad_scale=scaler._get_scale_async if scaler is not None else None,
+        )
+        if hooks.needed and self._output_hooks is None:  # once per sharded model: hooks stay on its modules
+            hooks.install({fqn: sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns})
+            self._output_hooks = hooks
         assert isinstance(self.checkpoint_io, DCPCheckpointIO)
         self.checkpoint_io.connect(self)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -370,10 +386,18 @@ class TwoDRecStrategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def _validate_trainer(self, trainer: Trainer) -> None:
-        if type(self.precision_plugin) is not Precision:
+        precision = self.precision_plugin
+        if type(precision) is not Precision and not isinstance(precision, MixedPrecision):
             raise ValueError(
-                f"TwoDRecStrategy supports precision='32-true' only; got {type(self.precision_plugin).__name__}. "
-                "Embedding communication precision is set separately (QComms)."
+                f"TwoDRecStrategy supports precision '32-true', 'bf16-mixed' and (CUDA) '16-mixed'; got "
+                f"{type(precision).__name__} (precision={getattr(precision, 'precision', '?')!r}). The tables stay in "
+                "their own dtype; embedding communication precision is set separately (qcomms)."
+            )
+        if trainer.gradient_clip_val:
+            rank_zero_warn(
+                f"Trainer(gradient_clip_val={trainer.gradient_clip_val}) clips the dense parameters only: FBGEMM "
+                "updates the model-parallel embedding tables inside backward, before clipping could run.",
+                category=UserWarning,
             )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(
@@ -391,6 +415,37 @@ class TwoDRecStrategy(ParallelStrategy):
         if self._sharded is not None and self._sharded.dmp.module is module:
             return self._sharded  # a later fit/validate/test call on the same, already sharded module
         topology = self.topology
+        settings = self._sharding_settings()
+        previous: Optional[_ShardingRecord] = module.__dict__.get(_SHARDING_RECORD)
+        if previous is not None:  # sharded by an earlier Trainer's strategy: reuse it if it fits
+            _check_reusable(previous.settings, settings)
+            sharded = previous.sharded
+            self._input_validator = previous.input_validator
+            self._equal_batch_sizes_required = previous.equal_batch_sizes_required
+        else:
+            sharded = self._shard_fresh(module, topology)
+            module.__dict__[_SHARDING_RECORD] = _ShardingRecord(
+                sharded, settings, self._input_validator, self._equal_batch_sizes_required  # type: ignore[arg-type]
+            )
+        replica_group = topology.replica_process_group()
+        self._replica_sync = None
+        if replica_group is not None:
+            self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
+                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
+                sharded.fused_optimizer,
+                replica_group,
+                include_optimizer_state=self._sync_optimizer_state,
+            )
+            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
+            self._replica_sync.broadcast_from_first_replica()
+        if self._comm is not None:
+            self._comm.stop()
+        self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
+        self._sharded = sharded
+        self._steps_since_sync = 0
+        return sharded
+
+    def _shard_fresh(self, module: LightningModule, topology: ParallelTopology) -> ShardedModel:
         self._input_validator = InputValidator(feature_tables(module))  # also refuses tables without features
         allowed = self._sharding_types
         if allowed is None and not topology.is_1d:
@@ -412,7 +467,7 @@ class TwoDRecStrategy(ParallelStrategy):
         )
         if self._effective_qcomms.fallbacks:
             rank_zero_warn("QComms: " + "; ".join(self._effective_qcomms.fallbacks) + ".")
-        sharded = shard_model(
+        return shard_model(
             module,
             topology=topology,
             device=self.root_device,
@@ -420,23 +475,23 @@ class TwoDRecStrategy(ParallelStrategy):
             plan=plan,
             dense_grads_precision=self._effective_qcomms.dense_grads,
         )
-        replica_group = topology.replica_process_group()
-        self._replica_sync = None
-        if replica_group is not None:
-            self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
-                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
-                sharded.fused_optimizer,
-                replica_group,
-                include_optimizer_state=self._sync_optimizer_state,
-            )
-            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
-            self._replica_sync.broadcast_from_first_replica()
-        if self._comm is not None:
-            self._comm.stop()
-        self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
-        self._sharded = sharded
-        self._steps_since_sync = 0
-        return sharded
+
+    def _sharding_settings(self) -> dict[str, Any]:
+        """Everything that decides how the tables are sharded and updated (compared when a module is reused)."""
+        topology = self.topology
+        return {
+            "topology": (topology.world_size, topology.sharding_group_size, topology.layout, topology.node_size),
+            "device": self.root_device.type,
+            "embedding_optimizer": self.embedding_optimizer_config,
+            "qcomms": self.qcomms_config,
+            "sharding_types": self._sharding_types,
+            "table_constraints": self._table_constraints,
+            "planner": self._planner,
+            "planner_stats": self._planner_stats,
+            "hash_partitions": self._hash_partitions,
+            "reshape_tables": self._reshape_tables,
+        }
+
 
     def _plan(self, module: LightningModule, sharders: list[Any], topology: ParallelTopology) -> ShardingPlan:
         """The planning pipeline: profile (optional), reshape (optional), plan on rank 0 for every rank, report."""
@@ -466,6 +521,26 @@ class TwoDRecStrategy(ParallelStrategy):
             log.debug("TwoDRecStrategy: removed %d embedding parameters from the dense optimizers", removed)
         params = sharded.data_parallel_table_params
         self._data_parallel_table_optimizer = self.embedding_optimizer_config.make_torch_optimizer(params) if params else None
+        self._embedding_lr = EmbeddingLearningRate(
+            self.embedding_optimizer_config.lr, sharded.fused_optimizer, self._data_parallel_table_optimizer
+        )
+        if self._embedding_lr_follows_scheduler and not trainer.lr_scheduler_configs:
+            rank_zero_warn(
+                "TwoDRecStrategy(embedding_lr_follows_scheduler=True), but configure_optimizers returned no LR "
+                "scheduler: the tables keep embedding_optimizer.lr."
+            )
+
+    @property
+    def embedding_learning_rate(self) -> EmbeddingLearningRate:
+        """The tables' learning rate (base and factor); available after the optimizers are set up."""
+        return _available(self._embedding_lr, "embedding_learning_rate", "set up the optimizers")
+
+    def _follow_lr_scheduler(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None or not trainer.lr_scheduler_configs or self._embedding_lr is None:
+            return
+        group = trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]
+        self._embedding_lr.set_factor(group["lr"] / group.get("initial_lr", group["lr"]))
 
     @override
     def optimizer_step(
@@ -507,6 +582,8 @@ class TwoDRecStrategy(ParallelStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self._embedding_lr_follows_scheduler:
+            self._follow_lr_scheduler()
         if self._comm is not None:
             self._comm.begin_step()
 
@@ -526,47 +603,27 @@ class TwoDRecStrategy(ParallelStrategy):
             equal_sizes_required=self._equal_batch_sizes_required,
         )
 
-    def _install_finite_checks(self) -> None:
-        sharded = self.sharded_model
-        self._finite_checks = True
-        for fqn in sharded.embedding_module_fqns:
-            sharded.dmp.module.get_submodule(fqn).register_forward_hook(self._embedding_output_hook(fqn))
-
-    def _embedding_output_hook(self, fqn: str) -> Callable[..., None]:
-        def check(module: Module, inputs: Any, output: Any) -> None:
-            pooled = output.values()  # waits on TorchRec's lazy output (only while the check is on)
-            for tensor in [pooled] if isinstance(pooled, Tensor) else [jagged.values() for jagged in pooled]:
-                if not bool(torch.isfinite(tensor.detach()).all()):
-                    self._nonfinite["looked-up embeddings"].append(fqn)
-                if tensor.requires_grad:
-                    tensor.register_hook(lambda grad: self._note_nonfinite_grad(fqn, grad))
-
-        return check
-
-    def _note_nonfinite_grad(self, fqn: str, grad: Tensor) -> None:
-        if not bool(torch.isfinite(grad).all()):
-            self._nonfinite["embedding gradients (the update FBGEMM applied in backward)"].append(fqn)
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
         if self._finite_checks:
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):
-                self._nonfinite["the training loss"].append("loss")
+            self._output_hooks.note_loss(output.get("loss") if isinstance(output, Mapping) else output)  # type: ignore[union-attr]
             self._raise_if_nonfinite(before_update=True)
         return output
 
+    @property
+    def _finite_checks(self) -> bool:
+        return self._output_hooks is not None and self._output_hooks.checks_finite
+
     def _raise_if_nonfinite(self, *, before_update: bool) -> None:
         """All ranks learn whether any rank saw a non-finite value, and raise together."""
-        kinds = list(self._nonfinite)
-        flags = torch.tensor([int(bool(self._nonfinite[k])) for k in kinds])
+        assert self._output_hooks is not None
+        local = self._output_hooks.take_nonfinite()
+        kinds = list(local)
+        flags = torch.tensor([int(bool(local[k])) for k in kinds])
         gathered = [torch.empty_like(flags) for _ in range(self.world_size)]
         dist.all_gather(gathered, flags, group=self._coordination_group)
         found = {k: [r for r, f in enumerate(gathered) if f[i]] for i, k in enumerate(kinds)}
-        local = {k: sorted(set(v)) for k, v in self._nonfinite.items()}
-        for values in self._nonfinite.values():
-            values.clear()
         if any(found.values()):
             step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
             what = "; ".join(f"{k} on rank(s) {ranks}" + (f" ({local[k]} here)" if local[k] else "") for k, ranks in found.items() if ranks)
@@ -669,6 +726,11 @@ class TwoDRecStrategy(ParallelStrategy):
     def load_strictly(self) -> bool:
         return bool(getattr(self.lightning_module, "strict_loading", True))
 
+    def restores_optimizer_state(self) -> bool:
+        """Only ``fit`` restores optimizer state; evaluation needs the weights alone."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
+
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
@@ -692,6 +754,28 @@ class TwoDRecStrategy(ParallelStrategy):
 
 
 _T = TypeVar("_T")
+_SHARDING_RECORD = "_lightning_recsys_sharding"  # in the module's __dict__: not a submodule, not in state_dict
+
+
+@dataclass(frozen=True)
+class _ShardingRecord:
+    """What a strategy left on a module it sharded, so a later Trainer's strategy can reuse the shards."""
+
+    sharded: ShardedModel
+    settings: dict[str, Any]
+    input_validator: InputValidator
+    equal_batch_sizes_required: bool
+
+
+def _check_reusable(previous: dict[str, Any], current: dict[str, Any]) -> None:
+    differing = [f"{name}: {previous[name]!r} then, {current[name]!r} now" for name in previous if previous[name] != current[name]]
+    if differing:
+        raise ValueError(
+            "TwoDRecStrategy: this module's tables were already sharded by an earlier Trainer's strategy with other "
+            f"settings ({'; '.join(differing)}). TorchRec replaces the tables in place, so they cannot be re-planned. "
+            "Use the same strategy settings and world, or build a fresh model and load a checkpoint into it "
+            "(Trainer(...).test(fresh_model, ckpt_path=...))."
+        )
 
 
 def _available(value: Optional[_T], attribute: str, after: str) -> _T:

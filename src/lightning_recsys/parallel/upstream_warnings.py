@@ -1,0 +1,77 @@
+"""Known, harmless upstream warnings, silenced narrowly (by message, category and module), once.
+
+Each entry names what emits it and why it does not concern a user of this package. Anything else,
+a user's own warnings included, still shows.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class KnownWarning:
+    message: str  # regex matched against the start of the message
+    category: type[Warning]
+    module: str  # regex matched against the module the warning is attributed to
+    why: str
+
+
+KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
+    KnownWarning(
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated", FutureWarning,
+        r"torch\.distributed\.c10d_logger", "TorchRec 1.8's row-wise sharding calls the old names; torch 2.13 forwards them",
+    ),
+    KnownWarning(
+        r"`broadcast_buffers` is deprecated", FutureWarning, r"torchrec\.distributed\.model_parallel",
+        "TorchRec's DefaultDataParallelWrapper passes it to DDP; the behaviour is unchanged",
+    ),
+    KnownWarning(
+        r"HeuristicalStorageReservation is known to cause issues", FutureWarning, r"torchrec\.distributed\.planner",
+        "it over-estimates only in dry runs on meta tensors; the plan report shows the storage it chose",
+    ),
+    KnownWarning(
+        r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning, r"(torch|torchrec|lightning_recsys)(\.|$)",
+        "TorchRec 1.8 keeps its shards in ShardedTensor; nothing to change on the user's side",
+    ),
+    KnownWarning(
+        r".*autograd kernel was not registered to the Autograd key", UserWarning, r"torch(\.|$)",
+        "FBGEMM's CPU TBE ops run their backward through TorchRec's own autograd function",
+    ),
+    KnownWarning(
+        r"`isinstance\(treespec, LeafSpec\)` is deprecated", Warning, r"lightning\.pytorch\.utilities\._pytree",
+        "Lightning 2.6's own use of a torch pytree API, on every step's batch",
+    ),
+)
+
+# TorchRec logs these with logging.warning, once per table and rank.
+KNOWN_LOG_MESSAGES: dict[str, str] = {
+    "torchrec.distributed.utils": "caching params will be ignored",  # data-parallel tables have no cache to configure
+    "torchrec.distributed.planner.storage_reservations": "There is a known issue with TorchRec's dense tensor size calculation",
+}
+
+_installed = False
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def silence_known_upstream_warnings() -> None:
+    """Install the filters for ``KNOWN_WARNINGS`` and ``KNOWN_LOG_MESSAGES`` (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    for known in KNOWN_WARNINGS:
+        warnings.filterwarnings("ignore", message=known.message, category=known.category, module=known.module)
+    for logger_name, text in KNOWN_LOG_MESSAGES.items():
+        logging.getLogger(logger_name).addFilter(_DropMessage(text))
+

@@ -1,0 +1,114 @@
+"""Lightning features on TwoDRecStrategy: mixed precision, LR schedules on the tables, gradient clipping."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, Trainer
+from multiprocess import run_ranks
+
+from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.models import DLRMRanker
+
+CONFIG = SyntheticClickLogConfig(table_sizes=[200, 100], num_dense_features=4, global_batch_size=64, train_batches=6, val_batches=1, seed=5)
+BF16_LOSS_ATOL = 2e-2  # bf16 keeps 8 mantissa bits: about 4e-3 relative per op, on a BCE loss near 0.69
+
+
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+class _ScheduledRanker(DLRMRanker):
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5), "interval": "step"}}
+
+
+def _model(cls=DLRMRanker) -> DLRMRanker:
+    torch.manual_seed(0)
+    return cls(table_sizes=CONFIG.table_sizes, num_dense_features=4, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1])
+
+
+def _fit(rank: int, world_size: int, precision: str) -> list[float]:
+    losses = _Losses()
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, precision=precision, max_epochs=1, limit_val_batches=0, logger=False,
+        strategy=TwoDRecStrategy(process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.1)),
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
+    )
+    trainer.fit(_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    return losses.losses
+
+
+@pytest.mark.slow
+def test_bf16_mixed_fits_and_its_loss_stays_close_to_fp32():
+    fp32 = run_ranks(_fit, 2, "32-true", timeout=180)[0]
+    bf16 = run_ranks(_fit, 2, "bf16-mixed", timeout=180)[0]
+    assert len(bf16) == len(fp32) == CONFIG.train_batches
+    assert bf16 != fp32  # autocast really ran in bf16
+    torch.testing.assert_close(torch.tensor(bf16), torch.tensor(fp32), atol=BF16_LOSS_ATOL, rtol=0)
+
+
+class _EmbeddingLr(Callback):
+    def __init__(self) -> None:
+        self.seen: list[list[float]] = []
+
+    def on_before_backward(self, trainer, pl_module, loss) -> None:  # the rate FBGEMM uses in this backward
+        self.seen.append(trainer.strategy.embedding_learning_rate.fused_lrs())
+
+
+def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None) -> dict:
+    seen = _EmbeddingLr()
+    strategy = TwoDRecStrategy(
+        process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4),
+        embedding_lr_follows_scheduler=follows, sharding_types=["table_wise"],
+    )
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, max_steps=4, limit_val_batches=0, logger=False, gradient_clip_val=clip,
+        strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[seen],
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_model(_ScheduledRanker), datamodule=SyntheticClickLogDataModule(CONFIG))
+    clip_warnings = [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)]
+    return {"seen": seen.seen, "clip_warnings": clip_warnings}
+
+
+def test_embedding_lr_follows_the_first_scheduler_when_asked():
+    followed = run_ranks(_fit_scheduled, 2, True, None, timeout=180)
+    for result in followed:
+        # StepLR(gamma=0.5) every step: the fused tables see 0.4, 0.2, 0.1, 0.05 before steps 0..3.
+        assert [lrs[0] for lrs in result["seen"]] == pytest.approx([0.4, 0.2, 0.1, 0.05])
+        assert all(len(set(lrs)) == 1 for lrs in result["seen"])  # every fused module got it
+    fixed = run_ranks(_fit_scheduled, 2, False, None, timeout=180)
+    assert [lrs[0] for lrs in fixed[0]["seen"]] == pytest.approx([0.4] * 4)
+
+
+def test_gradient_clipping_warns_once_that_fused_tables_are_not_clipped():
+    results = run_ranks(_fit_scheduled, 2, False, 1.0, timeout=180)
+    assert len(results[0]["clip_warnings"]) == 1, results[0]["clip_warnings"]
+    assert "FBGEMM" in results[0]["clip_warnings"][0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed needs CUDA: Lightning's fp16 AMP with a GradScaler runs on CUDA only")
+def test_16_mixed_on_cuda_fits_with_unscaled_table_updates():
+    def fit(rank: int, world_size: int) -> list[float]:
+        losses = _Losses()
+        trainer = Trainer(
+            accelerator="gpu", devices=1, precision="16-mixed", max_epochs=1, limit_val_batches=0, logger=False,
+            strategy=TwoDRecStrategy(process_group_timeout=60), enable_checkpointing=False, enable_progress_bar=False,
+            callbacks=[losses],
+        )
+        trainer.fit(_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+        return losses.losses
+
+    losses = run_ranks(fit, 1, timeout=300)[0]
+    assert len(losses) == CONFIG.train_batches and all(torch.isfinite(torch.tensor(losses)))

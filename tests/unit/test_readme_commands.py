@@ -1,0 +1,98 @@
+"""Every command the README shows runs: each is checked in a fast form that fails where the real one would.
+
+* ``lightning-recsys fit|validate|test|predict ...`` and ``make demo ARGS="..."``: the CLI parses the
+  config and options and builds every object (``run=False``), which rejects unknown options and values.
+* ``python examples/<script>.py ...`` (also under ``torchrun``/``srun``): the script's own parser.
+* ``python benchmarks/<script>.py``: ``--help`` in a subprocess (the script imports and parses).
+* ``make <target>``: the Makefile has the target (``make -n``).
+* ``lightning-recsys plan ...``: run for real (planning only).
+Package downloads and installs are not run (no network in tests); placeholders (``<cfg>``, ``$VAR``) neither.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+PREFIXES = ("make ", "lightning-recsys ", "python ", "python3 ", "torchrun ", "srun ")
+DEMO_CONFIG = "examples/configs/synthetic_dlrm.yaml"  # what `make demo` runs (Makefile)
+
+
+def readme_commands() -> list[str]:
+    commands = {m.group(1).strip() for m in re.finditer(r"`((?:%s)[^`]*)`" % "|".join(PREFIXES), README)}
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#\s", line)[0].strip()
+            if line.startswith(PREFIXES):
+                commands.add(" ".join(line.split()))
+    return sorted(c for c in commands if "<" not in c and "$" not in c and not c.startswith("python3 -m venv"))
+
+
+def _cli_builds(args: list[str]) -> None:
+    """``args`` as after ``lightning-recsys``: a subcommand, then options."""
+    from lightning_recsys.cli import build_cli
+
+    if "--print_config" in args:  # really run it: it prints the resolved config and exits 0
+        with pytest.raises(SystemExit) as exited:
+            build_cli(args)
+        assert exited.value.code in (0, None)
+        return
+    assert args[0] in ("fit", "validate", "test", "predict"), args
+    build_cli(args[1:], run=False)  # without run there is no subcommand
+
+
+def _example_parses(script: str, args: list[str]) -> None:
+    spec = importlib.util.spec_from_file_location("readme_example", ROOT / script)
+    assert spec and spec.loader, script
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.parse_args(args)
+
+
+def check(command: str, tmp_path: Path) -> None:
+    words = shlex.split(command)
+    if words[0] in ("torchrun", "srun"):
+        words = ["python", *[w for w in words[1:] if w.startswith("examples/") or not w.startswith("-")]][:1] + words[words.index(next(w for w in words if w.endswith(".py"))):]
+    if words[0] == "make":
+        target = words[1]
+        assert subprocess.run(["make", "-n", target], cwd=ROOT, capture_output=True).returncode == 0, f"no make target {target!r}"
+        if target == "demo":
+            extra = next((shlex.split(w[5:]) for w in words if w.startswith("ARGS=")), [])
+            _cli_builds(["fit", "--config", str(ROOT / DEMO_CONFIG), *extra])
+        return
+    if words[0] == "lightning-recsys" and words[1] == "plan":
+        result = subprocess.run([sys.executable, "-m", "lightning_recsys.cli", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return
+    if words[0] == "lightning-recsys":
+        args = [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
+        if "--summary-json" in args:
+            args[args.index("--summary-json") + 1] = str(tmp_path / "run.json")
+        _cli_builds(args)
+        return
+    script = next(w for w in words if w.endswith(".py"))
+    if script.startswith("examples/"):
+        _example_parses(script, words[words.index(script) + 1 :])
+    elif script.startswith("benchmarks/"):
+        result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
+    else:
+        assert script == "train.py", f"unknown command form in the README: {command}"  # the quick start's own script
+
+
+def test_the_readme_shows_commands():
+    assert "make demo" in readme_commands() and "make test" in readme_commands()
+
+
+@pytest.mark.parametrize("command", readme_commands())
+def test_readme_command_runs(command, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    check(command, tmp_path)
