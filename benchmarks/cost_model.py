@@ -18,7 +18,8 @@ The model is ``lightning_recsys.parallel.cost_model``. Three parts:
    like workload (stated below) on 1, 2, 4 and 8 nodes of 8 GPUs, NVLink-class inside a node and a
    400 Gb/s EFA-class uplink per node. The compute time per step is either given (``--compute-ms``)
    or fitted to one published figure, 1D FP32's 1.21x on 4 nodes (the "before" figure of the
-   production account in DESIGN.md); all other points are predictions, and the plot says it is a
+   production account: Pinterest Engineering, June 2026, 2D parallelism with FP8 QComms on up to 8 nodes
+   of 8 GPUs); all other points are predictions, and the plot says it is a
    projection.
 
 Prints Markdown tables, writes JSON (default ``benchmarks/results/cost_model.json``) and, with
@@ -54,7 +55,7 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 TOLERANCE = 0.25
 NODE_COUNTS = (1, 2, 4, 8)
-# The production account quoted in DESIGN.md: scaling against one node.
+# The published production account (Pinterest Engineering, June 2026): scaling against one node.
 PUBLISHED = {"before": {4: 1.21}, "after": {4: 3.9, 8: 7.5}}
 QCOMMS_PRECISIONS = {"fp32": ("fp32", "fp32"), "bf16": ("bf16", "bf16"), "fp16": ("fp16", "fp16"),
                      "fp8": ("fp8", "fp8"), "int8": ("int8", "bf16"), "fp8_fwd_bf16_bwd": ("fp8", "bf16")}  # fmt: skip

@@ -52,3 +52,16 @@ def test_slurm_environment_of_srun_forms_the_2x2_topology_and_trains_2d(tmp_path
         assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{output[-4000:]}"
     assert "2D all_to_all_optimized: 2 replicas x sharding groups of 2 ranks; sharding groups [[0, 1], [2, 3]]" in outputs[0]
     assert "Validation after 1 epochs on 4 ranks: AUC=" in outputs[0]
+
+
+EXIT_RUNS = 5
+
+
+@pytest.mark.slow
+def test_short_two_node_jobs_exit_cleanly_every_time(tmp_path):
+    """A tiny fit as two torchrun launches (2 nodes x 1 rank), EXIT_RUNS times: every launch exits 0, no abort."""
+    script = [str(ROOT / "examples" / "train_synthetic_dlrm.py"), "--tiny", "--devices", "1", "--num-nodes", "2"]
+    for run in range(EXIT_RUNS):
+        outputs = run_torchrun_nodes(script, nodes=2, nproc_per_node=1, cwd=tmp_path)  # asserts exit code 0
+        for node, output in enumerate(outputs):
+            assert "terminate called" not in output, f"run {run}, node {node}:\n{output[-3000:]}"

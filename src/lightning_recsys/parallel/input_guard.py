@@ -284,21 +284,30 @@ class CoordinatedBatches:
         # before batch i is handed to the step, so the exchange overlaps step i's compute.
         iterator = iter(self.loader)
         pending = self._fetch(iterator, 0)
-        for index in itertools.count():
-            others = pending.result()
-            if any(r.problems for r in others):  # first: a rank whose loader raised must not stop silently
-                self._report(pending.problems, fatal=any(r.fatal for r in others), own_error=pending.error)
-            if not all(r.has_batch for r in others):
-                self._note_dropped(others)
-                return
-            upcoming = self._fetch(iterator, index + 1)
-            sizes = {r.size for r in others if r.size >= 0}
-            if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
-                self.skipped_steps += 1
-                self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
-            else:
-                yield pending.batch
-            pending = upcoming
+        in_flight: _Handshake | None = pending
+        try:
+            for index in itertools.count():
+                others = pending.result()
+                in_flight = None
+                if any(r.problems for r in others):  # first: a rank whose loader raised must not stop silently
+                    self._report(pending.problems, fatal=any(r.fatal for r in others), own_error=pending.error)
+                if not all(r.has_batch for r in others):
+                    self._note_dropped(others)
+                    return
+                upcoming = in_flight = self._fetch(iterator, index + 1)
+                sizes = {r.size for r in others if r.size >= 0}
+                if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
+                    self.skipped_steps += 1
+                    self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
+                else:
+                    yield pending.batch
+                pending = upcoming
+        finally:
+            # The loop stopped early (max_steps, limit_*_batches) with the next handshake in flight.
+            # Every rank started it, so it completes; wait for it here, while the process group is
+            # alive, rather than leave gloo's worker thread holding it until interpreter shutdown.
+            if in_flight is not None:
+                in_flight.drain()
 
     def _fetch(self, iterator: Iterator[Any], index: int) -> _Handshake:
         # Nothing here may raise before the all-gather: a rank that raised alone would leave the
@@ -384,6 +393,13 @@ class _Handshake:
     def result(self) -> list[RankBatch]:
         self.work.wait()
         return [RankBatch(bool(t[0]), int(t[1]), int(t[2]), int(t[3])) for t in self.gathered]
+
+    def drain(self) -> None:
+        """Wait for the exchange without using it; a failure here (a peer gone) is left to the caller's error."""
+        try:
+            self.work.wait()
+        except (RuntimeError, dist.DistError) as error:  # the run is already ending or failing
+            log.debug("in-flight batch handshake failed while closing: %s", error)
 
 
 def report_lost_ranks(rank: int, world_size: int, *, wait_seconds: float) -> str:

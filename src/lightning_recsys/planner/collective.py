@@ -29,7 +29,10 @@ def no_broadcast(obj: T) -> T:
 def broadcast_over(group: dist.ProcessGroup | None = None) -> Broadcast:
     """A ``Broadcast`` of picklable objects from the first rank of ``group`` (default WORLD).
 
-    Without an initialized process group, or in a group of one, it returns the object itself.
+    The source is that rank's global rank, as ``broadcast_object_list`` wants, so subgroups work
+    (TorchRec's ``invoke_on_rank_and_broadcast_result``, in ``distributed/collective_utils.py``, passes
+    the group-local rank as ``src``). Without an initialized process group, or in a group of one, it
+    returns the object itself.
     """
 
     def broadcast(obj: Any) -> Any:

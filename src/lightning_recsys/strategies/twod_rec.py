@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -803,6 +804,10 @@ def _describe_topology(topology: ParallelTopology) -> str:
 def _destroy_process_group_at_exit() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # The Trainer, strategy and DMP reference each other, so their process groups would otherwise be
+    # freed by the collector during interpreter finalization, where gloo's worker threads releasing
+    # tensors can no longer take the GIL (the SIGABRT above). Free them now, while Python is whole.
+    gc.collect()
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:
