@@ -44,7 +44,7 @@ from lightning_recsys.planner import (
     build_plan_report,
     torchrec_constraints,
 )
-from lightning_recsys.planner.balanced import make_topology, quiet_torchrec_planner
+from lightning_recsys.planner.torchrec_planner import make_topology, quiet_torchrec_planner
 
 # Criteo-like cardinalities: a few tables of millions of rows, a long tail of small ones.
 CRITEO_LIKE_ROWS: tuple[int, ...] = (

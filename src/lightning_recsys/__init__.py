@@ -1,16 +1,50 @@
-"""lightning-recsys: a PyTorch Lightning strategy for embedding-heavy recommendation models."""
+"""lightning-recsys: a PyTorch Lightning strategy for embedding-heavy recommendation models.
 
-from lightning.pytorch.strategies import StrategyRegistry
+The names below are imported on first use, so ``import lightning_recsys.parallel`` (``.planner``,
+``.checkpoint``) does not import Lightning. Importing the package registers ``"twod_rec"`` for
+``Trainer(strategy="twod_rec")``, whether Lightning is imported before or after it (see
+``lightning_recsys._registration``).
+"""
 
-from lightning_recsys.callbacks import CommunicationMonitor
-from lightning_recsys.parallel import EmbeddingOptimizerConfig
-from lightning_recsys.parallel.qcomms import QCommsConfig
-from lightning_recsys.planner import TableConstraints
-from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from lightning_recsys._registration import register_strategy_name
 
 __version__ = "0.1.0"
 
-if TwoDRecStrategy.strategy_name not in StrategyRegistry:
-    TwoDRecStrategy.register_strategies(StrategyRegistry)
+_EXPORTS = {
+    "CommunicationMonitor": "lightning_recsys.callbacks",
+    "DCPCheckpointIO": "lightning_recsys.strategies",
+    "EmbeddingOptimizerConfig": "lightning_recsys.parallel",
+    "QCommsConfig": "lightning_recsys.parallel.qcomms",
+    "TableConstraints": "lightning_recsys.planner",
+    "TwoDRecStrategy": "lightning_recsys.strategies",
+}
+
+if TYPE_CHECKING:
+    from lightning_recsys.callbacks import CommunicationMonitor
+    from lightning_recsys.parallel import EmbeddingOptimizerConfig
+    from lightning_recsys.parallel.qcomms import QCommsConfig
+    from lightning_recsys.planner import TableConstraints
+    from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
+
+register_strategy_name()
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
 
 __all__ = ["CommunicationMonitor", "DCPCheckpointIO", "EmbeddingOptimizerConfig", "QCommsConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]

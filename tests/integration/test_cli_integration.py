@@ -1,4 +1,5 @@
-"""Every example config runs a few tiny steps through the `lightning-recsys` console script (2 CPU processes)."""
+"""Every example config runs a few tiny steps through the `lightning-recsys` console script (2 CPU processes);
+`lightning-recsys plan` prints the plan report those runs log."""
 
 from __future__ import annotations
 
@@ -28,20 +29,37 @@ def _run(args: list[str], cwd: Path, timeout: float = 240) -> str:
     return output
 
 
-def _fit(config: str, overrides: list[str], tmp_path: Path) -> dict:
+def _fit(config: str, overrides: list[str], tmp_path: Path, output: list[str] | None = None) -> dict:
     summary = tmp_path / "summary.json"
-    output = _run([CLI, "fit", "--config", str(CONFIGS / config), "--summary-json", str(summary), *overrides], tmp_path)
-    assert "Run summary" in output
+    printed = _run([CLI, "fit", "--config", str(CONFIGS / config), "--summary-json", str(summary), *overrides], tmp_path)
+    assert "Run summary" in printed
+    if output is not None:
+        output.append(printed)
     return json.loads(summary.read_text())
 
 
+def _logged_plan(fit_output: str) -> tuple[str, str]:
+    """The topology line and the plan report that TwoDRecStrategy logged at setup."""
+    lines = fit_output.splitlines()
+    topology = next(line.split("TwoDRecStrategy: ", 1)[1] for line in lines if "TwoDRecStrategy: " in line)
+    start = next(i for i, line in enumerate(lines) if line.startswith("Sharding plan (") and "group-local ranks" not in line)
+    stop = next(i for i in range(start, len(lines)) if lines[i].startswith("QComms (effective precisions):"))
+    return topology, "\n".join(lines[start:stop]).strip()
+
+
 @pytest.mark.parametrize("config", ["synthetic_dlrm.yaml", "dcn_synthetic.yaml"])
-def test_synthetic_configs_train(config, tmp_path):
-    summary = _fit(config, TINY_SYNTHETIC, tmp_path)
+def test_synthetic_configs_train_and_plan_prints_the_logged_report(config, tmp_path):
+    output: list[str] = []
+    summary = _fit(config, TINY_SYNTHETIC, tmp_path, output)
     assert summary["world_size"] == 2 and summary["global_steps"] == 3
     assert 0.0 <= summary["metrics"]["val/auc"] <= 1.0 and summary["examples_per_sec"] > 0
     assert summary["bytes_per_step"]["payload"] > 0
     assert list(tmp_path.glob("lightning_logs/version_*/metrics.csv")), "the default CSV logger wrote nothing"
+
+    topology, report = _logged_plan(output[0])
+    planned = _run([CLI, "plan", "--config", str(CONFIGS / config), *TINY_SYNTHETIC], tmp_path)
+    assert planned.splitlines()[0] == topology
+    assert report in planned, f"training logged:\n{report}\n\n`lightning-recsys plan` printed:\n{planned}"
 
 
 def _write_movielens(directory: Path) -> None:

@@ -31,7 +31,7 @@ from lightning_recsys.planner import (
     plan_rows,
     suggest_reshape,
 )
-from lightning_recsys.planner.reshape import remap_ids
+from lightning_recsys.parallel.reshape import remap_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 64  # examples per rank per step in these plans
@@ -289,36 +289,3 @@ def test_balanced_plan_beats_the_default_planner_at_8_ranks():
         assert balanced[metric] <= bench.TARGET, (metric, balanced, default)
         assert balanced[metric] < default[metric], (metric, balanced, default)
     assert "| 8 | balanced |" in bench.markdown([result])
-
-
-# ----------------------------------------------------------------------------------- CLI
-def test_plan_cli_prints_the_report_for_a_fit_config(tmp_path, capsys):
-    from lightning_recsys.plan_cli import plan_main
-
-    out = tmp_path / "plan.json"
-    code = plan_main(
-        [
-            "--config", str(ROOT / "examples" / "configs" / "synthetic_dlrm.yaml"),
-            "--world-size", "4", "--sharding-group-size", "2", "--profile-batches", "1", "--compare", "--json", str(out),
-            "--data.init_args.config.global_batch_size", "64",
-        ]
-    )  # fmt: skip
-    printed = capsys.readouterr().out
-    assert code == 0
-    assert "BalancedPlanner; 2D: 2 replicas of sharding groups of 2 ranks" in printed and "max/mean" in printed
-    reports = json.loads(out.read_text())
-    assert [len(r["ranks"]) for r in reports] == [2, 2]
-    assert reports[0]["batch_size_per_rank"] == 64 // 4  # the profiled global batch over the world size
-
-
-def test_plan_cli_reports_planning_errors_with_exit_code_1(capsys):
-    from lightning_recsys.plan_cli import plan_main
-
-    code = plan_main(
-        [
-            "--config", str(ROOT / "examples" / "configs" / "synthetic_dlrm.yaml"),
-            "--world-size", "2", "--profile-batches", "0", "--hash-partitions", "t_sparse_0=3",
-        ]
-    )  # fmt: skip
-    assert code == 1
-    assert "hash_partitions['t_sparse_0']=3" in capsys.readouterr().err

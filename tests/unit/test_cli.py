@@ -1,11 +1,13 @@
-"""The CLI's config resolution, without running: interpolation, both strategy spellings, data/model agreement."""
+"""The CLI without training: config resolution (interpolation, both strategy spellings, data/model
+agreement), the help listing every subcommand, and ``plan``."""
 
+import json
 from pathlib import Path
 
 import pytest
 
 from lightning_recsys import TwoDRecStrategy
-from lightning_recsys.cli import build_cli
+from lightning_recsys.cli import build_cli, main, plan_main
 from lightning_recsys.data import MovieLens100KDataModule
 from lightning_recsys.models import DCNRanker, DLRMRanker
 
@@ -71,3 +73,50 @@ def test_default_logger_writes_under_default_root_dir(tmp_path):
 def test_a_configured_logger_is_kept(tmp_path):
     cli = _build("synthetic_dlrm.yaml", "--trainer.logger", "false", "--trainer.default_root_dir", str(tmp_path))
     assert cli.trainer.logger is None
+
+
+def test_help_lists_the_trainer_subcommands_and_plan(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--help"])
+    assert exit_info.value.code == 0
+    usage = capsys.readouterr().out
+    assert "{fit,validate,test,predict,plan}" in usage
+    assert "Print the sharding plan report" in usage
+
+
+def test_plan_defaults_to_the_configs_job_and_planner(capsys):
+    assert plan_main(["--config", str(CONFIGS / "synthetic_dlrm.yaml")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.startswith("1D sharding over 2 ranks\n")  # trainer.devices: 2, one node
+    assert "Sharding plan (TorchRec EmbeddingShardingPlanner): 2 ranks per sharding group, 2 per node, cpu, batch 512 per rank" in printed
+
+
+def test_plan_prints_the_report_for_a_fit_config(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    code = plan_main(
+        [
+            "--config", str(CONFIGS / "synthetic_dlrm.yaml"), "--planner", "balanced",
+            "--world-size", "4", "--sharding-group-size", "2", "--profile-batches", "1", "--compare", "--json", str(out),
+            "--data.init_args.config.global_batch_size", "64",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "2D all_to_all_optimized: 2 replicas x sharding groups of 2 ranks" in printed and "max/mean" in printed
+    assert "Sharding plan (BalancedPlanner)" in printed and "Sharding plan (TorchRec EmbeddingShardingPlanner)" in printed
+    reports = json.loads(out.read_text())
+    assert [r["planner"] for r in reports] == ["BalancedPlanner", "TorchRec EmbeddingShardingPlanner"]
+    assert [len(r["ranks"]) for r in reports] == [2, 2]
+    assert reports[0]["batch_size_per_rank"] == reports[1]["batch_size_per_rank"] == 64 // 4  # rank 0's share of the profiled batch
+    assert {t["stats_source"] for r in reports for t in r["tables"]} == {"observed"}  # both planners saw the profile
+
+
+def test_plan_reports_planning_errors_with_exit_code_1(capsys):
+    code = plan_main(
+        [
+            "--config", str(CONFIGS / "synthetic_dlrm.yaml"),
+            "--world-size", "2", "--profile-batches", "0", "--hash-partitions", "t_sparse_0=3",
+        ]
+    )  # fmt: skip
+    assert code == 1
+    assert "hash_partitions['t_sparse_0']=3" in capsys.readouterr().err

@@ -1,11 +1,8 @@
 """Trainer-free DCP checkpoints of sharded models: atomic save, resharding load, unsharded export.
 
-No Lightning imports: the strategy's CheckpointIO plugin and hooks call this layer. The plugin
-itself, ``DCPCheckpointIO``, lives in ``lightning_recsys.strategies`` and is also reachable here
-(imported on first access, so importing this package never imports Lightning).
+No Lightning imports: the strategy's CheckpointIO plugin, ``lightning_recsys.strategies.DCPCheckpointIO``,
+and its hooks call this layer.
 """
-
-from typing import Any
 
 from lightning_recsys.checkpoint.dcp_io import (
     AsyncCheckpointHandle,
@@ -49,10 +46,3 @@ __all__ = [
     "save_checkpoint",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name == "DCPCheckpointIO":
-        from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
-
-        return DCPCheckpointIO
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

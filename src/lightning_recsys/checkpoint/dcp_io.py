@@ -46,8 +46,8 @@ from lightning_recsys.checkpoint.table_state import (
 from lightning_recsys.checkpoint.validation import ExpectedEntry, check_entries, model_key, saved_tensors
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
+from lightning_recsys.parallel.sharding_plan import plan_rows
 from lightning_recsys.parallel.topology import ParallelTopology
-from lightning_recsys.planner.plan import plan_rows
 
 StorageWriterFactory = Callable[[Path], StorageWriter]
 
@@ -309,7 +309,7 @@ class AsyncCheckpointSaver:
 
 @dataclass
 class AsyncCheckpointHandle:
-    """A save in flight. ``wait()`` on every rank commits it; ``done()`` polls this rank's write."""
+    """A save in flight. ``wait()`` on every rank commits it."""
 
     prepared: _PreparedSave
     future: Future[Any] | None
@@ -318,10 +318,6 @@ class AsyncCheckpointHandle:
     @property
     def path(self) -> Path:
         return self.prepared.final
-
-    def done(self) -> bool:
-        """True when this rank's background write has finished (no collective; the commit still needs wait())."""
-        return self.future is None or self.future.done()
 
     def wait(self) -> Path:
         """Wait for every rank's write, then commit (rank 0 swaps the name); collective. Returns the path."""

@@ -187,14 +187,6 @@ class CommAccountant:
             cached = self._group_info[id(group)] = (name, ranks)
         return cached
 
-    @contextmanager
-    def active(self) -> Iterator[CommAccountant]:
-        self.start()
-        try:
-            yield self
-        finally:
-            self.stop()
-
     def start(self) -> None:
         with _PATCH_LOCK:
             if self not in _ACTIVE:

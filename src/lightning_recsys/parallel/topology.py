@@ -115,6 +115,15 @@ class ParallelTopology:
         group = self.sharding_groups()[0]
         return sum(1 for r in group if self.node_of(r) == self.node_of(group[0]))
 
+    def describe(self) -> str:
+        """One line for logs: 1D, or the 2D layout with its sharding and replica groups."""
+        if self.is_1d:
+            return f"1D sharding over {self.world_size} ranks"
+        return (
+            f"2D {self.layout}: {self.num_replicas} replicas x sharding groups of {self.sharding_group_size} "
+            f"ranks; sharding groups {self.sharding_groups()}, replica groups {self.replica_groups()}"
+        )
+
     def layout_warnings(self) -> list[str]:
         """Layouts that work but defeat their purpose; the strategy logs these."""
         if self.is_1d or self.ranks_per_node is None:

@@ -1,8 +1,12 @@
-"""Sharding plans for the sharding group: TorchRec default and load-balanced planning, plan reports, reshape advice.
+"""Sharding plans for one sharding group: TorchRec's and the balanced planner, plan reports, reshape advice.
 
+``PlanningPipeline`` (``pipeline.py``) is the one way a plan is made, by the strategy at setup and
+by ``lightning-recsys plan``: profile, stats, reshape advice, plan on rank 0 for every rank, report.
 No Lightning imports.
 """
 
+from lightning_recsys.parallel.reshape import ReshapedEmbeddingBagCollection, apply_reshape
+from lightning_recsys.parallel.sharding_plan import plan_rows, summarize_plan
 from lightning_recsys.planner.balanced import (
     BalancedEnumerator,
     BalancedPartitioner,
@@ -10,22 +14,10 @@ from lightning_recsys.planner.balanced import (
     BalancedPlanner,
     BalancedProposer,
     PlanResult,
-    embedding_tables,
     make_balanced_plan,
-    torchrec_constraints,
 )
-from lightning_recsys.planner.load_model import (
-    BalanceObjective,
-    CommCosts,
-    Imbalance,
-    WireFormat,
-)
-from lightning_recsys.planner.plan import (
-    TableConstraints,
-    make_sharding_plan,
-    plan_rows,
-    summarize_plan,
-)
+from lightning_recsys.planner.constraints import TableConstraints, torchrec_constraints
+from lightning_recsys.planner.pipeline import PlannedSharding, PlanningConfig, PlanningInputs, PlanningPipeline
 from lightning_recsys.planner.report import (
     PlanReport,
     RankReport,
@@ -33,13 +25,15 @@ from lightning_recsys.planner.report import (
     TableReport,
     build_plan_report,
 )
-from lightning_recsys.planner.reshape import (
-    ReshapeAdvice,
-    ReshapedEmbeddingBagCollection,
-    apply_reshape,
-    suggest_reshape,
+from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
+from lightning_recsys.planner.shard_cost import (
+    BalanceObjective,
+    CommCosts,
+    Imbalance,
+    WireFormat,
 )
 from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule
+from lightning_recsys.planner.torchrec_planner import embedding_tables, make_sharding_plan
 
 __all__ = [
     "BalanceObjective",
@@ -53,6 +47,10 @@ __all__ = [
     "LoadProfile",
     "PlanReport",
     "PlanResult",
+    "PlannedSharding",
+    "PlanningConfig",
+    "PlanningInputs",
+    "PlanningPipeline",
     "RankReport",
     "ReshapeAdvice",
     "ReshapedEmbeddingBagCollection",

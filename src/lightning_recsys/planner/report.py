@@ -3,14 +3,13 @@
 ``build_plan_report`` measures any ``ShardingPlan`` (ours or TorchRec's default planner's) for a
 module: it rebuilds TorchRec's sharding options from the plan's shards, asks TorchRec's
 estimators for their storage and perf (step time), and adds the load model's lookups and comm
-bytes (see ``load_model``). The report renders as a fixed-width table (``to_table``) and as JSON
+bytes (see ``shard_cost``). The report renders as a fixed-width table (``to_table``) and as JSON
 (``to_json``). No Lightning imports.
 """
 
 from __future__ import annotations
 
 import copy
-import json
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -30,16 +29,11 @@ from torchrec.distributed.types import (
     ShardingType,
 )
 
-from lightning_recsys.planner.balanced import embedding_tables, make_topology
-from lightning_recsys.planner.load_model import (
-    CommCosts,
-    Imbalance,
-    shard_cost,
-    storage_tier,
-)
-from lightning_recsys.planner.plan import TableConstraints
+from lightning_recsys.planner.constraints import TableConstraints, pooling_factor_defaults
 from lightning_recsys.planner.reshape import ReshapeAdvice
+from lightning_recsys.planner.shard_cost import CommCosts, Imbalance, format_bytes, shard_cost, storage_tier
 from lightning_recsys.planner.stats import LoadProfile, TableStats, resolve_table_stats
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, make_topology
 
 REPORT_METRICS: tuple[str, ...] = ("storage_bytes", "lookups", "a2a_bytes", "step_time_ms")
 _SHORT_TYPES = {
@@ -170,7 +164,7 @@ class PlanReport:
         ]
         header = ("rank", "storage", "lookups/step", "a2a bytes/step", "est. ms", "shards")
         body = [
-            (str(r.rank), _fmt_bytes(r.storage_bytes), _fmt_count(r.lookups), _fmt_bytes(r.a2a_bytes), f"{r.step_time_ms:.3f}", " ".join(r.shards))
+            (str(r.rank), format_bytes(r.storage_bytes), _fmt_count(r.lookups), format_bytes(r.a2a_bytes), f"{r.step_time_ms:.3f}", " ".join(r.shards))
             for r in self.ranks
         ]
         imb = self.imbalance
@@ -189,7 +183,7 @@ class PlanReport:
         lines.append("")
         lines.append(
             f"Estimated step time (TorchRec perf, slowest rank): {self.step_time_ms:.3f} ms"
-            + (f"; data-parallel gradient all-reduce: {_fmt_bytes(allreduce)}/step per rank" if allreduce else "")
+            + (f"; data-parallel gradient all-reduce: {format_bytes(allreduce)}/step per rank" if allreduce else "")
         )
         lines.append("")
         t_header = ("table", "rows x dim", "sharding", "shards", "ids/example", "hot 1% share", "stats")
@@ -215,8 +209,8 @@ class PlanReport:
                     a.table,
                     f"{a.rows} x {a.dim}",
                     f"{a.new_rows} x {a.new_dim}",
-                    _fmt_bytes(a.bytes_before),
-                    _fmt_bytes(a.bytes_after),
+                    format_bytes(a.bytes_before),
+                    format_bytes(a.bytes_after),
                     f"{100 * a.saving:.1f}%",
                 )
                 for a in self.reshape
@@ -227,22 +221,12 @@ class PlanReport:
     def __str__(self) -> str:
         return self.to_table()
 
-    def dumps(self) -> str:
-        return json.dumps(self.to_json(), indent=2)
-
 
 def _render(header: Sequence[str], body: Sequence[Sequence[str]]) -> list[str]:
     widths = [max(len(header[i]), *(len(row[i]) for row in body)) if body else len(header[i]) for i in range(len(header))]
     out = ["  ".join(h.ljust(w) for h, w in zip(header, widths)).rstrip()]
     out += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in body]
     return out
-
-
-def _fmt_bytes(value: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if value >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
 
 
 def _fmt_count(value: float) -> str:
@@ -260,7 +244,7 @@ def build_plan_report(
     sharding_group_size: int,
     local_world_size: int | None = None,
     compute_device: str = "cpu",
-    batch_size: int = 512,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     stats: Mapping[str, TableStats] | LoadProfile | None = None,
     table_constraints: Mapping[str, TableConstraints] | None = None,
     hash_partitions: Mapping[str, int] | None = None,
@@ -271,8 +255,7 @@ def build_plan_report(
     """Measure ``plan`` (group-local ranks) for ``module``; works for plans from any TorchRec planner."""
     tables = embedding_tables(module)
     by_name = {t.name: t for t in tables}
-    defaults = {n: c.pooling_factor for n, c in (table_constraints or {}).items() if c.pooling_factor is not None}
-    resolved, assumed = resolve_table_stats(tables, stats, defaults)
+    resolved, assumed = resolve_table_stats(tables, stats, pooling_factor_defaults(table_constraints))
     topology = make_topology(sharding_group_size, local_world_size, compute_device)
     comm = comm_costs or CommCosts.from_sharders(sharders)
     tier = storage_tier(compute_device)

@@ -62,21 +62,15 @@ from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
 from lightning_recsys.planner import (
-    BalancedPlanner,
-    CommCosts,
     PlanReport,
     TableConstraints,
     TableStats,
-    apply_reshape,
-    build_plan_report,
-    embedding_tables,
-    make_balanced_plan,
-    make_sharding_plan,
     plan_rows,
-    suggest_reshape,
     summarize_plan,
 )
+from lightning_recsys.planner.pipeline import PlanningPipeline
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
+from lightning_recsys.strategies.planning import planning_config
 
 log = logging.getLogger(__name__)
 PlannerName = Literal["torchrec", "balanced"]
@@ -503,40 +497,15 @@ class TwoDRecStrategy(ParallelStrategy):
 
 
     def _plan(self, module: LightningModule, sharders: list[Any], topology: ParallelTopology) -> ShardingPlan:
-        """Profile (optional), reshape (optional), plan on rank 0 and broadcast, and report the plan."""
-        stats, batch_size, advice = self._planner_stats, 512, []
+        """The planning pipeline: profile (optional), reshape (optional), plan on rank 0 for every rank, report."""
+        pipeline = PlanningPipeline(
+            planning_config(self), sharders=sharders, topology=topology, compute_device=self.root_device.type,
+            rank=self.global_rank, broadcast=self.broadcast,
+        )
         datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
-        if self._profile_batches and self.global_rank == 0 and datamodule is not None:
-            profile = BalancedPlanner.profile(datamodule, self._profile_batches, setup=False)
-            stats = profile.table_stats(embedding_tables(module))  # before any reshape: the original rows
-            batch_size = max(1, profile.examples // max(1, profile.batches))
-        if self._reshape_tables:
-            if self.global_rank == 0:
-                advice = suggest_reshape(
-                    embedding_tables(module), stats=stats, batch_size=batch_size,
-                    sharding_group_size=topology.sharding_group_size, comm_costs=CommCosts.from_sharders(sharders),
-                )
-            advice = self.broadcast(advice, src=0)  # every rank must rebuild the same tables
-            apply_reshape(module, advice)
-        common = {
-            "sharding_group_size": topology.sharding_group_size,
-            "local_world_size": topology.sharding_group_ranks_per_node(),
-            "compute_device": self.root_device.type,
-        }
-        if self._planner == "balanced":
-            plan, _ = make_balanced_plan(
-                module, sharders, constraints=self._table_constraints, batch_size=batch_size, stats=stats,
-                hash_partitions=self._hash_partitions, **common,
-            )
-        else:
-            plan = make_sharding_plan(module, sharders, constraints=self._table_constraints, **common)
-        self.plan_report = None
-        if self.global_rank == 0:  # before shard_model: DMP replaces the embedding modules in place
-            self.plan_report = build_plan_report(
-                plan, module, sharders, batch_size=batch_size, stats=stats, table_constraints=self._table_constraints,
-                hash_partitions=self._hash_partitions, planner=self._planner, reshape=advice, **common,
-            )
-        return plan
+        planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
+        self.plan_report = planned.report  # rank 0; before shard_model, as DMP replaces the embedding modules
+        return planned.plan
 
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:

@@ -1,4 +1,5 @@
-"""The per-shard load model the balanced planner optimizes and the plan report measures.
+"""The shard cost model: what one shard costs its rank per step, which the balanced planner
+optimizes and the plan report measures.
 
 Every shard of a plan costs its rank three things per training step:
 
@@ -26,12 +27,13 @@ gradient bytes on every rank.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
-from torchrec.distributed.planner.types import ShardingOption
+from torchrec.distributed.planner.types import Shard, ShardingOption, Storage
 from torchrec.distributed.types import CommOp, ModuleSharder, ShardingType
 
 from lightning_recsys.parallel.qcomms import BlockScaledCodec, CastCodec
@@ -233,6 +235,24 @@ class Imbalance:
 def storage_tier(compute_device: str) -> str:
     """The Storage field a device's embedding shards live in (TorchRec: hbm on accelerators, ddr on CPU)."""
     return "hbm" if compute_device in ("cuda", "mtia") else "ddr"
+
+
+def shard_storage(shard: Shard) -> Storage:
+    """A copy of the shard's TorchRec storage estimate (zero where it has none yet)."""
+    return copy.copy(shard.storage) if shard.storage is not None else Storage(0, 0, 0)
+
+
+def tier_bytes(storage: Storage, tier: str) -> int:
+    """The bytes of ``storage`` in ``tier`` (``hbm`` or ``ddr``)."""
+    return int(getattr(storage, tier))
+
+
+def format_bytes(value: float) -> str:
+    """``value`` bytes in GiB, MiB, KiB or B, for reports and error messages."""
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if value >= size:
+            return f"{value / size:.2f} {unit}"
+    return f"{value:.0f} B"
 
 
 def shard_cost(

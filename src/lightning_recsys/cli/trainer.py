@@ -1,27 +1,27 @@
-"""The ``lightning-recsys`` console script: Lightning's CLI for fit, validate, test and predict.
-
-    lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml
-    lightning-recsys fit --config examples/configs/movielens_dlrm.yaml --data.path data/ml-100k
-    lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml --print_config
-    lightning-recsys plan --config examples/configs/synthetic_dlrm.yaml --world-size 16 --sharding-group-size 8
+"""``RecSysCLI``: Lightning's CLI for the Trainer subcommands fit, validate, test and predict.
 
 Configs are read in jsonargparse's omegaconf mode, so ``${...}`` interpolation works in YAML. The
-strategy can be written ``strategy: twod_rec`` or with ``class_path``/``init_args``.
+strategy can be written ``strategy: twod_rec`` or with ``class_path``/``init_args``. Its help also
+lists the subcommands that ``lightning_recsys.cli.main`` runs itself (``plan``).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any, Optional
 
+from jsonargparse import ArgumentParser
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
 
-import lightning_recsys  # noqa: F401 - registers "twod_rec" for Trainer(strategy=...)
 from lightning_recsys.callbacks import RunSummary
+
+# Subcommands that do not run a Trainer; ``lightning_recsys.cli.main`` dispatches them before parsing.
+OTHER_SUBCOMMANDS: dict[str, str] = {
+    "plan": "Print the sharding plan report that training with a config logs at setup, without training.",
+}
 
 
 class RecSysCLI(LightningCLI):
@@ -31,6 +31,13 @@ class RecSysCLI(LightningCLI):
         parser.add_argument(
             "--summary-json", "--summary_json", type=Optional[str], default=None, help="Also write the run summary to this JSON file (fit)."
         )
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        super()._add_subcommands(parser, **kwargs)
+        subcommands = parser._subcommands_action  # jsonargparse keeps the action add_subcommands() made here
+        assert subcommands is not None
+        for name, help_text in OTHER_SUBCOMMANDS.items():  # listed in --help; parsed by their own commands
+            subcommands.add_subcommand(name, ArgumentParser(description=help_text), help=help_text)
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
@@ -61,17 +68,3 @@ def build_cli(args: Optional[list[str]] = None, run: bool = True) -> RecSysCLI:
         args=args,
         run=run,
     )
-
-
-def main(args: Optional[list[str]] = None) -> None:
-    """The ``lightning-recsys`` console script; ``lightning-recsys plan ...`` prints a plan report."""
-    argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == ["plan"]:
-        from lightning_recsys.plan_cli import plan_main
-
-        raise SystemExit(plan_main(argv[1:]))
-    build_cli(args)
-
-
-if __name__ == "__main__":
-    main()

@@ -1,0 +1,24 @@
+"""``lightning-recsys``: one command, the Trainer's subcommands and ``plan``.
+
+    lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml
+    lightning-recsys fit --config examples/configs/movielens_dlrm.yaml --data.path data/ml-100k
+    lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml --print_config
+    lightning-recsys plan --config examples/configs/synthetic_dlrm.yaml
+    lightning-recsys plan --config examples/configs/two_node_2d_fp8.yaml --planner balanced --compare
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+from lightning_recsys.cli.plan import plan_main
+from lightning_recsys.cli.trainer import build_cli
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    """The console script: ``plan`` runs here, everything else goes to ``RecSysCLI``."""
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == ["plan"]:
+        raise SystemExit(plan_main(argv[1:]))
+    build_cli(args)

@@ -1,0 +1,242 @@
+"""The planning pipeline: profile -> stats -> reshape -> plan (rank 0, for every rank) -> report.
+
+``TwoDRecStrategy`` runs it at setup and ``lightning-recsys plan`` runs it for a config, so the
+command prints the report that training logs. It needs no Trainer: the caller hands in this
+process's rank, a ``Broadcast`` (``lightning_recsys.planner.collective``) and, for profiling,
+anything with ``train_dataloader()``. What rank 0 raises (a bad constraint, a profile that fails,
+no plan that fits) is raised on every rank. No Lightning imports.
+
+1. **Inputs** (``PlanningPipeline.prepare``, rank 0): the per-rank batch size (given, else
+   profiled, else TorchRec's default of 512), the per-table statistics (profiled on
+   ``profile_batches`` batches, else ``planner_stats``, else assumed), and, with
+   ``reshape_tables``, the reshape advice. Every rank gets them and applies the reshape.
+2. **Plan** (``PlanningPipeline.plan``, rank 0): TorchRec's ``EmbeddingShardingPlanner`` or
+   ``BalancedPlanner``, both told the same batch size, statistics, constraints and hash partitions;
+   the plan is broadcast. Rank 0 measures it into a ``PlanReport`` before DMP changes the module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+from torch import nn
+from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlanner
+
+from lightning_recsys.parallel.reshape import apply_reshape
+from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.planner.balanced import BalancedPlanner
+from lightning_recsys.planner.collective import Broadcast, no_broadcast, on_rank_zero
+from lightning_recsys.planner.constraints import TableConstraints, check_hash_partitions
+from lightning_recsys.planner.report import PlanReport, build_plan_report
+from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
+from lightning_recsys.planner.shard_cost import CommCosts
+from lightning_recsys.planner.stats import TableStats, profile_datamodule
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_planner
+
+PlannerName = Literal["torchrec", "balanced"]
+PLANNERS: tuple[str, ...] = ("torchrec", "balanced")
+PLANNER_LABELS: dict[str, str] = {"torchrec": "TorchRec EmbeddingShardingPlanner", "balanced": "BalancedPlanner"}
+
+
+class HasTrainLoader(Protocol):
+    """A DataModule, or anything else that yields training batches (``RecBatch`` or KJTs)."""
+
+    def train_dataloader(self) -> Iterable[Any]: ...
+
+
+@dataclass(kw_only=True)
+class PlanningConfig:
+    """How the sharding plan is made: which planner, and what it is told about the tables.
+
+    Args:
+        planner: ``"torchrec"`` (TorchRec's ``EmbeddingShardingPlanner``) or ``"balanced"``
+            (``BalancedPlanner``: balances storage, lookups, all-to-all bytes and step time per rank).
+        table_constraints: per-table ``TableConstraints``, keyed by table name.
+        planner_stats: per-table ``TableStats`` (pooling factor, hot rows), keyed by table name;
+            tables without any are assumed (their ``TableConstraints.pooling_factor``, else 1 id).
+        profile_batches: measure the statistics on this many training batches first (rank 0), >= 0.
+        hash_partitions: tables whose ids are hashed into P partitions, ``{"t_user": 64}``; they
+            are sharded row-wise on partition boundaries, P / sharding group size per rank.
+        reshape_tables: apply the reshape advice (halve the dim, double the rows, where that cuts
+            the all-to-all bytes) to the model's tables before planning. Changes the model.
+    """
+
+    planner: PlannerName = "torchrec"
+    table_constraints: dict[str, TableConstraints] = field(default_factory=dict)
+    planner_stats: dict[str, TableStats] | None = None
+    profile_batches: int = 0
+    hash_partitions: dict[str, int] | None = None
+    reshape_tables: bool = False
+
+    def __post_init__(self) -> None:
+        if self.planner not in PLANNERS:
+            raise ValueError(f"planner={self.planner!r} is not one of {list(PLANNERS)}.")
+        if isinstance(self.profile_batches, bool) or not isinstance(self.profile_batches, int) or self.profile_batches < 0:
+            raise ValueError(f"profile_batches={self.profile_batches!r} must be an integer >= 0.")
+        for name, value in self.table_constraints.items():
+            if not isinstance(value, TableConstraints):
+                raise TypeError(f"table_constraints[{name!r}] must be a TableConstraints, got {type(value).__name__}.")
+        for name, value in (self.planner_stats or {}).items():
+            if not isinstance(value, TableStats):
+                raise TypeError(f"planner_stats[{name!r}] must be a TableStats, got {type(value).__name__}.")
+        for name, value in (self.hash_partitions or {}).items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"hash_partitions[{name!r}]={value!r} must be an integer >= 1.")
+
+
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What the planners are told: examples per rank per step, per-table stats (None: assumed), reshapes made."""
+
+    batch_size: int
+    stats: dict[str, TableStats] | None
+    reshape: tuple[ReshapeAdvice, ...] = ()
+
+
+@dataclass(frozen=True)
+class PlannedSharding:
+    """A plan (group-local ranks; the same on every rank) and, on rank 0, its report."""
+
+    plan: ShardingPlan
+    report: PlanReport | None
+    inputs: PlanningInputs
+
+
+class PlanningPipeline:
+    """Plans one sharding group of ``topology`` for ``compute_device``; see the module docstring.
+
+    Args:
+        config: the planner settings.
+        sharders: the sharders DMP gets (their QComms codecs set the wire bytes).
+        topology: the world layout; the plan is made for one sharding group of it.
+        compute_device: ``"cpu"`` or ``"cuda"`` (a CUDA plan needs no GPU).
+        rank: this process's global rank; rank 0 plans.
+        broadcast: hands rank 0's object to every rank; every rank calls it (default: one process).
+        memory_per_rank: HBM (CUDA) or DDR (CPU) bytes per rank; default TorchRec's.
+    """
+
+    def __init__(
+        self,
+        config: PlanningConfig,
+        *,
+        sharders: list[ModuleSharder[nn.Module]],
+        topology: ParallelTopology,
+        compute_device: str,
+        rank: int = 0,
+        broadcast: Broadcast = no_broadcast,
+        memory_per_rank: int | None = None,
+    ) -> None:
+        self.config = config
+        self.sharders = sharders
+        self.topology = topology
+        self.compute_device = compute_device
+        self.rank = rank
+        self.broadcast = broadcast
+        self.memory_per_rank = memory_per_rank
+        self.comm_costs = CommCosts.from_sharders(sharders)
+
+    @property
+    def _group(self) -> dict[str, Any]:
+        topology = self.topology
+        return {
+            "sharding_group_size": topology.sharding_group_size,
+            "local_world_size": topology.sharding_group_ranks_per_node(),
+            "compute_device": self.compute_device,
+        }
+
+    def run(
+        self, module: nn.Module, datamodule: HasTrainLoader | None = None, *, setup_datamodule: bool = False, batch_size: int | None = None
+    ) -> PlannedSharding:
+        """``prepare`` then ``plan``: every rank calls it, and gets the same plan."""
+        return self.plan(module, self.prepare(module, datamodule, setup_datamodule=setup_datamodule, batch_size=batch_size))
+
+    def prepare(
+        self, module: nn.Module, datamodule: HasTrainLoader | None = None, *, setup_datamodule: bool = False, batch_size: int | None = None
+    ) -> PlanningInputs:
+        """Profile and advise on rank 0, then reshape ``module`` on every rank; returns what planning is told.
+
+        ``datamodule`` is profiled only with ``profile_batches > 0``; ``setup_datamodule`` first calls
+        its ``setup("fit")`` (False where a Trainer already did). ``batch_size`` (examples per rank
+        per step) overrides the profiled one.
+        """
+        inputs: PlanningInputs = on_rank_zero(
+            lambda: self._inputs(module, datamodule, setup_datamodule, batch_size), rank=self.rank, broadcast=self.broadcast
+        )
+        if inputs.reshape:
+            apply_reshape(module, inputs.reshape)  # every rank: the plan is for the reshaped tables
+        return inputs
+
+    def plan(self, module: nn.Module, inputs: PlanningInputs, planner: PlannerName | None = None) -> PlannedSharding:
+        """Plan on rank 0 (with ``planner``, default the config's) and broadcast; rank 0 also reports."""
+        name = planner or self.config.planner
+        if name not in PLANNERS:
+            raise ValueError(f"planner={name!r} is not one of {list(PLANNERS)}.")
+        reports: list[PlanReport] = []
+
+        def plan_and_report() -> ShardingPlan:
+            plan = self._planner(name, module, inputs).plan(module, self.sharders)
+            reports.append(self._report(plan, module, inputs, PLANNER_LABELS[name]))  # before DMP changes the module
+            return plan
+
+        plan = on_rank_zero(plan_and_report, rank=self.rank, broadcast=self.broadcast)
+        return PlannedSharding(plan=plan, report=reports[0] if reports else None, inputs=inputs)
+
+    # -- stages
+    def _inputs(self, module: nn.Module, datamodule: HasTrainLoader | None, setup: bool, batch_size: int | None) -> PlanningInputs:
+        config = self.config
+        stats = dict(config.planner_stats) if config.planner_stats else None
+        if config.profile_batches and datamodule is not None:
+            try:
+                profile = profile_datamodule(datamodule, config.profile_batches, setup=setup)
+            except Exception as err:
+                raise ValueError(
+                    f"profiling {config.profile_batches} training batches of the DataModule failed ({type(err).__name__}: {err}); "
+                    "fix the DataModule, or plan without profiling (profile_batches=0)."
+                ) from err
+            stats = profile.table_stats(embedding_tables(module))  # the original tables, before any reshape
+            batch_size = batch_size or max(1, profile.examples // profile.batches)
+        batch_size = batch_size or DEFAULT_BATCH_SIZE
+        advice: list[ReshapeAdvice] = []
+        if config.reshape_tables:
+            advice = suggest_reshape(
+                embedding_tables(module),
+                stats=stats,
+                batch_size=batch_size,
+                sharding_group_size=self.topology.sharding_group_size,
+                comm_costs=self.comm_costs,
+            )
+        return PlanningInputs(batch_size=batch_size, stats=stats, reshape=tuple(advice))
+
+    def _planner(self, name: str, module: nn.Module, inputs: PlanningInputs) -> ShardingPlanner:
+        config = self.config
+        hash_partitions = config.hash_partitions or {}
+        check_hash_partitions(hash_partitions, embedding_tables(module), self.topology.sharding_group_size)
+        told: Mapping[str, Any] = {
+            **self._group,
+            "batch_size": inputs.batch_size,
+            "stats": inputs.stats,
+            "constraints": config.table_constraints,
+            "hash_partitions": hash_partitions,
+            "memory_per_rank": self.memory_per_rank,
+        }
+        if name == "balanced":
+            return BalancedPlanner(**told, comm_costs=self.comm_costs)
+        return torchrec_planner(module, **told)
+
+    def _report(self, plan: ShardingPlan, module: nn.Module, inputs: PlanningInputs, label: str) -> PlanReport:
+        config = self.config
+        return build_plan_report(
+            plan,
+            module,
+            self.sharders,
+            **self._group,
+            batch_size=inputs.batch_size,
+            stats=inputs.stats,
+            table_constraints=config.table_constraints,
+            hash_partitions=config.hash_partitions,
+            comm_costs=self.comm_costs,
+            planner=label,
+            reshape=inputs.reshape,
+        )

@@ -1,0 +1,185 @@
+"""Layering: the Trainer-free layers never import Lightning, nothing imports in a loop, "twod_rec" is registered."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = "lightning_recsys"
+TRAINER_FREE = ["lightning_recsys", "lightning_recsys.parallel", "lightning_recsys.planner", "lightning_recsys.checkpoint"]
+
+
+def _python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=240, env=_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(SRC), os.environ.get("PYTHONPATH", "")])}
+
+
+def test_trainer_free_layers_do_not_import_lightning():
+    # One fresh interpreter; after each import, nothing named lightning* may be loaded (modules only accumulate).
+    out = _python(
+        f"""
+        import importlib, sys
+        for name in {TRAINER_FREE!r}:
+            importlib.import_module(name)
+            loaded = sorted(m for m in sys.modules if m.startswith(("lightning", "pytorch_lightning")) and not m.startswith("lightning_recsys"))
+            print(name, loaded[:5])
+        """
+    )
+    for line in out.strip().splitlines():
+        name, _, loaded = line.partition(" ")
+        assert loaded == "[]", f"import {name} loaded Lightning: {loaded}"
+
+
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "import lightning_recsys\nfrom lightning.pytorch import Trainer",
+        "from lightning.pytorch import Trainer\nimport lightning_recsys",
+    ],
+    ids=["package-then-lightning", "lightning-then-package"],
+)
+def test_importing_the_package_registers_twod_rec_in_either_order(imports):
+    out = _python(
+        imports
+        + """
+from lightning.pytorch.strategies import StrategyRegistry
+trainer = Trainer(strategy="twod_rec", accelerator="cpu", devices=2, logger=False)
+print(type(trainer.strategy).__name__, "TorchRec" in StrategyRegistry["twod_rec"]["description"])
+"""
+    )
+    assert out.strip().splitlines()[-1] == "TwoDRecStrategy True"
+
+
+# ----------------------------------------------------------------------------------- import cycles
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted((SRC / PACKAGE).rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _eager_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: module level (not under TYPE_CHECKING), and a module
+    ``__getattr__`` (a lazy re-export is part of the module's face). Imports inside other functions are lazy."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(nodes: list[ast.stmt]) -> None:
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                found.append(node)
+            elif isinstance(node, ast.If) and not _is_type_checking(node):
+                visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+                for handler in node.handlers:
+                    visit(handler.body)
+            elif isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                found.extend(n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom)))
+
+    visit(tree.body)
+    return found
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules importing it runs: each target, and each package above a target that
+    the importer is not itself inside (``import a.b.c`` runs ``a/b/__init__`` first)."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        is_package = path.name == "__init__.py"
+        for node in _eager_imports(ast.parse(path.read_text(), str(path))):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = name.split(".") if is_package else name.split(".")[:-1]
+                    anchor = anchor[: len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            for target in targets:
+                if not target.startswith(PACKAGE):
+                    continue
+                while target not in modules:  # `import a.b.name` where name is not a module
+                    target = target.rpartition(".")[0]
+                parts = target.split(".")
+                for depth in range(1, len(parts) + 1):
+                    runs = ".".join(parts[:depth])
+                    inside = name == runs or name.startswith(runs + ".")
+                    if runs != name and not inside and runs in modules:
+                        graph[name].add(runs)
+                if target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    return found
+
+
+def test_the_cycle_finder_finds_a_loop():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles_among_package_modules():
+    graph = _import_graph()
+    assert "lightning_recsys.planner.stats" in graph["lightning_recsys.planner.balanced.planner"]
+    assert "lightning_recsys.parallel" in graph["lightning_recsys.checkpoint.dcp_io"]  # runs parallel/__init__
+    assert _cycles(graph) == []

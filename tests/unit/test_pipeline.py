@@ -1,0 +1,131 @@
+"""The planning pipeline in one process: ranks are simulated by replaying what rank 0 broadcast."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
+
+from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints
+from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.models import DLRMRanker
+from lightning_recsys.parallel import ParallelTopology, ReshapedEmbeddingBagCollection, make_sharders
+from lightning_recsys.planner.collective import on_rank_zero
+from lightning_recsys.planner.pipeline import PlanningConfig, PlanningPipeline
+from lightning_recsys.planner.stats import TableStats
+
+TOPOLOGY = ParallelTopology(world_size=2, sharding_group_size=2, ranks_per_node=2)
+
+
+class Recorder:
+    """Rank 0's broadcast: keeps what it sent."""
+
+    def __init__(self) -> None:
+        self.sent: list[object] = []
+
+    def __call__(self, obj: object) -> object:
+        self.sent.append(obj)
+        return obj
+
+
+class Replay:
+    """Another rank's broadcast: receives what rank 0 sent, in order."""
+
+    def __init__(self, sent: list[object]) -> None:
+        self.sent = list(sent)
+
+    def __call__(self, obj: object) -> object:
+        assert obj is None, "only rank 0 puts something into a broadcast"
+        return self.sent.pop(0)
+
+
+def _model(table_sizes=(64, 96), dim: int = 16) -> DLRMRanker:
+    return DLRMRanker(table_sizes=list(table_sizes), embedding_dim=dim, dense_arch_layer_sizes=[8, dim], embedding_device="meta")
+
+
+def _pipeline(config: PlanningConfig, *, rank: int = 0, broadcast=None) -> PlanningPipeline:
+    sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params())
+    kwargs = {"broadcast": broadcast} if broadcast is not None else {}
+    return PlanningPipeline(config, sharders=sharders, topology=TOPOLOGY, compute_device="cpu", rank=rank, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("error", "rebuilt"),
+    [
+        (ValueError("hash_partitions['t']=3 ..."), ValueError),
+        (PlannerError("table 't' needs at least 3 GiB", PlannerErrorType.PARTITION), PlannerError),
+        (OSError("disk"), OSError),
+        (torch.cuda.OutOfMemoryError("oom"), RuntimeError),  # not a builtin: a RuntimeError naming it
+    ],
+)
+def test_what_rank_zero_raises_every_rank_raises(error, rebuilt):
+    def fail():
+        raise error
+
+    rank0 = Recorder()
+    with pytest.raises(type(error)) as on_zero:
+        on_rank_zero(fail, rank=0, broadcast=rank0)
+    assert on_zero.value is error
+    with pytest.raises(rebuilt, match=str(error).replace("[", r"\[").split(" ...")[0]) as on_one:
+        on_rank_zero(lambda: pytest.fail("rank 1 must not plan"), rank=1, broadcast=Replay(rank0.sent))
+    if isinstance(error, PlannerError):
+        assert on_one.value.error_type == PlannerErrorType.PARTITION
+
+
+def test_both_planners_get_the_profiled_batch_size_and_pooling_factors():
+    config = SyntheticClickLogConfig(table_sizes=[64, 96], pooling_factors=[3.0, 1.0], global_batch_size=32, train_batches=3)
+    model = _model(config.table_sizes)
+    for planner in ("torchrec", "balanced"):
+        pipeline = _pipeline(PlanningConfig(planner=planner, profile_batches=2))
+        inputs = pipeline.prepare(model, SyntheticClickLogDataModule(config), setup_datamodule=True)
+        assert inputs.batch_size == 32  # no Trainer: whole global batches
+        assert inputs.stats is not None and inputs.stats["t_sparse_0"].pooling_factor > 2 * inputs.stats["t_sparse_1"].pooling_factor
+        planned = pipeline.plan(model, inputs)
+        assert planned.report is not None and planned.report.batch_size == 32
+        assert {t.stats_source for t in planned.report.tables} == {"observed"}
+    torchrec = _pipeline(PlanningConfig(planner="torchrec"))._planner("torchrec", model, inputs)
+    told = torchrec._constraints["t_sparse_0"].pooling_factors  # what TorchRec's estimators see
+    assert told == [pytest.approx(inputs.stats["t_sparse_0"].pooling_factor)] and torchrec._batch_size == 32
+
+
+def test_other_ranks_get_rank_zeros_plan_and_reshape():
+    stats = {"t_sparse_0": TableStats(pooling_factor=1.0), "t_sparse_1": TableStats(pooling_factor=1.0)}
+    config = PlanningConfig(planner="balanced", planner_stats=stats, reshape_tables=True)
+    rank0 = Recorder()
+    on_zero = _pipeline(config, broadcast=rank0).run(_model())
+    assert on_zero.inputs.reshape and on_zero.report is not None
+
+    other_model = _model()
+    on_one = _pipeline(config, rank=1, broadcast=Replay(rank0.sent)).run(other_model)
+    assert on_one.plan == on_zero.plan and on_one.report is None  # reported on rank 0 only
+    assert any(isinstance(m, ReshapedEmbeddingBagCollection) for m in other_model.modules())  # rank 1 reshaped too
+
+
+def test_a_planning_error_on_rank_zero_reaches_the_other_ranks():
+    config = PlanningConfig(hash_partitions={"t_sparse_0": 3})  # 64 rows do not split into 3 partitions
+    rank0 = Recorder()
+    with pytest.raises(ValueError, match=r"hash_partitions\['t_sparse_0'\]=3"):
+        _pipeline(config, broadcast=rank0).run(_model())
+    with pytest.raises(ValueError, match=r"hash_partitions\['t_sparse_0'\]=3"):
+        _pipeline(config, rank=1, broadcast=Replay(rank0.sent)).run(_model())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"planner": "greedy"}, r"planner='greedy' is not one of \['torchrec', 'balanced'\]"),
+        ({"profile_batches": -1}, r"profile_batches=-1 must be an integer >= 0"),
+        ({"table_constraints": {"t": {"sharding_types": ["row_wise"]}}}, r"table_constraints\['t'\] must be a TableConstraints"),
+        ({"planner_stats": {"t": 2.0}}, r"planner_stats\['t'\] must be a TableStats"),
+        ({"hash_partitions": {"t": 0}}, r"hash_partitions\['t'\]=0 must be an integer >= 1"),
+    ],
+)
+def test_planning_config_names_the_bad_field(kwargs, message):
+    with pytest.raises((ValueError, TypeError), match=message):
+        PlanningConfig(**kwargs)
+
+
+def test_planning_config_takes_our_constraints():
+    config = PlanningConfig(table_constraints={"t_sparse_0": TableConstraints(sharding_types=["table_wise"])})
+    planned = _pipeline(config).run(_model())
+    assert next(t for t in planned.report.tables if t.name == "t_sparse_0").sharding_type == "table_wise"
