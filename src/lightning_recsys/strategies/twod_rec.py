@@ -37,6 +37,7 @@ from torch.optim import Optimizer
 from torchrec.distributed.types import ShardingPlan
 from typing_extensions import override
 
+from lightning_recsys._registration import STRATEGY_NAME, register
 from lightning_recsys.checkpoint import ShardedState
 from lightning_recsys.parallel import (
     EmbeddingOptimizerConfig,
@@ -136,7 +137,7 @@ class TwoDRecStrategy(ParallelStrategy):
             move only the dense optimizers.
     """
 
-    strategy_name = "twod_rec"
+    strategy_name = STRATEGY_NAME
 
     def __init__(
         self,
@@ -465,7 +466,7 @@ class TwoDRecStrategy(ParallelStrategy):
         )
         report = self.plan_report.to_table() if self.plan_report is not None else summarize_plan(plan)
         rank_zero_info(
-            f"TwoDRecStrategy: {_describe_topology(topology)}\nSharding plan (group-local ranks, {self._planner} planner):\n"
+            f"TwoDRecStrategy: {topology.describe()}\nSharding plan (group-local ranks, {self._planner} planner):\n"
             f"{report}\nQComms (effective precisions):\n{self._effective_qcomms.describe()}"
         )
         if self._effective_qcomms.fallbacks:
@@ -749,11 +750,7 @@ class TwoDRecStrategy(ParallelStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        strategy_registry.register(
-            cls.strategy_name,
-            cls,
-            description="TorchRec-sharded embeddings with data-parallel dense layers (lightning-recsys)",
-        )
+        register(strategy_registry)  # the one registration, also used at import (lightning_recsys._registration)
 
 
 _T = TypeVar("_T")
@@ -791,15 +788,6 @@ def _looks_like_lost_peer(exception: BaseException) -> bool:
     text = str(exception).lower()
     return isinstance(exception, (RuntimeError, dist.DistError)) and any(
         hint in text for hint in ("connection closed", "connection reset", "timed out", "timeout", "broken pipe", "nccl")
-    )
-
-
-def _describe_topology(topology: ParallelTopology) -> str:
-    if topology.is_1d:
-        return f"1D sharding over {topology.world_size} ranks"
-    return (
-        f"2D {topology.layout}: {topology.num_replicas} replicas x sharding groups of {topology.sharding_group_size} "
-        f"ranks; sharding groups {topology.sharding_groups()}, replica groups {topology.replica_groups()}"
     )
 
 
