@@ -44,13 +44,13 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from lightning_recsys.parallel.codecs import wire_bytes_per_value
 from lightning_recsys.parallel.topology import LAYOUTS, ParallelTopology
 
 OPS: tuple[str, ...] = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 GROUPS: tuple[str, ...] = ("shard", "replicate", "world")
-PRECISION_BYTES: dict[str, float] = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "int8": 1.0}
-# fp8/int8 codecs send one fp32 scale per block; the block is the embedding row when all tables share a dim.
-SCALE_BYTES_PER_BLOCK = 4
+# The cost model's precision names -> the QComms precision whose wire bytes they cost (parallel/codecs.py).
+_QCOMMS_PRECISION: dict[str, str] = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8_e4m3", "int8": "int8"}
 
 
 # --------------------------------------------------------------------------- hardware
@@ -306,11 +306,10 @@ def fit_compute_for_scaling(t_comm_one_node_s: float, t_comm_n_nodes_s: float, n
 
 # --------------------------------------------------------------------------- analytic traffic
 def row_bytes(dim: int, precision: str) -> float:
-    """Bytes of one pooled embedding row of width ``dim`` on the wire (fp8/int8: plus one fp32 scale)."""
-    if precision not in PRECISION_BYTES:
-        raise ValueError(f"precision={precision!r} is not one of {list(PRECISION_BYTES)}.")
-    extra = SCALE_BYTES_PER_BLOCK if precision in ("fp8", "int8") else 0
-    return dim * PRECISION_BYTES[precision] + extra
+    """Bytes of one pooled embedding row of width ``dim`` on the wire (fp8/int8: one scale block per row)."""
+    if precision not in _QCOMMS_PRECISION:
+        raise ValueError(f"precision={precision!r} is not one of {list(_QCOMMS_PRECISION)}.")
+    return dim * wire_bytes_per_value(_QCOMMS_PRECISION[precision], block_size=dim)
 
 
 @dataclass(frozen=True, kw_only=True)

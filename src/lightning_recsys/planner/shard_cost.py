@@ -36,13 +36,12 @@ from torch import nn
 from torchrec.distributed.planner.types import Shard, ShardingOption, Storage
 from torchrec.distributed.types import CommOp, ModuleSharder, ShardingType
 
-from lightning_recsys.parallel.qcomms import BlockScaledCodec, CastCodec
+from lightning_recsys.parallel.codecs import BYTE_DTYPES, SCALE_BYTES, wire_bytes_per_value
 from lightning_recsys.planner.stats import TableStats
 
 METRICS: tuple[str, str, str, str] = ("storage", "lookups", "comm", "step_time")
 
 _ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
-_SCALE_BYTES = 4.0  # our block-scaled fp8/int8 codecs send one fp32 scale per block (see parallel/qcomms.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,13 +137,15 @@ def _wire_format(codecs: Any) -> WireFormat:
 
 
 def _codec_bytes(codec: Any) -> tuple[float, float]:
-    if isinstance(codec, BlockScaledCodec):
-        # One byte per value plus a 4-byte scale per block; the block is a shard row at best (it is
-        # the gcd of all shard widths, known only once the plan is), so this is a lower bound.
-        return 1.0, _SCALE_BYTES
-    if isinstance(codec, CastCodec):
-        return float(codec.quantized_dtype.itemsize), 0.0
-    dtype = getattr(codec, "quantized_dtype", None)
+    """(bytes per value, extra bytes per row) of a codec, from QComms' one table (``wire_bytes_per_value``)."""
+    precision = getattr(codec, "precision", None)
+    if precision in BYTE_DTYPES:
+        # One byte per value plus a scale per block; the block is a shard row at best (it is the gcd
+        # of all shard widths, known only once the plan is), so this is a lower bound.
+        return wire_bytes_per_value(precision), float(SCALE_BYTES)
+    if precision is not None:
+        return wire_bytes_per_value(precision), 0.0
+    dtype = getattr(codec, "quantized_dtype", None)  # TorchRec's own (FBGEMM) codecs
     return (float(dtype.itemsize) if dtype is not None else 4.0), 0.0
 
 
