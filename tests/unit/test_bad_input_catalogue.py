@@ -17,10 +17,9 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 
 from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unsharded
-from lightning_recsys.data import CriteoDataModule, MalformedLineError, SyntheticClickLogConfig
+from lightning_recsys.data import CriteoDataModule, MalformedLineError, RecBatch, SyntheticClickLogConfig
 from lightning_recsys.data.criteo import CriteoDataset
 from lightning_recsys.models import DLRMRanker
-from lightning_recsys.data import RecBatch
 from lightning_recsys.parallel.input_guard import CoordinatedBatches, InputValidator, feature_tables
 from lightning_recsys.parallel.sharders import validate_sharding_types
 

@@ -17,6 +17,7 @@ from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.parallel import make_sharders
+from lightning_recsys.parallel.reshape import remap_ids
 from lightning_recsys.planner import (
     BalancedPlanner,
     BalanceObjective,
@@ -31,7 +32,6 @@ from lightning_recsys.planner import (
     plan_rows,
     suggest_reshape,
 )
-from lightning_recsys.parallel.reshape import remap_ids
 
 ROOT = Path(__file__).resolve().parents[2]
 BATCH = 64  # examples per rank per step in these plans

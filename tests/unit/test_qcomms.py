@@ -1,6 +1,5 @@
 """QComms codecs and config, in one process: round trips, non-finite values, effective precisions."""
 
-import math
 
 import pytest
 import torch

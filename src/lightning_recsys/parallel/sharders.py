@@ -22,6 +22,9 @@ ALL_SHARDING_TYPES: tuple[str, ...] = (
     ShardingType.TABLE_ROW_WISE.value,
     ShardingType.TABLE_COLUMN_WISE.value,
 )
+# Row-sharded tables pool with a reduce-scatter, which needs the same batch size on every rank.
+ROW_SHARDED_TYPES: tuple[str, ...] = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
+COLUMN_SHARDED_TYPES: tuple[str, ...] = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 # TorchRec's stock sharders offer RW/TWRW only on CUDA (``BaseEmbeddingSharder.sharding_types`` in
 # torchrec/distributed/embedding_types.py adds them for "cuda" only), but both run forward and
 # backward on CPU/gloo and match unsharded training

@@ -37,11 +37,11 @@ from torchrec.distributed.planner.types import Shard, ShardingOption, Storage
 from torchrec.distributed.types import CommOp, ModuleSharder, ShardingType
 
 from lightning_recsys.parallel.codecs import BYTE_DTYPES, SCALE_BYTES, wire_bytes_per_value
+from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES
 from lightning_recsys.planner.stats import TableStats
 
 METRICS: tuple[str, str, str, str] = ("storage", "lookups", "comm", "step_time")
 
-_ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value, ShardingType.GRID_SHARD.value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -281,13 +281,13 @@ def shard_cost(
         grad_bytes = 2.0 * peers / group_size * rows_total * dim * comm.dense_grad_bytes
         return ShardCost(storage, batch_size * stats.lookups_per_example, 0.0, grad_bytes, perf)
 
-    id_share = stats.share_of_rows(row_offset, row_offset + rows, rows_total) if sharding_type in _ROW_SHARDED else 1.0
+    id_share = stats.share_of_rows(row_offset, row_offset + rows, rows_total) if sharding_type in ROW_SHARDED_TYPES else 1.0
     lookups = ids_per_step * id_share * cols / dim  # table-/row-wise shards have every column
     ids_bytes = batch_size * peers * stats.lookups_per_example * id_share * comm.index_bytes
     if not option.is_pooled:
         # Unpooled (sequence) outputs send one vector per id.
         payload = batch_size * peers * stats.lookups_per_example * id_share * comm.sequence_all_to_all.row_bytes(cols)
-    elif sharding_type in _ROW_SHARDED:
+    elif sharding_type in ROW_SHARDED_TYPES:
         # Row-wise shards hold partial sums for every example of the group, whatever their rows.
         payload = batch_size * peers * comm.reduce_scatter.row_bytes(cols)
     else:

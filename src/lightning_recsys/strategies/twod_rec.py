@@ -49,7 +49,6 @@ from lightning_recsys.parallel import (
 from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
 from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
-from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.parallel.input_guard import (
     VALIDATE_INPUTS,
     CoordinatedBatches,
@@ -60,8 +59,9 @@ from lightning_recsys.parallel.input_guard import (
 )
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
-from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
+from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES, supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
+from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.planner import (
     PlanReport,
     TableConstraints,
@@ -462,7 +462,7 @@ class TwoDRecStrategy(ParallelStrategy):
         self._effective_qcomms = codecs.effective  # with the block size and any block-size fallback
         # Row-wise pooling reduce-scatters, which needs the same batch size on every rank.
         self._equal_batch_sizes_required = any(
-            row["sharding_type"] in ("row_wise", "table_row_wise", "grid_shard") for row in plan_rows(plan)
+            row["sharding_type"] in ROW_SHARDED_TYPES for row in plan_rows(plan)
         )
         report = self.plan_report.to_table() if self.plan_report is not None else summarize_plan(plan)
         rank_zero_info(

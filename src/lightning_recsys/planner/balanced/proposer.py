@@ -10,10 +10,9 @@ from dataclasses import dataclass
 from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
 from torchrec.distributed.types import ShardingType
 
+from lightning_recsys.parallel.sharders import COLUMN_SHARDED_TYPES
 from lightning_recsys.planner.balanced.context import NUM_METRICS, BalanceContext
 from lightning_recsys.planner.shard_cost import shard_storage, tier_bytes
-
-_COLUMN_TYPES = (ShardingType.COLUMN_WISE.value, ShardingType.TABLE_COLUMN_WISE.value)
 
 
 @dataclass
@@ -78,7 +77,7 @@ class BalancedProposer(Proposer):
         for options in self._options.values():
             # A one-shard (table-)column-wise option is the table-wise option under another name.
             whole = {o.compute_kernel for o in options if o.sharding_type == ShardingType.TABLE_WISE.value}
-            options[:] = [o for o in options if not (o.sharding_type in _COLUMN_TYPES and o.num_shards == 1 and o.compute_kernel in whole)]
+            options[:] = [o for o in options if not (o.sharding_type in COLUMN_SHARDED_TYPES and o.num_shards == 1 and o.compute_kernel in whole)]
             options.sort(key=lambda o: (ctx.total_cost(o), o.num_shards, o.sharding_type, o.compute_kernel))
         self._starts = [self._start(t) for t in self._thresholds]
         self._seen, self._results, self._queue, self.rounds_run = set(), [], [], 0
