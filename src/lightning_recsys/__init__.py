@@ -5,6 +5,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning_recsys.callbacks import CommunicationMonitor
 from lightning_recsys.parallel import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.qcomms import QCommsConfig
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.planner import TableConstraints
 from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
 
@@ -13,4 +14,4 @@ __version__ = "0.1.0"
 if TwoDRecStrategy.strategy_name not in StrategyRegistry:
     TwoDRecStrategy.register_strategies(StrategyRegistry)
 
-__all__ = ["CommunicationMonitor", "DCPCheckpointIO", "EmbeddingOptimizerConfig", "QCommsConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]
+__all__ = ["CommunicationMonitor", "DCPCheckpointIO", "EmbeddingOptimizerConfig", "QCommsConfig", "ReplicaSyncConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]
