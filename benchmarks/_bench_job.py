@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")
     parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
     parser.add_argument("--sync-every-n-steps", type=int, default=1)
+    parser.add_argument(
+        "--sync-rows", default="all", choices=["all", "touched"], help="ReplicaSyncConfig.rows (default: whole shards)"
+    )
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
     parser.add_argument("--unique-batches", type=int, default=8, help="distinct pre-generated batches, cycled")
     parser.add_argument("--seed", type=int, default=0)
@@ -90,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
     torch.set_num_threads(1)
 
-    from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+    from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
     from lightning_recsys.data import SyntheticClickLogConfig
     from lightning_recsys.models import DLRMRanker
 
@@ -128,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         sharding_types=[args.sharding_type],
         sharding_group_size=group_size,
         layout=args.layout,
-        sync_every_n_steps=args.sync_every_n_steps,
+        replica_sync=ReplicaSyncConfig(rows=args.sync_rows, every_n_steps=args.sync_every_n_steps),
         qcomms=qcomms_setting(args.qcomms),
         process_group_timeout=120.0,  # a stuck peer fails the run instead of hanging it
     )

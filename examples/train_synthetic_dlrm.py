@@ -14,7 +14,7 @@ import json
 
 import lightning.pytorch as pl
 
-from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         sharding_types=args.sharding_type,
         sharding_group_size=args.sharding_group_size,
         layout=args.layout,
-        sync_every_n_steps=args.sync_every_n_steps,
+        replica_sync=ReplicaSyncConfig(every_n_steps=args.sync_every_n_steps),
         qcomms=args.qcomms,
     )
     trainer = pl.Trainer(

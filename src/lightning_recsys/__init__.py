@@ -20,6 +20,7 @@ _EXPORTS = {
     "DCPCheckpointIO": "lightning_recsys.strategies",
     "EmbeddingOptimizerConfig": "lightning_recsys.parallel",
     "QCommsConfig": "lightning_recsys.parallel.qcomms",
+    "ReplicaSyncConfig": "lightning_recsys.parallel.replica_sync_config",
     "TableConstraints": "lightning_recsys.planner",
     "TwoDRecStrategy": "lightning_recsys.strategies",
 }
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from lightning_recsys.callbacks import CommunicationMonitor
     from lightning_recsys.parallel import EmbeddingOptimizerConfig
     from lightning_recsys.parallel.qcomms import QCommsConfig
+    from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
     from lightning_recsys.planner import TableConstraints
     from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
 
@@ -47,4 +49,4 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["CommunicationMonitor", "DCPCheckpointIO", "EmbeddingOptimizerConfig", "QCommsConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]
+__all__ = ["CommunicationMonitor", "DCPCheckpointIO", "EmbeddingOptimizerConfig", "QCommsConfig", "ReplicaSyncConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]

@@ -39,6 +39,7 @@ from lightning_recsys.checkpoint import (
 from lightning_recsys.checkpoint.layout import temporary_path
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.planner import TableConstraints, make_sharding_plan
 
 TABLES: tuple[tuple[str, int], ...] = (("t0", 3), ("t1", 20), ("t2", 7))
@@ -157,7 +158,7 @@ def build(
     if not topology.is_1d:
         modules = [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns]
         sync = ReplicaSynchronizer.for_sharded_modules(
-            modules, sharded.fused_optimizer, topology.replica_process_group(), include_optimizer_state=True
+            modules, sharded.fused_optimizer, topology.replica_process_group(), config=ReplicaSyncConfig()
         )
         sync.broadcast_from_first_replica()  # as the strategy does
     return Run(rank, world, topology, sharded, config, dp, dense, sync)

@@ -8,7 +8,7 @@ from lightning.pytorch import Callback
 from multiprocess import run_ranks
 from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
-from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
 
 WORLD_SIZE, NODES, PER_NODE = 4, 2, 2
 
@@ -130,7 +130,7 @@ def _optimizer_state_shards(strategy) -> Shards:
 def _fit_with_sync_settings(rank: int, world_size: int) -> dict:
     torch.manual_seed(rank)  # each rank initializes its (meta) tables differently; replicas must still start equal
     every_2 = _ShardsAfterEachStep()
-    strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, sync_every_n_steps=2)
+    strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=ReplicaSyncConfig(every_n_steps=2))
     model, _, _ = fit_sharded(
         rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES, callbacks=[every_2], embedding_device="meta"
     )
@@ -140,7 +140,7 @@ def _fit_with_sync_settings(rank: int, world_size: int) -> dict:
             embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
             sharding_types=["row_wise"],
             sharding_group_size=PER_NODE,
-            sync_optimizer_state=sync_state,
+            replica_sync=ReplicaSyncConfig(optimizer_state=sync_state),
             process_group_timeout=60,
         )
         model, _, _ = fit_sharded(rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES)
@@ -159,7 +159,7 @@ def _replicas_identical(shards_by_rank: list[Shards]) -> bool:
 def test_sync_every_n_steps_and_optimizer_state_sync():
     results = run_ranks(_fit_with_sync_settings, WORLD_SIZE, timeout=300, ranks_per_node=PER_NODE)
 
-    # sync_every_n_steps=2 over 3 steps: apart after step 1, equal after the step-2 sync, apart after
+    # every_n_steps=2 over 3 steps: apart after step 1, equal after the step-2 sync, apart after
     # step 3, equal again after the sync at the end of training.
     assert _replicas_identical([r["at_start"] for r in results])
     identical_after_step = [_replicas_identical([r["per_step"][step] for r in results]) for step in range(STEPS)]

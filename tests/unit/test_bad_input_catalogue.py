@@ -15,7 +15,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, ReplicaSyncConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unsharded
 from lightning_recsys.data import CriteoDataModule, MalformedLineError, RecBatch, SyntheticClickLogConfig
 from lightning_recsys.data.criteo import CriteoDataset
@@ -114,7 +114,7 @@ CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] 
     ("unknown precision", lambda t: QCommsConfig(forward="fp4"), ValueError, r"QCommsConfig\(forward='fp4'\) is not one of"),
     ("unknown qcomms preset", lambda t: TwoDRecStrategy(qcomms="fp6"), ValueError, r"qcomms='fp6' is not a preset"),
     ("bad validate_inputs", lambda t: TwoDRecStrategy(validate_inputs="sometimes"), ValueError, r"validate_inputs='sometimes' is not one of"),
-    ("sync interval 0", lambda t: TwoDRecStrategy(sync_every_n_steps=0), ValueError, r"sync_every_n_steps=0 must be an integer >= 1"),
+    ("sync interval 0", lambda t: ReplicaSyncConfig(every_n_steps=0), ValueError, r"every_n_steps=0 must be an integer >= 1"),
     ("constraint on an unknown sharding type", lambda t: TableConstraints(sharding_types=["diagonal"]), ValueError,
      r"sharding_types=\[..., 'diagonal', ...\]\): not one of"),
     ("malformed data line", lambda t: _read_criteo(t, "1\t2\tthree"), MalformedLineError, r"day.gz.*line 1"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig
 from lightning_recsys.models import DLRMRanker
 
@@ -21,8 +21,8 @@ _INVALID_CONSTRUCTIONS = [
     (TwoDRecStrategy, {"process_group_backend": "mpi"}, r"process_group_backend='mpi' must be 'gloo', 'nccl' or None"),
     (TwoDRecStrategy, {"sharding_group_size": 0}, r"sharding_group_size=0 must be an integer >= 1, or None"),
     (TwoDRecStrategy, {"layout": "ring"}, r"layout='ring' is not one of \['all_to_all_optimized', 'all_reduce_optimized'\]"),
-    (TwoDRecStrategy, {"sync_every_n_steps": 0}, r"sync_every_n_steps=0 must be an integer >= 1"),
-    (TwoDRecStrategy, {"sync_every_n_steps": 1.5}, r"sync_every_n_steps=1.5 must be an integer >= 1"),
+    (ReplicaSyncConfig, {"every_n_steps": 0}, r"every_n_steps=0 must be an integer >= 1"),
+    (ReplicaSyncConfig, {"every_n_steps": 1.5}, r"every_n_steps=1.5 must be an integer >= 1"),
     (TableConstraints, {"sharding_types": ["row_wise", "bogus"]}, r"sharding_types=\[..., 'bogus', ...\]\): not one of"),
     (TableConstraints, {"compute_kernels": ["magic"]}, r"compute_kernels=\[..., 'magic', ...\]\): not one of"),
     (TableConstraints, {"min_partition": 0}, r"min_partition=0\) must be >= 1"),

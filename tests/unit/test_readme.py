@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recsys import CommunicationMonitor, EmbeddingOptimizerConfig, QCommsConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys import (
+    CommunicationMonitor,
+    EmbeddingOptimizerConfig,
+    QCommsConfig,
+    ReplicaSyncConfig,
+    TableConstraints,
+    TwoDRecStrategy,
+)
 from lightning_recsys.callbacks import RunSummary
 from lightning_recsys.data import CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
 from lightning_recsys.models import DCNRanker, DLRMRanker
@@ -19,6 +26,7 @@ SECTIONS = {
     "`TwoDRecStrategy`": [TwoDRecStrategy],
     "`EmbeddingOptimizerConfig`": [EmbeddingOptimizerConfig],
     "`QCommsConfig`": [QCommsConfig],
+    "`ReplicaSyncConfig`": [ReplicaSyncConfig],
     "`TableConstraints`": [TableConstraints],
     "`DLRMRanker` and `DCNRanker`": [DLRMRanker, DCNRanker],
     "`SyntheticClickLogConfig`": [SyntheticClickLogConfig],

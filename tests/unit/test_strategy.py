@@ -11,7 +11,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_recsys  # noqa: F401 - registers "twod_rec"
-from lightning_recsys import DCPCheckpointIO, TwoDRecStrategy
+from lightning_recsys import DCPCheckpointIO, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
 
 
@@ -108,7 +108,7 @@ def test_table_row_wise_is_refused_under_2d_only():
 
 
 def test_trainer_accepts_the_2d_arguments():
-    strategy = TwoDRecStrategy(sharding_group_size=2, layout="all_reduce_optimized", sync_every_n_steps=4)
+    strategy = TwoDRecStrategy(sharding_group_size=2, layout="all_reduce_optimized", replica_sync=ReplicaSyncConfig(every_n_steps=4))
     trainer = Trainer(strategy=strategy, accelerator="cpu", devices=2, num_nodes=2, logger=False)
     assert trainer.strategy is strategy and strategy.num_nodes == 2
     with pytest.raises(RuntimeError, match=r"topology is available only after"):

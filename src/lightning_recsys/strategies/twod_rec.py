@@ -58,7 +58,8 @@ from lightning_recsys.parallel.input_guard import (
     report_lost_ranks,
 )
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
+from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES, supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
 from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
@@ -86,8 +87,9 @@ class TwoDRecStrategy(ParallelStrategy):
     2D parallelism: the world is split into sharding groups of ``sharding_group_size`` ranks (by
     default one node each). Tables are sharded inside a group, so the all-to-all stays on the
     node's links; every group holds a full replica, and replicas are averaged over the replica
-    group (an all-reduce across nodes) every ``sync_every_n_steps`` steps, and before validation,
-    test, predict and the end of training.
+    group (an all-reduce across nodes) every ``replica_sync.every_n_steps`` steps, and before
+    validation, test, predict, checkpoint saves and the end of training. By default only the rows
+    looked up since the last sync are averaged (``ReplicaSyncConfig(rows="touched")``).
 
     Optimizers: model-parallel tables are updated inside backward by FBGEMM's fused optimizer
     (``embedding_optimizer``); data-parallel tables get the same rule as a torch optimizer, stepped
@@ -109,9 +111,9 @@ class TwoDRecStrategy(ParallelStrategy):
         layout: ``all_to_all_optimized`` (default: contiguous, node-local sharding groups; the
             replica all-reduce crosses nodes) or ``all_reduce_optimized`` (strided groups; the
             all-to-all crosses nodes and replicas sit inside a node).
-        sync_every_n_steps: how often the replica all-reduce runs (default every step).
-        sync_optimizer_state: also average the fused optimizer state, e.g. row-wise Adagrad's
-            accumulators (default True).
+        replica_sync: the 2D replica sync, a ``ReplicaSyncConfig``: which rows (default the rows
+            touched since the last sync), how often (default every step), and whether the fused
+            optimizer state is averaged too (default True).
         qcomms: precision of the embedding collectives: a preset (``"fp32"``, ``"bf16"``,
             ``"fp16"``, ``"fp8"``, ``"int8"``) or a ``QCommsConfig``; default fp32 (off).
         validate_inputs: check every batch's sparse ids, keys, lengths and weights against the
@@ -149,8 +151,7 @@ class TwoDRecStrategy(ParallelStrategy):
         process_group_backend: Optional[str] = None,
         sharding_group_size: Optional[int] = None,
         layout: Layout = "all_to_all_optimized",
-        sync_every_n_steps: int = 1,
-        sync_optimizer_state: bool = True,
+        replica_sync: Optional[ReplicaSyncConfig] = None,
         qcomms: Union[str, QCommsConfig, None] = None,
         validate_inputs: ValidateInputs = "error",
         check_finite: bool = False,
@@ -190,8 +191,10 @@ class TwoDRecStrategy(ParallelStrategy):
             raise ValueError(f"sharding_group_size={sharding_group_size!r} must be an integer >= 1, or None for the devices per node.")
         if layout not in LAYOUTS:
             raise ValueError(f"layout={layout!r} is not one of {list(LAYOUTS)}.")
-        if isinstance(sync_every_n_steps, bool) or not isinstance(sync_every_n_steps, int) or sync_every_n_steps < 1:
-            raise ValueError(f"sync_every_n_steps={sync_every_n_steps!r} must be an integer >= 1.")
+        if replica_sync is not None and not isinstance(replica_sync, ReplicaSyncConfig):
+            raise TypeError(
+                f"replica_sync={replica_sync!r} must be a ReplicaSyncConfig, e.g. ReplicaSyncConfig(every_n_steps=4)."
+            )
         if validate_inputs not in VALIDATE_INPUTS:
             raise ValueError(f"validate_inputs={validate_inputs!r} is not one of {list(VALIDATE_INPUTS)}.")
         if planner not in ("torchrec", "balanced"):
@@ -226,12 +229,10 @@ class TwoDRecStrategy(ParallelStrategy):
         self._effective_qcomms = resolve_qcomms(self.qcomms_config)
         self._sharding_group_size = sharding_group_size
         self._layout: Layout = layout
-        self._sync_every_n_steps = sync_every_n_steps
-        self._sync_optimizer_state = bool(sync_optimizer_state)
+        self.replica_sync_config = replica_sync or ReplicaSyncConfig()
         self._topology: Optional[ParallelTopology] = None
         self._comm: Optional[CommAccountant] = None
         self._replica_sync: Optional[ReplicaSynchronizer] = None
-        self._steps_since_sync = 0
         self._sharding_types = list(sharding_types) if sharding_types is not None else None
         self._table_constraints = dict(table_constraints or {})
         self._timeout = timedelta(seconds=process_group_timeout)
@@ -424,27 +425,30 @@ class TwoDRecStrategy(ParallelStrategy):
             sharded = previous.sharded
             self._input_validator = previous.input_validator
             self._equal_batch_sizes_required = previous.equal_batch_sizes_required
+            if previous.replica_sync is not None:
+                previous.replica_sync.close()  # the earlier strategy's row-tracking hooks
         else:
             sharded = self._shard_fresh(module, topology)
-            module.__dict__[_SHARDING_RECORD] = _ShardingRecord(
-                sharded, settings, self._input_validator, self._equal_batch_sizes_required  # type: ignore[arg-type]
-            )
+        record = _ShardingRecord(sharded, settings, self._input_validator, self._equal_batch_sizes_required)  # type: ignore[arg-type]
+        module.__dict__[_SHARDING_RECORD] = record
         replica_group = topology.replica_process_group()
+        if self._replica_sync is not None:
+            self._replica_sync.close()
         self._replica_sync = None
         if replica_group is not None:
             self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
                 [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
                 sharded.fused_optimizer,
                 replica_group,
-                include_optimizer_state=self._sync_optimizer_state,
+                config=self.replica_sync_config,
             )
             # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
             self._replica_sync.broadcast_from_first_replica()
+        record.replica_sync = self._replica_sync
         if self._comm is not None:
             self._comm.stop()
         self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
         self._sharded = sharded
-        self._steps_since_sync = 0
         return sharded
 
     def _shard_fresh(self, module: LightningModule, topology: ParallelTopology) -> ShardedModel:
@@ -563,9 +567,8 @@ class TwoDRecStrategy(ParallelStrategy):
             if dp_optimizer is not None:
                 dp_optimizer.step()
                 dp_optimizer.zero_grad(set_to_none=True)
-            self._steps_since_sync += 1
-            if self._steps_since_sync >= self._sync_every_n_steps:
-                self.sync_replicas()
+            if self._replica_sync is not None:
+                self._replica_sync.step_ended()
             if self._comm is not None:
                 self._comm.end_step()
         return output
@@ -573,16 +576,20 @@ class TwoDRecStrategy(ParallelStrategy):
     def sync_replicas(self) -> None:
         """Average the embedding shards (and fused optimizer state) over the replica groups now.
 
-        Runs automatically every ``sync_every_n_steps`` steps and before evaluation and the end of
-        training; a no-op in 1D. Every rank must call it.
+        Runs automatically every ``replica_sync.every_n_steps`` steps and before evaluation, saves
+        and the end of training; a no-op in 1D. Every rank must call it.
         """
         if self._replica_sync is not None:
             self._replica_sync.sync()
-        self._steps_since_sync = 0
+
+    @property
+    def replica_sync_stats(self) -> Optional[SyncStats]:
+        """The last replica sync on this rank: rows synced, touched fraction, bytes (None in 1D or before one)."""
+        return self._replica_sync.last_sync_stats if self._replica_sync is not None else None
 
     def _sync_if_pending(self) -> None:
-        if self._steps_since_sync:
-            self.sync_replicas()
+        if self._replica_sync is not None:
+            self._replica_sync.sync_if_pending()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -709,7 +716,8 @@ class TwoDRecStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Every rank loads its (re-cut) shards in place; returns the rest of the checkpoint."""
         checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self._steps_since_sync = 0
+        if self._replica_sync is not None:
+            self._replica_sync.reset()  # every replica loaded the same state
         return checkpoint
 
     @override
@@ -757,7 +765,7 @@ _T = TypeVar("_T")
 _SHARDING_RECORD = "_lightning_recsys_sharding"  # in the module's __dict__: not a submodule, not in state_dict
 
 
-@dataclass(frozen=True)
+@dataclass
 class _ShardingRecord:
     """What a strategy left on a module it sharded, so a later Trainer's strategy can reuse the shards."""
 
@@ -765,6 +773,7 @@ class _ShardingRecord:
     settings: dict[str, Any]
     input_validator: InputValidator
     equal_batch_sizes_required: bool
+    replica_sync: Optional[ReplicaSynchronizer] = None  # its hooks are on the shared modules
 
 
 def _check_reusable(previous: dict[str, Any], current: dict[str, Any]) -> None:

@@ -1,0 +1,52 @@
+"""How 2D training keeps the replicas of its sharded tables in step: ``ReplicaSyncConfig``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+ROWS = ("touched", "all")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(kw_only=True, frozen=True)
+class ReplicaSyncConfig:
+    """The replica sync of 2D training: which rows, how often, in what precision.
+
+    Args:
+        rows: ``"touched"`` (default) averages only the union, over the replica group, of the rows
+            looked up since the last sync; untouched rows are equal on every replica already, so
+            the result is the same as ``"all"``, which averages every row of every local shard.
+        every_n_steps: sync every n training steps (default 1). Evaluation, checkpoint saves and
+            the end of training sync too, if a step ran since the last sync.
+        overlap: run the sync's collective in the background while training goes on (not
+            implemented yet: must stay False).
+        precision: precision of the values the sync sends: ``"fp32"`` (default); ``"bf16"`` deltas
+            are not implemented yet.
+        optimizer_state: also average the fused optimizer state (row-wise Adagrad's accumulators,
+            Adam's moments), default True.
+    """
+
+    rows: Literal["touched", "all"] = "touched"
+    every_n_steps: int = 1
+    overlap: bool = False
+    precision: Literal["fp32", "bf16"] = "fp32"
+    optimizer_state: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rows not in ROWS:
+            raise ValueError(f"ReplicaSyncConfig.rows={self.rows!r} must be one of {list(ROWS)}.")
+        steps = self.every_n_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"ReplicaSyncConfig.every_n_steps={steps!r} must be an integer >= 1.")
+        for name in ("overlap", "optimizer_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ReplicaSyncConfig.{name}={getattr(self, name)!r} must be a bool.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"ReplicaSyncConfig.precision={self.precision!r} must be one of {list(PRECISIONS)}.")
+        if self.overlap:
+            raise ValueError("ReplicaSyncConfig.overlap=True is not implemented yet; use overlap=False (a blocking sync).")
+        if self.precision != "fp32":
+            raise ValueError(
+                f"ReplicaSyncConfig.precision={self.precision!r} (compressed deltas) is not implemented yet; use precision='fp32'."
+            )

@@ -1,0 +1,44 @@
+import pytest
+
+from lightning_recsys import ReplicaSyncConfig, TwoDRecStrategy
+
+
+def test_defaults():
+    config = ReplicaSyncConfig()
+    assert (config.rows, config.every_n_steps, config.overlap, config.precision, config.optimizer_state) == ("touched", 1, False, "fp32", True)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"rows": "some"}, r"rows='some' must be one of \['touched', 'all'\]"),
+        ({"every_n_steps": 0}, r"every_n_steps=0 must be an integer >= 1"),
+        ({"every_n_steps": 2.0}, r"every_n_steps=2.0 must be an integer >= 1"),
+        ({"every_n_steps": True}, r"every_n_steps=True must be an integer >= 1"),
+        ({"optimizer_state": 1}, r"optimizer_state=1 must be a bool"),
+        ({"overlap": "yes"}, r"overlap='yes' must be a bool"),
+        ({"precision": "fp8"}, r"precision='fp8' must be one of \['fp32', 'bf16'\]"),
+        ({"overlap": True}, r"overlap=True is not implemented yet"),
+        ({"precision": "bf16"}, r"precision='bf16' .*not implemented yet"),
+    ],
+)
+def test_invalid_values_are_refused_naming_field_value_and_rule(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ReplicaSyncConfig(**kwargs)
+
+
+def test_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        ReplicaSyncConfig("all")  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        ReplicaSyncConfig().rows = "all"  # type: ignore[misc]
+
+
+def test_the_strategy_takes_a_config_and_refuses_anything_else():
+    assert TwoDRecStrategy().replica_sync_config == ReplicaSyncConfig()
+    config = ReplicaSyncConfig(rows="all", every_n_steps=4)
+    assert TwoDRecStrategy(replica_sync=config).replica_sync_config is config
+    with pytest.raises(TypeError, match="replica_sync=4 must be a ReplicaSyncConfig"):
+        TwoDRecStrategy(replica_sync=4)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        TwoDRecStrategy(sync_every_n_steps=2)  # type: ignore[call-arg]
