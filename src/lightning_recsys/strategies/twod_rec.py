@@ -47,7 +47,6 @@ from lightning_recsys.parallel import (
     shard_model,
 )
 from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
-from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.input_guard import (
     VALIDATE_INPUTS,
@@ -58,8 +57,9 @@ from lightning_recsys.parallel.input_guard import (
     report_lost_ranks,
 )
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats
+from lightning_recsys.parallel.replica_sync import SyncStats
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.runtime import ShardedRuntime
 from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES, supported_sharding_types, validate_sharding_types
 from lightning_recsys.parallel.topology import LAYOUTS, Layout
 from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
@@ -222,24 +222,20 @@ class TwoDRecStrategy(ParallelStrategy):
         self._coordination_group: Optional[dist.ProcessGroup] = None
         self._input_validator: Optional[InputValidator] = None
         self._equal_batch_sizes_required = False
-        self._output_hooks: Optional[EmbeddingOutputHooks] = None
         self._embedding_lr_follows_scheduler = bool(embedding_lr_follows_scheduler)
-        self._embedding_lr: Optional[EmbeddingLearningRate] = None
         self.qcomms_config = QCommsConfig.parse(qcomms)
         self._effective_qcomms = resolve_qcomms(self.qcomms_config)
         self._sharding_group_size = sharding_group_size
         self._layout: Layout = layout
         self.replica_sync_config = replica_sync or ReplicaSyncConfig()
         self._topology: Optional[ParallelTopology] = None
-        self._comm: Optional[CommAccountant] = None
-        self._replica_sync: Optional[ReplicaSynchronizer] = None
+        self._runtime: Optional[ShardedRuntime] = None
         self._sharding_types = list(sharding_types) if sharding_types is not None else None
         self._table_constraints = dict(table_constraints or {})
         self._timeout = timedelta(seconds=process_group_timeout)
         self._process_group_backend = process_group_backend
         self._num_nodes = 1
         self._sharded: Optional[ShardedModel] = None
-        self._data_parallel_table_optimizer: Optional[Optimizer] = None
 
     # ----------------------------------------------------------------- ranks and devices
     @property
@@ -298,7 +294,12 @@ class TwoDRecStrategy(ParallelStrategy):
     @property
     def comm_accounting(self) -> CommAccountant:
         """Bytes per collective in the last training step and in total; available after setup."""
-        return _available(self._comm, "comm_accounting", "set up the model")
+        return self.runtime.comm
+
+    @property
+    def runtime(self) -> ShardedRuntime:
+        """The sharded model's run-time state (table optimizers, replica sync, accounting); after setup."""
+        return _available(self._runtime, "runtime", "set up the model")
 
     @override
     def _configure_launcher(self) -> None:
@@ -373,15 +374,12 @@ class TwoDRecStrategy(ParallelStrategy):
         self._validate_trainer(trainer)
         sharded = self._shard(self.lightning_module)
         self.model = sharded.dmp
-        self.comm_accounting.start()
+        self.runtime.start()
         scaler = getattr(self.precision_plugin, "scaler", None)  # fp16 loss scaling (16-mixed)
-        hooks = EmbeddingOutputHooks(
+        self.runtime.install_output_hooks(
             check_finite=self._check_finite or getattr(trainer, "_detect_anomaly", False),
             grad_scale=scaler._get_scale_async if scaler is not None else None,
         )
-        if hooks.needed and self._output_hooks is None:  # once per sharded model: hooks stay on its modules
-            hooks.install({fqn: sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns})
-            self._output_hooks = hooks
         assert isinstance(self.checkpoint_io, DCPCheckpointIO)
         self.checkpoint_io.connect(self)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -425,29 +423,21 @@ class TwoDRecStrategy(ParallelStrategy):
             sharded = previous.sharded
             self._input_validator = previous.input_validator
             self._equal_batch_sizes_required = previous.equal_batch_sizes_required
-            if previous.replica_sync is not None:
-                previous.replica_sync.close()  # the earlier strategy's row-tracking hooks
+            if previous.runtime is not None:
+                previous.runtime.close()  # the earlier strategy's accounting and row-tracking hooks
         else:
             sharded = self._shard_fresh(module, topology)
         record = _ShardingRecord(sharded, settings, self._input_validator, self._equal_batch_sizes_required)  # type: ignore[arg-type]
         module.__dict__[_SHARDING_RECORD] = record
-        replica_group = topology.replica_process_group()
-        if self._replica_sync is not None:
-            self._replica_sync.close()
-        self._replica_sync = None
-        if replica_group is not None:
-            self._replica_sync = ReplicaSynchronizer.for_sharded_modules(
-                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
-                sharded.fused_optimizer,
-                replica_group,
-                config=self.replica_sync_config,
-            )
-            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
-            self._replica_sync.broadcast_from_first_replica()
-        record.replica_sync = self._replica_sync
-        if self._comm is not None:
-            self._comm.stop()
-        self._comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
+        if self._runtime is not None:
+            self._runtime.close()
+        self._runtime = record.runtime = ShardedRuntime(
+            sharded,
+            topology,
+            embedding_optimizer=self.embedding_optimizer_config,
+            replica_sync=self.replica_sync_config,
+            coordination_group=self._coordination_group,
+        )
         self._sharded = sharded
         return sharded
 
@@ -515,23 +505,10 @@ class TwoDRecStrategy(ParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Trainer) -> None:
         super().setup_optimizers(trainer)
-        sharded = self.sharded_model
-        removed = 0
-        for optimizer in self.optimizers:
-            for group in optimizer.param_groups:
-                kept = [p for p in group["params"] if not sharded.is_embedding_param(p)]
-                removed += len(group["params"]) - len(kept)
-                group["params"] = kept
-            # Some optimizers (Adagrad) create state eagerly; state for a removed param breaks state_dict().
-            for param in [p for p in optimizer.state if sharded.is_embedding_param(p)]:
-                del optimizer.state[param]
+        removed = self.runtime.strip_embedding_params([_unwrap_optimizer(o) for o in self.optimizers])
         if removed:
             log.debug("TwoDRecStrategy: removed %d embedding parameters from the dense optimizers", removed)
-        params = sharded.data_parallel_table_params
-        self._data_parallel_table_optimizer = self.embedding_optimizer_config.make_torch_optimizer(params) if params else None
-        self._embedding_lr = EmbeddingLearningRate(
-            self.embedding_optimizer_config.lr, sharded.fused_optimizer, self._data_parallel_table_optimizer
-        )
+        self.runtime.make_table_optimizers()
         if self._embedding_lr_follows_scheduler and not trainer.lr_scheduler_configs:
             rank_zero_warn(
                 "TwoDRecStrategy(embedding_lr_follows_scheduler=True), but configure_optimizers returned no LR "
@@ -541,14 +518,15 @@ class TwoDRecStrategy(ParallelStrategy):
     @property
     def embedding_learning_rate(self) -> EmbeddingLearningRate:
         """The tables' learning rate (base and factor); available after the optimizers are set up."""
-        return _available(self._embedding_lr, "embedding_learning_rate", "set up the optimizers")
+        return _available(self.runtime.embedding_lr, "embedding_learning_rate", "set up the optimizers")
 
-    def _follow_lr_scheduler(self) -> None:
+    def _scheduler_factor(self) -> Optional[float]:
+        """The first LR scheduler's factor (lr / initial_lr), when the tables follow it."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is None or not trainer.lr_scheduler_configs or self._embedding_lr is None:
-            return
+        if not self._embedding_lr_follows_scheduler or trainer is None or not trainer.lr_scheduler_configs:
+            return None
         group = trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]
-        self._embedding_lr.set_factor(group["lr"] / group.get("initial_lr", group["lr"]))
+        return group["lr"] / group.get("initial_lr", group["lr"])
 
     @override
     def optimizer_step(
@@ -559,18 +537,10 @@ class TwoDRecStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._finite_checks and _unwrap_optimizer(optimizer) is _unwrap_optimizer(self.optimizers[0]):
-            self._raise_if_nonfinite(before_update=False)
-        first_optimizer = self.optimizers[0] if self.optimizers else None
-        dp_optimizer = self._data_parallel_table_optimizer
-        if _unwrap_optimizer(optimizer) is _unwrap_optimizer(first_optimizer):
-            if dp_optimizer is not None:
-                dp_optimizer.step()
-                dp_optimizer.zero_grad(set_to_none=True)
-            if self._replica_sync is not None:
-                self._replica_sync.step_ended()
-            if self._comm is not None:
-                self._comm.end_step()
+        if self.optimizers and _unwrap_optimizer(optimizer) is _unwrap_optimizer(self.optimizers[0]):
+            if self.runtime.checks_finite:
+                self.runtime.check_finite(self._global_step(), before_update=False)
+            self.runtime.after_optimizer_step()
         return output
 
     def sync_replicas(self) -> None:
@@ -579,24 +549,21 @@ class TwoDRecStrategy(ParallelStrategy):
         Runs automatically every ``replica_sync.every_n_steps`` steps and before evaluation, saves
         and the end of training; a no-op in 1D. Every rank must call it.
         """
-        if self._replica_sync is not None:
-            self._replica_sync.sync()
+        self.runtime.sync()
 
     @property
     def replica_sync_stats(self) -> Optional[SyncStats]:
         """The last replica sync on this rank: rows synced, touched fraction, bytes (None in 1D or before one)."""
-        return self._replica_sync.last_sync_stats if self._replica_sync is not None else None
+        return self.runtime.last_sync_stats
 
     def _sync_if_pending(self) -> None:
-        if self._replica_sync is not None:
-            self._replica_sync.sync_if_pending()
+        if self._runtime is not None:
+            self._runtime.sync_if_pending()
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._embedding_lr_follows_scheduler:
-            self._follow_lr_scheduler()
-        if self._comm is not None:
-            self._comm.begin_step()
+        if self._runtime is not None:
+            self._runtime.before_step(self._scheduler_factor())
 
     # Strategy hooks: evaluation and the end of training always see one synchronized model.
     on_validation_start = on_test_start = on_predict_start = on_train_end = _sync_if_pending
@@ -617,32 +584,13 @@ class TwoDRecStrategy(ParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self._finite_checks:
-            self._output_hooks.note_loss(output.get("loss") if isinstance(output, Mapping) else output)  # type: ignore[union-attr]
-            self._raise_if_nonfinite(before_update=True)
+        if self._runtime is not None and self._runtime.checks_finite:
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            self._runtime.check_finite(self._global_step(), before_update=True, loss=loss)
         return output
 
-    @property
-    def _finite_checks(self) -> bool:
-        return self._output_hooks is not None and self._output_hooks.checks_finite
-
-    def _raise_if_nonfinite(self, *, before_update: bool) -> None:
-        """All ranks learn whether any rank saw a non-finite value, and raise together."""
-        assert self._output_hooks is not None
-        local = self._output_hooks.take_nonfinite()
-        kinds = list(local)
-        flags = torch.tensor([int(bool(local[k])) for k in kinds])
-        gathered = [torch.empty_like(flags) for _ in range(self.world_size)]
-        dist.all_gather(gathered, flags, group=self._coordination_group)
-        found = {k: [r for r, f in enumerate(gathered) if f[i]] for i, k in enumerate(kinds)}
-        if any(found.values()):
-            step = self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
-            what = "; ".join(f"{k} on rank(s) {ranks}" + (f" ({local[k]} here)" if local[k] else "") for k, ranks in found.items() if ranks)
-            when = "stopped before the embedding update" if before_update else "the tables' update at this step is already applied"
-            raise FloatingPointError(
-                f"TwoDRecStrategy(check_finite): non-finite values at step {step}: {what}; {when}. Lower the learning "
-                "rate or check the inputs, and resume from the last checkpoint."
-            )
+    def _global_step(self) -> int:
+        return self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -654,7 +602,7 @@ class TwoDRecStrategy(ParallelStrategy):
     @property
     def data_parallel_table_optimizer(self) -> Optional[Optimizer]:
         """The torch optimizer of the tables planned as data_parallel, or None if there are none."""
-        return self._data_parallel_table_optimizer
+        return self._runtime.data_parallel_table_optimizer if self._runtime is not None else None
 
     @override
     def model_to_device(self) -> None:
@@ -716,8 +664,7 @@ class TwoDRecStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Every rank loads its (re-cut) shards in place; returns the rest of the checkpoint."""
         checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        if self._replica_sync is not None:
-            self._replica_sync.reset()  # every replica loaded the same state
+        self.runtime.restart_sync_cadence()  # every replica loaded the same state
         return checkpoint
 
     @override
@@ -732,7 +679,7 @@ class TwoDRecStrategy(ParallelStrategy):
             model_state_dict=self.lightning_module.state_dict(),  # type: ignore[union-attr]
             sharded_model=self.sharded_model,
             embedding_optimizer=self.embedding_optimizer_config,
-            data_parallel_table_optimizer=self._data_parallel_table_optimizer,
+            data_parallel_table_optimizer=self.data_parallel_table_optimizer,
         )
 
     def load_strictly(self) -> bool:
@@ -746,8 +693,8 @@ class TwoDRecStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
-        if self._comm is not None:
-            self._comm.stop()
+        if self._runtime is not None:
+            self._runtime.comm.stop()
         assert self.cluster_environment is not None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
@@ -773,7 +720,7 @@ class _ShardingRecord:
     settings: dict[str, Any]
     input_validator: InputValidator
     equal_batch_sizes_required: bool
-    replica_sync: Optional[ReplicaSynchronizer] = None  # its hooks are on the shared modules
+    runtime: Optional[ShardedRuntime] = None  # its accounting and row-tracking hooks are on the shared modules
 
 
 def _check_reusable(previous: dict[str, Any], current: dict[str, Any]) -> None:

@@ -1,0 +1,182 @@
+"""ShardedRuntime: what a sharded model needs while it trains, in one object, with no Lightning.
+
+It owns the tables' optimizers (FBGEMM's fused one comes with the model; the data-parallel tables'
+torch optimizer and the tables' learning rate are made here), the replica sync and its cadence,
+the communication accounting, and the non-finite guard. A training loop calls a few methods:
+
+    runtime = ShardedRuntime(sharded, topology, embedding_optimizer=..., replica_sync=..., coordination_group=...)
+    runtime.start()
+    runtime.strip_embedding_params(dense_optimizers); runtime.make_table_optimizers()
+    for batch in batches:
+        runtime.before_step(lr_factor)          # accounting, the tables' learning rate
+        loss = ...; runtime.check_finite(step, before_update=True, loss=loss)
+        loss.backward(); dense_optimizer.step()
+        runtime.after_optimizer_step()          # data-parallel tables, replica sync cadence, accounting
+    runtime.sync_if_pending(); runtime.close()
+
+``TwoDRecStrategy`` maps Lightning's hooks onto these calls, as Lightning's DDP strategy hands its
+periodic averaging to ``PeriodicModelAverager``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_recsys.parallel.comm_accounting import CommAccountant
+from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
+from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
+from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
+from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.sharded_model import ShardedModel
+from lightning_recsys.parallel.topology import ParallelTopology
+
+log = logging.getLogger(__name__)
+
+
+class ShardedRuntime:
+    """The run-time state of one sharded model on this rank.
+
+    Args:
+        sharded: what ``shard_model`` returned.
+        topology: the rank layout; its replica group (2D) gets a ``ReplicaSynchronizer``.
+        embedding_optimizer: the tables' optimizer config (the data-parallel tables' torch optimizer
+            and the base learning rate come from it).
+        replica_sync: what the replica sync averages and how often.
+        coordination_group: a CPU-capable group over every rank, for the non-finite guard.
+    """
+
+    def __init__(
+        self,
+        sharded: ShardedModel,
+        topology: ParallelTopology,
+        *,
+        embedding_optimizer: EmbeddingOptimizerConfig,
+        replica_sync: ReplicaSyncConfig,
+        coordination_group: Optional[dist.ProcessGroup],
+    ) -> None:
+        self.sharded = sharded
+        self.topology = topology
+        self.embedding_optimizer = embedding_optimizer
+        self._coordination_group = coordination_group
+        replica_group = topology.replica_process_group()
+        self.replica_sync: Optional[ReplicaSynchronizer] = None
+        if replica_group is not None:
+            self.replica_sync = ReplicaSynchronizer.for_sharded_modules(
+                [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
+                sharded.fused_optimizer,
+                replica_group,
+                config=replica_sync,
+            )
+            # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
+            self.replica_sync.broadcast_from_first_replica()
+        self.comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
+        self.data_parallel_table_optimizer: Optional[Optimizer] = None
+        self.embedding_lr: Optional[EmbeddingLearningRate] = None
+        self.output_hooks: Optional[EmbeddingOutputHooks] = None
+
+    # ----------------------------------------------------------------- set-up
+    def start(self) -> None:
+        """Start accounting this process's collectives."""
+        self.comm.start()
+
+    def install_output_hooks(self, *, check_finite: bool, grad_scale: Optional[Callable[[], Tensor]]) -> None:
+        """Hooks on the looked-up embeddings, once per model, if the finite guard or loss scaling needs them."""
+        hooks = EmbeddingOutputHooks(check_finite=check_finite, grad_scale=grad_scale)
+        if hooks.needed and self.output_hooks is None:
+            modules = {fqn: self.sharded.dmp.module.get_submodule(fqn) for fqn in self.sharded.embedding_module_fqns}
+            hooks.install(modules)
+            self.output_hooks = hooks
+
+    def strip_embedding_params(self, dense_optimizers: list[Optimizer]) -> int:
+        """Remove the tables' parameters (and their state) from the dense optimizers; returns how many."""
+        removed = 0
+        for optimizer in dense_optimizers:
+            for group in optimizer.param_groups:
+                kept = [p for p in group["params"] if not self.sharded.is_embedding_param(p)]
+                removed += len(group["params"]) - len(kept)
+                group["params"] = kept
+            # Some optimizers (Adagrad) create state eagerly; state for a removed param breaks state_dict().
+            for param in [p for p in optimizer.state if self.sharded.is_embedding_param(p)]:
+                del optimizer.state[param]
+        return removed
+
+    def make_table_optimizers(self) -> None:
+        """The data-parallel tables' torch optimizer (FBGEMM's rule) and the tables' learning rate."""
+        params = self.sharded.data_parallel_table_params
+        self.data_parallel_table_optimizer = self.embedding_optimizer.make_torch_optimizer(params) if params else None
+        self.embedding_lr = EmbeddingLearningRate(
+            self.embedding_optimizer.lr, self.sharded.fused_optimizer, self.data_parallel_table_optimizer
+        )
+
+    # ----------------------------------------------------------------- per step
+    def before_step(self, lr_factor: Optional[float] = None) -> None:
+        """A training step starts: account its collectives; move the tables' learning rate to ``lr_factor``."""
+        if lr_factor is not None and self.embedding_lr is not None:
+            self.embedding_lr.set_factor(lr_factor)
+        self.comm.begin_step()
+
+    def after_optimizer_step(self) -> None:
+        """The dense step is done: step the data-parallel tables, let the replica sync run on its cadence."""
+        optimizer = self.data_parallel_table_optimizer
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if self.replica_sync is not None:
+            self.replica_sync.step_ended()
+        self.comm.end_step()
+
+    @property
+    def checks_finite(self) -> bool:
+        return self.output_hooks is not None and self.output_hooks.checks_finite
+
+    def check_finite(self, step: int, *, before_update: bool, loss: Any = None) -> None:
+        """Every rank learns whether any saw a non-finite value since the last check, and all raise together."""
+        assert self.output_hooks is not None, "install_output_hooks(check_finite=True) first"
+        if loss is not None:
+            self.output_hooks.note_loss(loss)
+        local = self.output_hooks.take_nonfinite()
+        kinds = list(local)
+        flags = torch.tensor([int(bool(local[k])) for k in kinds])
+        gathered = [torch.empty_like(flags) for _ in range(dist.get_world_size(self._coordination_group))]
+        dist.all_gather(gathered, flags, group=self._coordination_group)
+        found = {k: [r for r, f in enumerate(gathered) if f[i]] for i, k in enumerate(kinds)}
+        if any(found.values()):
+            what = "; ".join(f"{k} on rank(s) {ranks}" + (f" ({local[k]} here)" if local[k] else "") for k, ranks in found.items() if ranks)
+            when = "stopped before the embedding update" if before_update else "the tables' update at this step is already applied"
+            raise FloatingPointError(
+                f"TwoDRecStrategy(check_finite): non-finite values at step {step}: {what}; {when}. Lower the learning "
+                "rate or check the inputs, and resume from the last checkpoint."
+            )
+
+    # ----------------------------------------------------------------- replica sync
+    def sync(self) -> None:
+        """Average the replicas now (a no-op in 1D). Every rank must call it."""
+        if self.replica_sync is not None:
+            self.replica_sync.sync()
+
+    def sync_if_pending(self) -> None:
+        """Average the replicas if any step ran since the last sync (before evaluation, saves, the end)."""
+        if self.replica_sync is not None:
+            self.replica_sync.sync_if_pending()
+
+    def restart_sync_cadence(self) -> None:
+        """After a checkpoint load: every replica holds the loaded values, so nothing is pending."""
+        if self.replica_sync is not None:
+            self.replica_sync.reset()
+
+    @property
+    def last_sync_stats(self) -> Optional[SyncStats]:
+        return self.replica_sync.last_sync_stats if self.replica_sync is not None else None
+
+    def close(self) -> None:
+        """Stop accounting and remove the replica sync's row-tracking hooks (the model may be reused)."""
+        self.comm.stop()
+        if self.replica_sync is not None:
+            self.replica_sync.close()
