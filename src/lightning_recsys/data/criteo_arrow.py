@@ -257,21 +257,22 @@ class _Parsed:
         return slice(int(self._row_at[first_line]), int(self._row_at[end_line]))
 
 
-def _hex_ids(column: pa.ChunkedArray, size: int, out: np.ndarray) -> bool:
-    """Writes ``int(value, 16) % size`` (-1 for an empty value) into ``out``; False if a value is not hex."""
+def _hex_values(column: pa.ChunkedArray, values: np.ndarray, present: np.ndarray) -> bool:
+    """Writes ``int(value, 16)`` and whether the value is there into the rows' slots; False if one is not hex."""
     position = 0
     for chunk in column.chunks:
         k = len(chunk)
         offsets = np.frombuffer(chunk.buffers()[1], dtype=np.int32, count=k + 1, offset=chunk.offset * 4)
         lengths = np.diff(offsets)
-        target = out[position : position + k]
+        here = lengths > 0
+        present[position : position + k] = here
+        target = values[position : position + k]
         position += k
-        target.fill(-1)
-        present = lengths > 0
-        if not present.any():
+        target.fill(0)
+        if not here.any():
             continue
         data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8, count=int(offsets[-1] - offsets[0]), offset=int(offsets[0]))
-        if (lengths[present] == 8).all():  # the released files: 8 digits, read 8 bytes at a time
+        if (lengths[here] == 8).all():  # the released files: 8 digits, read 8 bytes at a time
             words = data.view(">u8").astype(_U64)
             # Digits have bit 4 set and letters bit 6; "-", the only other byte that gets here, neither.
             if (((words >> _U64(4)) | (words >> _U64(6))) & _U64(0x0101010101010101) != _U64(0x0101010101010101)).any():
@@ -279,7 +280,7 @@ def _hex_ids(column: pa.ChunkedArray, size: int, out: np.ndarray) -> bool:
             nibbles = (words & _U64(0x0F0F0F0F0F0F0F0F)) + _U64(9) * ((words >> _U64(6)) & _U64(0x0101010101010101))
             nibbles = ((nibbles >> _U64(4)) | nibbles) & _U64(0x00FF00FF00FF00FF)
             nibbles = ((nibbles >> _U64(8)) | nibbles) & _U64(0x0000FFFF0000FFFF)
-            values = ((nibbles >> _U64(16)) | nibbles) & _U64(0x00000000FFFFFFFF)
+            target[here] = ((nibbles >> _U64(16)) | nibbles) & _U64(0x00000000FFFFFFFF)
         else:
             if lengths.max() > _MAX_HEX_DIGITS:
                 return False
@@ -289,14 +290,23 @@ def _hex_ids(column: pa.ChunkedArray, size: int, out: np.ndarray) -> bool:
             row = np.repeat(np.arange(k), lengths)
             ends = (offsets[1:] - offsets[0])[row]
             shifts = (4 * (ends - 1 - np.arange(len(data)))).astype(_U64)
-            starts = (offsets[:-1] - offsets[0])[present]
-            values = np.bitwise_or.reduceat(digits.astype(_U64) << shifts, starts)
-        target[present] = (values % _U64(size)).astype(np.int64)
+            starts = (offsets[:-1] - offsets[0])[here]
+            target[here] = np.bitwise_or.reduceat(digits.astype(_U64) << shifts, starts)
     return True
 
 
-def _arrow_parse(data: bytes, lines: int, sizes: list[int], use_threads: bool) -> _Parsed | None:
-    """Every line of ``data`` parsed by pyarrow, or None if any line might be malformed."""
+@dataclass
+class RawColumns:
+    """Lines as the files hold them: labels, integers (missing: 0) and hex values (missing: 0, ``present`` False)."""
+
+    positive: np.ndarray  # [n] bool
+    integers: np.ndarray  # [n, 13] int64
+    hex_values: np.ndarray  # [26, n] uint64
+    present: np.ndarray  # [26, n] bool
+
+
+def arrow_raw_columns(data: bytes, lines: int, use_threads: bool = True) -> RawColumns | None:
+    """Every line of ``data`` (whole lines) parsed by pyarrow, or None if any line might be malformed."""
     if data.translate(None, _ALLOWED):
         return None
     try:
@@ -318,15 +328,28 @@ def _arrow_parse(data: bytes, lines: int, sizes: list[int], use_threads: bool) -
     positive = label_bytes == ord("1")
     if not (positive | (label_bytes == ord("0"))).all():
         return None
-    ids = np.empty((NUM_CATEGORICAL_FEATURES, lines), dtype=np.int64)
-    for f, size in enumerate(sizes):
-        if not _hex_ids(table.column(1 + NUM_INTEGER_FEATURES + f), size, ids[f]):
+    hex_values = np.empty((NUM_CATEGORICAL_FEATURES, lines), dtype=_U64)
+    present = np.empty((NUM_CATEGORICAL_FEATURES, lines), dtype=bool)
+    for f in range(NUM_CATEGORICAL_FEATURES):
+        if not _hex_values(table.column(1 + NUM_INTEGER_FEATURES + f), hex_values[f], present[f]):
             return None
-    integers = np.empty((lines, NUM_INTEGER_FEATURES), dtype=np.float64)
+    integers = np.empty((lines, NUM_INTEGER_FEATURES), dtype=np.int64)
     for i in range(NUM_INTEGER_FEATURES):
         integers[:, i] = pa_compute.fill_null(table.column(1 + i), 0).to_numpy()
+    return RawColumns(positive=positive, integers=integers, hex_values=hex_values, present=present)
+
+
+def _arrow_parse(data: bytes, lines: int, sizes: list[int], use_threads: bool) -> _Parsed | None:
+    raw = arrow_raw_columns(data, lines, use_threads)
+    if raw is None:
+        return None
+    ids = (raw.hex_values % np.asarray(sizes, dtype=_U64)[:, None]).astype(np.int64)
+    ids[~raw.present] = -1
     return _Parsed(
-        labels=positive.astype(np.float32), dense=dense_transform(torch.from_numpy(integers)).numpy(), ids=ids, valid=None
+        labels=raw.positive.astype(np.float32),
+        dense=dense_transform(torch.from_numpy(raw.integers.astype(np.float64))).numpy(),
+        ids=ids,
+        valid=None,
     )
 
 
