@@ -312,7 +312,12 @@ def arrow_raw_columns(data: bytes, lines: int, use_threads: bool = True) -> RawC
     try:
         table = pa_csv.read_csv(
             pa.py_buffer(data),
-            read_options=pa_csv.ReadOptions(use_threads=use_threads, block_size=_BLOCK_BYTES, column_names=_COLUMNS),
+            read_options=pa_csv.ReadOptions(
+                use_threads=use_threads,
+                # Blocks are the unit of pyarrow's threads; one thread does best with one block.
+                block_size=_BLOCK_BYTES if use_threads else max(len(data), 1),
+                column_names=_COLUMNS,
+            ),
             parse_options=_PARSE,
             convert_options=_CONVERT,
         )
@@ -339,18 +344,29 @@ def arrow_raw_columns(data: bytes, lines: int, use_threads: bool = True) -> RawC
     return RawColumns(positive=positive, integers=integers, hex_values=hex_values, present=present)
 
 
+_LOG_TABLE_SIZE = 1 << 20
+_log_table: np.ndarray | None = None
+
+
+def _dense(integers: np.ndarray) -> np.ndarray:
+    """``dense_transform`` of int64 integers: looked up below 2^20 (a table made by it), computed above."""
+    global _log_table
+    if _log_table is None:
+        _log_table = dense_transform(torch.arange(_LOG_TABLE_SIZE, dtype=torch.float64)).numpy()
+    dense = _log_table[np.clip(integers, 0, _LOG_TABLE_SIZE - 1)]
+    large = integers >= _LOG_TABLE_SIZE
+    if large.any():
+        dense[large] = dense_transform(torch.from_numpy(integers[large].astype(np.float64))).numpy()
+    return dense
+
+
 def _arrow_parse(data: bytes, lines: int, sizes: list[int], use_threads: bool) -> _Parsed | None:
     raw = arrow_raw_columns(data, lines, use_threads)
     if raw is None:
         return None
     ids = (raw.hex_values % np.asarray(sizes, dtype=_U64)[:, None]).astype(np.int64)
     ids[~raw.present] = -1
-    return _Parsed(
-        labels=raw.positive.astype(np.float32),
-        dense=dense_transform(torch.from_numpy(raw.integers.astype(np.float64))).numpy(),
-        ids=ids,
-        valid=None,
-    )
+    return _Parsed(labels=raw.positive.astype(np.float32), dense=_dense(raw.integers), ids=ids, valid=None)
 
 
 def _python_parse(data: bytes, line_numbers: np.ndarray, sizes: list[int], tally: BadLineTally) -> _Parsed:
