@@ -180,6 +180,16 @@ def test_ranks_and_workers_cover_every_example_once(tmp_path, world_size, num_wo
             assert _same(batch, old[tuple(_first_ints(batch))])
 
 
+def test_concatenated_gzip_members_are_one_file(tmp_path):
+    lines = _lines(40)
+    path = tmp_path / "two_members.gz"
+    path.write_bytes(gzip.compress(("\n".join(lines[:17]) + "\n").encode()) + gzip.compress(("\n".join(lines[17:]) + "\n").encode()))
+    config = _config([str(path)])
+    assert LineIndex.build([str(path)]).total == 40
+    assert all(_same(a, b) for a, b in zip(CriteoDataset(config, "train"), CriteoArrowDataset(config, "train", window_bytes=500)))
+    assert len(list(CriteoArrowDataset(config, "train", 1, 2))) == 40 // 8
+
+
 def test_one_rank_with_workers_gives_the_batches_in_order(tmp_path):
     path = _write(tmp_path / "d.gz", _lines(90), compress=True)
     config = _config([path], global_batch_size=4)

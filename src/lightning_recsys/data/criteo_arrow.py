@@ -30,8 +30,9 @@ line by line by the exact Python rules instead, which raise or skip with the lin
 from __future__ import annotations
 
 import bisect
-import gzip
 import os
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -125,7 +126,7 @@ def count_chunk_lines(chunk: FileChunk) -> tuple[int, int]:
     """``(lines that start in the chunk, byte offset of the first of them)``, from newlines alone."""
     if chunk.compressed:
         count, last = 0, b"\n"
-        with gzip.open(chunk.path, "rb") as stream:
+        with _open(chunk.path, True, 0) as stream:
             while block := stream.read(16 << 20):
                 count += block.count(b"\n")
                 last = block[-1:]
@@ -195,7 +196,8 @@ def _open(path: str, compressed: bool, start: int):
     if compressed:
         if start:
             raise ValueError(f"{path} is gzip: it can only be read from its start.")
-        return gzip.open(path, "rb")
+        # pyarrow's zlib stream: C++ that releases the GIL for a whole read (Python's gzip does not).
+        return pa.CompressedInputStream(pa.OSFile(path, "rb"), "gzip")
     raw = open(path, "rb")  # noqa: SIM115 - returned to the caller's with-block
     raw.seek(start)
     return raw
@@ -238,6 +240,48 @@ def _file_windows(
                 limit -= lines
             if not block:
                 return
+
+
+def prefetch(items: Iterator, depth: int = 2) -> Iterator:
+    """``items``, produced by a background thread up to ``depth`` ahead (reading and gzip release the GIL).
+
+    An exception in the producer is raised here; closing this generator early stops the producer.
+    """
+    slots: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(entry: tuple) -> bool:
+        while not stop.is_set():
+            try:
+                slots.put(entry, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def produce() -> None:
+        try:
+            for item in items:
+                if not put((item, None)):
+                    return
+            put((end, None))
+        except BaseException as error:  # noqa: BLE001 - handed to the consumer
+            put((end, error))
+
+    thread = threading.Thread(target=produce, name="criteo-arrow-reader", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item, error = slots.get()
+            if item is end:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join()
 
 
 @dataclass
@@ -456,21 +500,15 @@ class CriteoArrowDataset(IterableDataset):
             if limit == 0:
                 return
 
-    def __iter__(self) -> Iterator[RecBatch]:
-        worker = get_worker_info()
-        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        use_threads = worker is None  # workers are processes already; pyarrow's threads are for one process
+    def _parsed_windows(self, worker_id: int, num_workers: int, use_threads: bool) -> Iterator[tuple]:
+        """Per window with some of this worker's lines: its pieces and their pyarrow parse (None: read them exactly).
+
+        A piece is ``(first, end)`` window lines of one of this worker's batches; the batches are
+        consecutive ``b`` lines of the rank's range.
+        """
         b = self.local_batch_size
-        self.skipped_lines = 0
-        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         line = 0  # this rank's line index of the current window's first line
-        tally: BadLineTally | None = None
         for path, line_number, data, lines in self._windows():
-            if tally is None or tally.path != path:
-                if tally is not None:
-                    self.skipped_lines += tally.finish()
-                tally = BadLineTally(path, self.config.on_bad_line)
-            # This worker's pieces of the window: (rank line, window line start, end) of each own batch.
             pieces = []
             for batch in range(line // b, (line + lines - 1) // b + 1):
                 if batch % num_workers == worker_id:
@@ -489,9 +527,28 @@ class CriteoArrowDataset(IterableDataset):
                 numbers = np.concatenate([np.arange(line_number + lo, line_number + hi) for lo, hi in pieces])
             own_lines = sum(hi - lo for lo, hi in pieces)
             parsed = _arrow_parse(own, own_lines, self._sizes, use_threads)
+            yield path, line_number, window_first, pieces, own, numbers, parsed
+
+    def __iter__(self) -> Iterator[RecBatch]:
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        use_threads = worker is None  # workers are processes already; pyarrow's threads are for one process
+        b = self.local_batch_size
+        self.skipped_lines = 0
+        pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        tally: BadLineTally | None = None
+        # Reading and parsing run a window ahead in a thread (pyarrow and zlib release the GIL);
+        # the exact fallback, the bad-line policy and the batches stay in this one.
+        for path, line_number, window_first, pieces, own, numbers, parsed in prefetch(
+            self._parsed_windows(worker_id, num_workers, use_threads)
+        ):
+            if tally is None or tally.path != path:
+                if tally is not None:
+                    self.skipped_lines += tally.finish()
+                tally = BadLineTally(path, self.config.on_bad_line)
             if parsed is None:
                 if numbers is None:
-                    numbers = np.arange(line_number, line_number + own_lines)
+                    numbers = np.arange(line_number, line_number + own.count(b"\n"))
                 parsed = _python_parse(own, numbers, self._sizes, tally)
             at = 0
             for lo, hi in pieces:
