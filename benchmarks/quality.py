@@ -8,7 +8,7 @@ validation ratings, then they score ``u1.test``.
 
 Criteo (``--criteo-path``, a directory of TorchRec npy files, ``day_{i}_{dense,sparse,labels}.npy``):
 trains the model of ``examples/configs/criteo_dlrm.yaml`` on ``CriteoBinaryDataModule`` with the
-given days. The baseline is popularity: the smoothed positive rate of one categorical feature's
+given days (``--data lightning_recsys.data.CriteoBinaryDataModule``). The baseline is popularity: the smoothed positive rate of one categorical feature's
 value, the feature picked on the validation day.
 
 ``--make-synthetic DIR`` writes a MovieLens-100k-format directory (943 users, 1682 movies, 100k
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-days", type=int, nargs="+", default=[2])
     parser.add_argument("--criteo-table-size", type=int, default=None, help="override data.table_sizes")
     parser.add_argument("--make-synthetic", type=Path, help="write a synthetic MovieLens-format directory here and exit")
+    parser.add_argument("--synthetic-ratings", type=int, default=100_000, help="ratings of --make-synthetic")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baselines-only", action="store_true")
     parser.add_argument("--json", type=Path, default=RESULTS / "quality.json")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.make_synthetic:
-        make_synthetic_movielens(args.make_synthetic, seed=args.seed)
+        make_synthetic_movielens(args.make_synthetic, seed=args.seed, num_ratings=args.synthetic_ratings)
         print(f"synthetic MovieLens-100k-format data in {args.make_synthetic}")
         return 0
     if bool(args.path) == bool(args.criteo_path):
@@ -216,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
         config_in = args.config or CONFIGS / "criteo_dlrm.yaml"
         result = {"dataset": "criteo-npy", "path": args.criteo_path, "days": [args.train_days, args.val_days, args.test_days]}
         result["baselines"] = _baselines_criteo(args.criteo_path, args.train_days, args.val_days, args.test_days)
-        config = _criteo_npy_config(config_in, workdir)
+        config = config_in
         result["config"] = f"{config_in} (data: CriteoBinaryDataModule)"
         overrides = [
-            "--data.path", args.criteo_path, "--data.train_days", json.dumps(args.train_days),
+            "--data", "lightning_recsys.data.CriteoBinaryDataModule", "--data.path", args.criteo_path, "--data.train_days", json.dumps(args.train_days),
             "--data.val_days", json.dumps(args.val_days), "--data.test_days", json.dumps(args.test_days),
         ]
         if args.criteo_table_size:
@@ -236,21 +237,6 @@ def main(argv: list[str] | None = None) -> int:
     _print(result)
     print(f"JSON: {args.json}")
     return 0
-
-
-def _criteo_npy_config(config: Path, workdir: Path) -> Path:
-    """The Criteo config with its data section swapped for CriteoBinaryDataModule (same table size and batch)."""
-    from omegaconf import OmegaConf
-
-    raw = OmegaConf.load(config)
-    init = raw.data.init_args
-    raw.data = OmegaConf.create({
-        "class_path": "lightning_recsys.data.CriteoBinaryDataModule",
-        "init_args": {"path": "npy", "train_days": [0], "table_sizes": init.table_sizes, "global_batch_size": init.global_batch_size},
-    })
-    out = workdir / "criteo_npy.yaml"
-    OmegaConf.save(raw, out)
-    return out
 
 
 def _print(result: dict) -> None:

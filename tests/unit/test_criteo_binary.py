@@ -172,3 +172,21 @@ def test_datamodule_takes_rank_and_world_size_from_the_trainer(npy_dir):
     dm.trainer = SimpleNamespace(global_rank=1, world_size=2)
     (second,) = list(dm.train_dataloader())[:1]
     assert len(whole) == 2 and torch.equal(second.dense, whole[1].dense[:5])  # rank 1: rows 10..19, in batches of 5
+
+
+def test_the_criteo_config_switches_to_npy_files_on_the_command_line(npy_dir):
+    from pathlib import Path
+
+    from lightning_recsys.cli import build_cli
+
+    out, _, _ = npy_dir
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "criteo_dlrm.yaml"
+    cli = build_cli(
+        ["--config", str(config), "--data", "lightning_recsys.data.CriteoBinaryDataModule", "--data.path", str(out),
+         "--data.train_days", "[0, 1]", "--data.val_days", "[2]"],
+        run=False,
+    )
+    dm = cli.datamodule
+    assert isinstance(dm, CriteoBinaryDataModule) and dm.config.train_days == [0, 1] and dm.config.val_days == [2]
+    assert dm.table_sizes == cli.model.hparams.table_sizes == [100000] * 26 and dm.config.global_batch_size == 2048
+    assert cli.model.hparams.feature_names == dm.feature_names
