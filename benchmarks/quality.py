@@ -223,8 +223,9 @@ def main(argv: list[str] | None = None) -> int:
             "--data", "lightning_recsys.data.CriteoBinaryDataModule", "--data.path", args.criteo_path, "--data.train_days", json.dumps(args.train_days),
             "--data.val_days", json.dumps(args.val_days), "--data.test_days", json.dumps(args.test_days),
         ]
-        if args.criteo_table_size:
-            overrides += ["--data.table_sizes", str(args.criteo_table_size)]
+        if args.criteo_table_size:  # the config's interpolation is resolved before these overrides: set both
+            size = str(args.criteo_table_size)
+            overrides += ["--data.table_sizes", size, "--model.init_args.table_sizes", json.dumps([int(size)] * 26)]
         overrides += args.override
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     if not args.baselines_only:
