@@ -32,8 +32,8 @@ def _lines(n: int, seed: int = 0) -> list[str]:
 def _write(path, lines, compress=False, newline_at_end=True) -> str:
     text = "\n".join(lines) + ("\n" if newline_at_end else "")
     if compress:
-        with gzip.open(path, "wt") as f:
-            f.write(text)
+        with gzip.open(path, "wb") as f:
+            f.write(text.encode("utf-8", errors="surrogateescape"))
     else:
         path.write_bytes(text.encode("utf-8", errors="surrogateescape"))
     return str(path)
@@ -106,6 +106,7 @@ _BAD = [
     _GOOD.replace("0000000a", "-a", 1),
     _GOOD.replace("0000000a", "0000\r00a", 1),
     _GOOD.replace("0000000a", "caf\u00e9", 1),
+    _GOOD.replace("0000000a", "00\udcff0000a", 1),  # a byte that is not UTF-8
     _GOOD + "\t",  # 41 fields
     "",  # an empty line
     '"1"' + _GOOD[1:],  # quotes are not special
