@@ -31,6 +31,7 @@ from lightning_recsys.data.readers import (
     GlobalBatchDataset,
     OnBadLine,
     check_global_batch_size,
+    check_num_workers,
     check_on_bad_line,
     iter_lines,
 )
@@ -191,7 +192,25 @@ def criteo_batch(labels: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor) -
     return RecBatch(dense=dense, sparse=sparse, labels=labels)
 
 
-class CriteoDataModule(RankSlicedDataModule):
+class CriteoFeatures:
+    """What a model needs from a Criteo DataModule (``config.feature_table_sizes()`` gives the tables)."""
+
+    config: CriteoConfig
+
+    @property
+    def feature_names(self) -> list[str]:
+        return list(CRITEO_FEATURE_NAMES)
+
+    @property
+    def table_sizes(self) -> list[int]:
+        return self.config.feature_table_sizes()
+
+    @property
+    def num_dense_features(self) -> int:
+        return NUM_INTEGER_FEATURES
+
+
+class CriteoDataModule(CriteoFeatures, RankSlicedDataModule):
     """Criteo Kaggle / Terabyte TSV files for any ranker; every rank gets its own slice of each global batch.
 
     The arguments are ``CriteoConfig``'s (flat, so the CLI takes ``--data.train_paths [...]``), and
@@ -221,26 +240,13 @@ class CriteoDataModule(RankSlicedDataModule):
             train_paths=train_paths, val_paths=val_paths or [], test_paths=test_paths or [], table_sizes=table_sizes,
             global_batch_size=global_batch_size, on_bad_line=on_bad_line, reader=reader,
         )
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0.")
+        check_num_workers(num_workers)
         self.num_workers = num_workers
         self._line_indexes: dict[Split, LineIndex] = {}
 
     @classmethod
     def from_config(cls, config: CriteoConfig) -> CriteoDataModule:
         return cls(**dataclasses.asdict(config))
-
-    @property
-    def feature_names(self) -> list[str]:
-        return list(CRITEO_FEATURE_NAMES)
-
-    @property
-    def table_sizes(self) -> list[int]:
-        return self.config.feature_table_sizes()
-
-    @property
-    def num_dense_features(self) -> int:
-        return NUM_INTEGER_FEATURES
 
     def _dataset(self, split: Split, rank: int, world_size: int):
         if self.config.reader == "python":

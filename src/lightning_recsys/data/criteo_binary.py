@@ -53,6 +53,7 @@ from lightning_recsys.data.criteo import (
     CRITEO_FEATURE_NAMES,
     NUM_CATEGORICAL_FEATURES,
     NUM_INTEGER_FEATURES,
+    CriteoFeatures,
     _diagnose,
 )
 from lightning_recsys.data.module import RankSlicedDataModule, Split
@@ -60,6 +61,7 @@ from lightning_recsys.data.readers import (
     BadLineTally,
     OnBadLine,
     check_global_batch_size,
+    check_num_workers,
     check_on_bad_line,
     rank_slice,
 )
@@ -224,7 +226,7 @@ class CriteoBinaryDataset(IterableDataset):
             yield self.batch(index)
 
 
-class CriteoBinaryDataModule(RankSlicedDataModule):
+class CriteoBinaryDataModule(CriteoFeatures, RankSlicedDataModule):
     """TorchRec's npy Criteo files for any ranker; every rank memory-maps only its own rows.
 
     The arguments are ``CriteoBinaryConfig``'s, and ``num_workers`` (DataLoader worker processes;
@@ -248,25 +250,12 @@ class CriteoBinaryDataModule(RankSlicedDataModule):
             path=path, train_days=train_days, val_days=val_days or [], test_days=test_days or [], table_sizes=table_sizes,
             global_batch_size=global_batch_size,
         )
-        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
-            raise ValueError(f"num_workers={num_workers!r} must be an integer >= 0.")
+        check_num_workers(num_workers)
         self.num_workers = num_workers
 
     @classmethod
     def from_config(cls, config: CriteoBinaryConfig, num_workers: int = 0) -> CriteoBinaryDataModule:
         return cls(**dataclasses.asdict(config), num_workers=num_workers)
-
-    @property
-    def feature_names(self) -> list[str]:
-        return list(CRITEO_FEATURE_NAMES)
-
-    @property
-    def table_sizes(self) -> list[int]:
-        return self.config.feature_table_sizes()
-
-    @property
-    def num_dense_features(self) -> int:
-        return NUM_INTEGER_FEATURES
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> CriteoBinaryDataset:
         return CriteoBinaryDataset(self.config, split, rank, world_size)
