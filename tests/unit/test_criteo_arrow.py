@@ -233,3 +233,26 @@ def test_datamodule_defaults_to_arrow_and_gives_ranks_contiguous_lines(tmp_path)
         CriteoDataModule([train], reader="fast")
     with pytest.raises(ValueError, match=r"num_workers=-1 must be an integer >= 0"):
         CriteoDataModule([train], num_workers=-1)
+
+
+def test_prefetch_keeps_order_passes_errors_on_and_stops_when_closed():
+    import threading
+
+    from lightning_recsys.data.criteo_arrow import prefetch
+
+    assert list(prefetch(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield 1
+        raise OSError("disk gone")
+
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        for item in prefetch(failing()):
+            got.append(item)
+    assert got == [1]
+    before = threading.active_count()
+    stream = prefetch(iter(range(10**6)))
+    assert next(stream) == 0
+    stream.close()  # the producer sees the stop and ends; no thread is left behind
+    assert threading.active_count() == before
