@@ -21,8 +21,8 @@ from lightning_recsys.data.criteo_binary import (  # noqa: E402
     CriteoBinaryDataset,
     convert_tsv_to_npy,
     day_file,
-    main,
 )
+from lightning_recsys.data.criteo_to_npy import main  # noqa: E402
 
 SIZES = [7, 1000, 2**31 - 1] + [97] * 23
 
@@ -159,7 +159,7 @@ def test_config_validation_and_missing_files(tmp_path):
         with pytest.raises(ValueError, match=message):
             CriteoBinaryConfig(path=str(tmp_path), **kwargs)
     dm = CriteoBinaryDataModule(str(tmp_path), train_days=[3])
-    with pytest.raises(FileNotFoundError, match=r"day_3_dense.npy does not exist: .*python -m lightning_recsys.data.criteo_binary"):
+    with pytest.raises(FileNotFoundError, match=r"day_3_dense.npy does not exist: .*python -m lightning_recsys.data.criteo_to_npy"):
         dm.train_dataloader()
     with pytest.raises(ValueError, match="num_workers=-2 must be an integer >= 0"):
         CriteoBinaryDataModule(str(tmp_path), train_days=[0], num_workers=-2)

@@ -3,7 +3,7 @@
 A directory holds three files per day ``i``: ``day_{i}_dense.npy``, ``day_{i}_sparse.npy`` and
 ``day_{i}_labels.npy``, as written by ``torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys``
 (and TorchRec's ``npy_preproc_criteo.py`` script), the input of TorchRec's DLRM examples and the
-MLPerf DLRM reference. ``convert_tsv_to_npy`` (``python -m lightning_recsys.data.criteo_binary``)
+MLPerf DLRM reference. ``convert_tsv_to_npy`` (``python -m lightning_recsys.data.criteo_to_npy``)
 writes the same arrays from TSV or gzip files in bounded memory, with a progress bar.
 
 What the files hold, and how it differs from the TSV readers (``CriteoDataModule``):
@@ -31,14 +31,12 @@ slicing and ``%``, and ``torch.from_numpy``.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
-import re
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,7 +172,7 @@ class CriteoBinaryDataset(IterableDataset):
                 raise FileNotFoundError(
                     f"{name} does not exist: CriteoBinaryDataModule(path={self.config.path!r}) needs day_{day}_dense.npy, "
                     f"day_{day}_sparse.npy and day_{day}_labels.npy for day {day} (convert TSV files with "
-                    "python -m lightning_recsys.data.criteo_binary)."
+                    "python -m lightning_recsys.data.criteo_to_npy)."
                 )
             shapes[kind] = tuple(utils.get_shape_from_npy(name))
         rows = shapes["dense"][0]
@@ -358,38 +356,3 @@ def convert_tsv_to_npy(
         _write_npy(day_file(out_dir, day, "sparse"), np.int64, NUM_CATEGORICAL_FEATURES, rows, bodies["sparse"])
         _write_npy(day_file(out_dir, day, "labels"), np.int32, 1, rows, bodies["labels"])
     return rows
-
-
-def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
-    if days is not None:
-        if len(days) != len(paths):
-            raise SystemExit(f"--days has {len(days)} numbers for {len(paths)} input files; give one per file.")
-        return list(days)
-    found = [re.search(r"day_(\d+)", Path(p).name) for p in paths]
-    if all(found):
-        return [int(m.group(1)) for m in found]  # type: ignore[union-attr]
-    return list(range(len(paths)))
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m lightning_recsys.data.criteo_binary IN... --out-dir DIR``: TSV/gzip to TorchRec's npy files."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_recsys.data.criteo_binary",
-        description="Convert Criteo TSV files (plain or gzip) into TorchRec's day_{i}_{dense,sparse,labels}.npy files.",
-    )
-    parser.add_argument("inputs", nargs="+", help="TSV or gzip files, one per day")
-    parser.add_argument("--out-dir", required=True, help="directory for the npy files")
-    parser.add_argument(
-        "--days", type=int, nargs="+", default=None,
-        help="day number of each input (default: the N of day_N in the file names, else 0, 1, ...)",
-    )
-    parser.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = parser.parse_args(argv)
-    for path, day in zip(args.inputs, _day_numbers(args.inputs, args.days)):
-        rows = convert_tsv_to_npy(path, args.out_dir, day, on_bad_line=args.on_bad_line, progress=not args.no_progress)
-        print(f"{path} -> {day_file(args.out_dir, day, '{dense,sparse,labels}')}: {rows} rows")
-
-
-if __name__ == "__main__":
-    main()
