@@ -316,15 +316,11 @@ def _hex_values(column: pa.ChunkedArray, values: np.ndarray, present: np.ndarray
         if not here.any():
             continue
         data = np.frombuffer(chunk.buffers()[2], dtype=np.uint8, count=int(offsets[-1] - offsets[0]), offset=int(offsets[0]))
-        if (lengths[here] == 8).all():  # the released files: 8 digits, read 8 bytes at a time
-            words = data.view(">u8").astype(_U64)
-            # Digits have bit 4 set and letters bit 6; "-", the only other byte that gets here, neither.
-            if (((words >> _U64(4)) | (words >> _U64(6))) & _U64(0x0101010101010101) != _U64(0x0101010101010101)).any():
+        if (lengths[here] == 8).all():  # 8 digits, read 8 bytes at a time
+            decoded = _swar_hex8(data.view(">u8").astype(_U64))
+            if decoded is None:
                 return False
-            nibbles = (words & _U64(0x0F0F0F0F0F0F0F0F)) + _U64(9) * ((words >> _U64(6)) & _U64(0x0101010101010101))
-            nibbles = ((nibbles >> _U64(4)) | nibbles) & _U64(0x00FF00FF00FF00FF)
-            nibbles = ((nibbles >> _U64(8)) | nibbles) & _U64(0x0000FFFF0000FFFF)
-            target[here] = ((nibbles >> _U64(16)) | nibbles) & _U64(0x00000000FFFFFFFF)
+            target[here] = decoded
         else:
             if lengths.max() > _MAX_HEX_DIGITS:
                 return False
@@ -336,6 +332,38 @@ def _hex_values(column: pa.ChunkedArray, values: np.ndarray, present: np.ndarray
             shifts = (4 * (ends - 1 - np.arange(len(data)))).astype(_U64)
             starts = (offsets[:-1] - offsets[0])[here]
             target[here] = np.bitwise_or.reduceat(digits.astype(_U64) << shifts, starts)
+    return True
+
+
+def _swar_hex8(words: np.ndarray) -> np.ndarray | None:
+    """The values of big-endian words of 8 ASCII hex digits each, or None if a byte is not a hex digit."""
+    # Digits have bit 4 set and letters bit 6; "-", the only other byte that gets here, neither.
+    if (((words >> _U64(4)) | (words >> _U64(6))) & _U64(0x0101010101010101) != _U64(0x0101010101010101)).any():
+        return None
+    nibbles = (words & _U64(0x0F0F0F0F0F0F0F0F)) + _U64(9) * ((words >> _U64(6)) & _U64(0x0101010101010101))
+    nibbles = ((nibbles >> _U64(4)) | nibbles) & _U64(0x00FF00FF00FF00FF)
+    nibbles = ((nibbles >> _U64(8)) | nibbles) & _U64(0x0000FFFF0000FFFF)
+    return ((nibbles >> _U64(16)) | nibbles) & _U64(0x00000000FFFFFFFF)
+
+
+def _hex8_values(columns: list[pa.Array], values: np.ndarray, present: np.ndarray) -> bool:
+    """All columns at once when every value has 8 digits or none (the released files); False otherwise."""
+    datas = []
+    for f, column in enumerate(columns):
+        k = len(column)
+        offsets = np.frombuffer(column.buffers()[1], dtype=np.int32, count=k + 1, offset=column.offset * 4)
+        lengths = np.diff(offsets)
+        here = lengths > 0
+        if not ((lengths == 8) | ~here).all():
+            return False
+        present[f] = here
+        datas.append(np.frombuffer(column.buffers()[2], dtype=np.uint8, count=int(offsets[-1] - offsets[0]), offset=int(offsets[0])))
+    words = np.concatenate(datas).view(">u8").astype(_U64)
+    decoded = _swar_hex8(words)
+    if decoded is None:
+        return False
+    values.fill(0)
+    values[present] = decoded  # row-major: column by column, rows in order, as the data was joined
     return True
 
 
@@ -379,9 +407,11 @@ def arrow_raw_columns(data: bytes, lines: int, use_threads: bool = True) -> RawC
         return None
     hex_values = np.empty((NUM_CATEGORICAL_FEATURES, lines), dtype=_U64)
     present = np.empty((NUM_CATEGORICAL_FEATURES, lines), dtype=bool)
-    for f in range(NUM_CATEGORICAL_FEATURES):
-        if not _hex_values(table.column(1 + NUM_INTEGER_FEATURES + f), hex_values[f], present[f]):
-            return None
+    columns = [table.column(1 + NUM_INTEGER_FEATURES + f).combine_chunks() for f in range(NUM_CATEGORICAL_FEATURES)]
+    if not _hex8_values(columns, hex_values, present):
+        for f, column in enumerate(columns):
+            if not _hex_values(pa.chunked_array([column]), hex_values[f], present[f]):
+                return None
     integers = np.empty((lines, NUM_INTEGER_FEATURES), dtype=np.int64)
     for i in range(NUM_INTEGER_FEATURES):
         integers[:, i] = pa_compute.fill_null(table.column(1 + i), 0).to_numpy()
