@@ -25,6 +25,9 @@ reads which line:
 A window of lines goes to pyarrow only after cheap whole-window checks (allowed bytes only, the
 field count, label, integer and hex syntax, all vectorized); a window that fails any of them is read
 line by line by the exact Python rules instead, which raise or skip with the line's number.
+Reading, decompressing and parsing run one window ahead in a background thread. In a rank's own
+process pyarrow parses with its CPU pool (every core by default; ``pyarrow.set_cpu_count`` shares a
+host between ranks); inside DataLoader workers it parses with one thread each.
 """
 
 from __future__ import annotations
