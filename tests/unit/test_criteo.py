@@ -211,6 +211,8 @@ def test_datamodule_loaders_and_rank_from_trainer(tmp_path):
         assert batch.sparse.values().max().item() < 3  # every id fits its table
 
     dm.trainer = SimpleNamespace(global_rank=1, world_size=2)  # what the loaders read from a Trainer
+    assert [_ids(b) for b in dm.train_dataloader()] == [[4, 5], [6, 7]]  # the arrow reader: contiguous lines
+    dm.config.reader = "python"  # the line-by-line reader: a slice of every global batch
     assert [_ids(b) for b in dm.train_dataloader()] == [[2, 3], [6, 7]]
 
 

@@ -242,3 +242,19 @@ def test_datamodule_describes_tables_and_takes_rank_from_trainer(ml_dir):
 
     dm.trainer = SimpleNamespace(global_rank=1, world_size=2)  # what the loaders read from a Trainer
     assert _pairs(dm.train_dataloader()) == [(4, 4), (1, 1), (1, 2)]
+
+
+def test_shuffle_reorders_train_every_epoch_alike_on_every_rank(ml_dir):
+    data = MovieLens100K(_config(ml_dir, train_fraction=1.0, val_fraction=0.0, global_batch_size=2, shuffle=True, seed=3))
+    whole = MovieLens100KDataset(data, "train")
+    first, second = _pairs(whole), _pairs(whole)
+    in_time_order = _pairs(MovieLens100KDataset(MovieLens100K(_config(ml_dir, train_fraction=1.0, val_fraction=0.0, global_batch_size=2)), "train"))
+    assert sorted(first) == sorted(second) == sorted(in_time_order) and len(first) == 10
+    assert first != second and first != in_time_order  # a new order each epoch
+    assert _pairs(MovieLens100KDataset(data, "train")) == first  # drawn from the seed and the epoch
+    ranks = [MovieLens100KDataset(data, "train", rank=r, world_size=2) for r in range(2)]
+    for expected in (first, second):  # epoch by epoch, the ranks' slices make up the one-rank batches
+        halves = [list(r) for r in ranks]
+        assert [p for a, b in zip(*halves) for p in _pairs([a]) + _pairs([b])] == expected
+    with pytest.raises(ValueError, match="shuffle='yes' must be true or false"):
+        MovieLens100KConfig(path="x", shuffle="yes")

@@ -1,7 +1,9 @@
-"""DataModules producing RecBatch: synthetic click logs (default), MovieLens-100k and Criteo files."""
+"""DataModules producing RecBatch: synthetic click logs (default), MovieLens-100k and Criteo files (TSV or npy)."""
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
 from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
+from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
+from lightning_recsys.data.criteo_binary import CriteoBinaryConfig, CriteoBinaryDataModule, CriteoBinaryDataset
 from lightning_recsys.data.movielens import (
     MOVIELENS_FEATURE_NAMES,
     MovieLens100K,
@@ -19,6 +21,10 @@ from lightning_recsys.data.synthetic import (
 
 __all__ = [
     "CRITEO_FEATURE_NAMES",
+    "CriteoArrowDataset",
+    "CriteoBinaryConfig",
+    "CriteoBinaryDataModule",
+    "CriteoBinaryDataset",
     "CriteoConfig",
     "CriteoDataModule",
     "CriteoDataset",

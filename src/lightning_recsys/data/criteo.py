@@ -19,6 +19,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Literal
 
 import torch
 from torchrec import KeyedJaggedTensor
@@ -30,9 +31,16 @@ from lightning_recsys.data.readers import (
     GlobalBatchDataset,
     OnBadLine,
     check_global_batch_size,
+    check_num_workers,
     check_on_bad_line,
     iter_lines,
 )
+
+if TYPE_CHECKING:
+    from lightning_recsys.data.criteo_arrow import LineIndex
+
+CriteoReader = Literal["arrow", "python"]
+CRITEO_READERS: tuple[str, ...] = ("arrow", "python")
 
 NUM_INTEGER_FEATURES = 13
 NUM_CATEGORICAL_FEATURES = 26
@@ -59,6 +67,11 @@ class CriteoConfig:
             size. A split's final partial global batch is dropped (on every rank).
         on_bad_line: ``"error"`` raises ``MalformedLineError`` (file, line number, line, problem);
             ``"skip"`` skips the line, counts it, and logs one warning per file.
+        reader: ``"arrow"`` parses with pyarrow, each rank reading only its own contiguous lines
+            (``lightning_recsys.data.criteo_arrow``); ``"python"`` is the line-by-line
+            ``CriteoDataset``, where every rank reads every line and takes its slice of each
+            global batch. With one rank both give the same batches (but for ``on_bad_line="skip"``,
+            where the arrow reader's batch holding a skipped line is one example short).
     """
 
     train_paths: list[str]
@@ -67,8 +80,11 @@ class CriteoConfig:
     table_sizes: int | list[int] = 100_000
     global_batch_size: int = 2048
     on_bad_line: OnBadLine = "error"
+    reader: CriteoReader = "arrow"
 
     def __post_init__(self) -> None:
+        if self.reader not in CRITEO_READERS:
+            raise ValueError(f"reader={self.reader!r} is not one of {list(CRITEO_READERS)}.")
         for name in ("train_paths", "val_paths", "test_paths"):
             paths = getattr(self, name)
             if isinstance(paths, (str, Path)) or not isinstance(paths, (list, tuple)):
@@ -145,54 +161,41 @@ class CriteoDataset(GlobalBatchDataset[str]):
             self.skipped_lines += tally.finish()
 
     def _collate(self, records: list[str]) -> RecBatch:
-        rows = [line.split("\t") for line in records]
-        labels = torch.tensor([row[0] == "1" for row in rows], dtype=torch.float32)
-        # float64 first: raw counts can exceed float32's exact range before the log shrinks them.
-        integers = torch.tensor(
-            [[float(x) if x else 0.0 for x in row[1 : 1 + NUM_INTEGER_FEATURES]] for row in rows], dtype=torch.float64
-        )
-        dense = torch.log1p(integers.clamp_(min=0.0)).to(torch.float32)
-        ids = torch.tensor(
-            [
-                [int(x, 16) % size if x else -1 for x, size in zip(row[1 + NUM_INTEGER_FEATURES :], self._sizes)]
-                for row in rows
-            ],
-            dtype=torch.long,
-        ).T  # [26, B]: a KJT is feature-major
-        present = ids >= 0  # -1 marks a missing value: an empty bag
-        sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=CRITEO_FEATURE_NAMES, values=ids[present], lengths=present.reshape(-1).long()
-        )
-        return RecBatch(dense=dense, sparse=sparse, labels=labels)
+        return criteo_batch(*parse_criteo_rows([line.split("\t") for line in records], self._sizes))
 
 
-class CriteoDataModule(RankSlicedDataModule):
-    """Criteo Kaggle / Terabyte TSV files for any ranker; every rank gets its own slice of each global batch.
+def parse_criteo_rows(rows: list[list[str]], table_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Labels ``[B]``, dense ``[B, 13]`` and ids ``[26, B]`` (-1: missing) of checked lines split at tabs."""
+    labels = torch.tensor([row[0] == "1" for row in rows], dtype=torch.float32)
+    # float64 first: raw counts can exceed float32's exact range before the log shrinks them.
+    integers = torch.tensor(
+        [[float(x) if x else 0.0 for x in row[1 : 1 + NUM_INTEGER_FEATURES]] for row in rows], dtype=torch.float64
+    ).reshape(len(rows), NUM_INTEGER_FEATURES)
+    ids = torch.tensor(
+        [[int(x, 16) % size if x else -1 for x, size in zip(row[1 + NUM_INTEGER_FEATURES :], table_sizes)] for row in rows],
+        dtype=torch.long,
+    ).reshape(len(rows), NUM_CATEGORICAL_FEATURES).T  # [26, B]: a KJT is feature-major
+    return labels, dense_transform(integers), ids
 
-    The arguments are ``CriteoConfig``'s (flat, so the CLI takes ``--data.train_paths [...]``).
-    ``feature_names``, ``table_sizes`` and ``num_dense_features`` describe the batches, e.g.
-    ``DLRMRanker(table_sizes=dm.table_sizes, num_dense_features=dm.num_dense_features,
-    feature_names=dm.feature_names)``. Batches come in file order (no shuffling).
-    """
 
-    def __init__(
-        self,
-        train_paths: list[str],
-        val_paths: list[str] | None = None,
-        test_paths: list[str] | None = None,
-        table_sizes: int | list[int] = CriteoConfig.table_sizes,
-        global_batch_size: int = CriteoConfig.global_batch_size,
-        on_bad_line: OnBadLine = CriteoConfig.on_bad_line,
-    ) -> None:
-        super().__init__()
-        self.config = CriteoConfig(
-            train_paths=train_paths, val_paths=val_paths or [], test_paths=test_paths or [], table_sizes=table_sizes,
-            global_batch_size=global_batch_size, on_bad_line=on_bad_line,
-        )
+def dense_transform(integers: torch.Tensor) -> torch.Tensor:
+    """``log(1 + max(x, 0))`` of float64 raw integer features (missing already 0), as float32."""
+    return torch.log1p(integers.clamp_(min=0.0)).to(torch.float32)
 
-    @classmethod
-    def from_config(cls, config: CriteoConfig) -> CriteoDataModule:
-        return cls(**dataclasses.asdict(config))
+
+def criteo_batch(labels: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor) -> RecBatch:
+    """The ``RecBatch`` of labels ``[B]``, dense ``[B, 13]`` and ids ``[26, B]``, where -1 is an empty bag."""
+    present = ids >= 0
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=CRITEO_FEATURE_NAMES, values=ids[present], lengths=present.reshape(-1).long()
+    )
+    return RecBatch(dense=dense, sparse=sparse, labels=labels)
+
+
+class CriteoFeatures:
+    """What a model needs from a Criteo DataModule (``config.feature_table_sizes()`` gives the tables)."""
+
+    config: CriteoConfig
 
     @property
     def feature_names(self) -> list[str]:
@@ -206,5 +209,65 @@ class CriteoDataModule(RankSlicedDataModule):
     def num_dense_features(self) -> int:
         return NUM_INTEGER_FEATURES
 
-    def _dataset(self, split: Split, rank: int, world_size: int) -> CriteoDataset:
-        return CriteoDataset(self.config, split, rank, world_size)
+
+class CriteoDataModule(CriteoFeatures, RankSlicedDataModule):
+    """Criteo Kaggle / Terabyte TSV files for any ranker; every rank gets its own slice of each global batch.
+
+    The arguments are ``CriteoConfig``'s (flat, so the CLI takes ``--data.train_paths [...]``), and
+    ``num_workers``, the DataLoader's worker processes (they split a rank's batches; the batches
+    do not depend on it). ``feature_names``, ``table_sizes`` and ``num_dense_features`` describe the
+    batches, e.g. ``DLRMRanker(table_sizes=dm.table_sizes, num_dense_features=dm.num_dense_features,
+    feature_names=dm.feature_names)``. Batches come in file order (no shuffling).
+
+    With the arrow reader and more than one rank, each rank needs the split's line count to find
+    its range: the ranks count the newlines of a share of the files' chunks each and sum the counts
+    (one all-reduce), once per split.
+    """
+
+    def __init__(
+        self,
+        train_paths: list[str],
+        val_paths: list[str] | None = None,
+        test_paths: list[str] | None = None,
+        table_sizes: int | list[int] = CriteoConfig.table_sizes,
+        global_batch_size: int = CriteoConfig.global_batch_size,
+        on_bad_line: OnBadLine = CriteoConfig.on_bad_line,
+        reader: CriteoReader = CriteoConfig.reader,
+        num_workers: int = 0,
+    ) -> None:
+        super().__init__()
+        self.config = CriteoConfig(
+            train_paths=train_paths, val_paths=val_paths or [], test_paths=test_paths or [], table_sizes=table_sizes,
+            global_batch_size=global_batch_size, on_bad_line=on_bad_line, reader=reader,
+        )
+        check_num_workers(num_workers)
+        self.num_workers = num_workers
+        self._line_indexes: dict[Split, LineIndex] = {}
+
+    @classmethod
+    def from_config(cls, config: CriteoConfig) -> CriteoDataModule:
+        return cls(**dataclasses.asdict(config))
+
+    def _dataset(self, split: Split, rank: int, world_size: int):
+        if self.config.reader == "python":
+            return CriteoDataset(self.config, split, rank, world_size)
+        from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
+
+        index = self.line_index(split, rank, world_size) if world_size > 1 else None
+        return CriteoArrowDataset(self.config, split, rank, world_size, line_index=index)
+
+    def line_index(self, split: Split, rank: int = 0, world_size: int = 1) -> LineIndex:
+        """The split's line counts, counted once; with a process group each rank counts 1/world of the chunks."""
+        if split not in self._line_indexes:
+            from lightning_recsys.data.criteo_arrow import LineIndex, count_chunk_lines, file_chunks
+
+            chunks = file_chunks(self.config.split_paths(split))
+            strategy = getattr(self.trainer, "strategy", None)
+            share = world_size > 1 and strategy is not None and torch.distributed.is_available() and torch.distributed.is_initialized()
+            counted = torch.zeros((len(chunks), 2), dtype=torch.int64)
+            for i in range(rank, len(chunks), world_size) if share else range(len(chunks)):
+                counted[i] = torch.tensor(count_chunk_lines(chunks[i]))
+            if share:
+                counted = strategy.reduce(counted.to(strategy.root_device), reduce_op="sum").cpu()
+            self._line_indexes[split] = LineIndex(chunks, counted[:, 0].tolist(), counted[:, 1].tolist())
+        return self._line_indexes[split]

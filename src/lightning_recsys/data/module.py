@@ -23,7 +23,8 @@ class RankSlicedDataModule(LightningDataModule):
     def _loader(self, split: Split) -> DataLoader:
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
-        return DataLoader(self._dataset(split, rank, world), batch_size=None)
+        workers = getattr(self, "num_workers", 0)
+        return DataLoader(self._dataset(split, rank, world), batch_size=None, num_workers=workers)
 
     def train_dataloader(self) -> DataLoader:
         return self._loader("train")

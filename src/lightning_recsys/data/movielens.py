@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
@@ -101,6 +102,10 @@ class MovieLens100KConfig:
         on_bad_line: ``"error"`` raises ``MalformedLineError`` (file, line number, line, problem);
             ``"skip"`` skips the line, counts it, and logs one warning per file. A rating whose user
             or movie line was skipped is then skipped too.
+        shuffle: the train split in a new order every epoch (``val`` and ``test`` keep timestamp
+            order). The order is drawn from ``seed`` and the epoch number, so every rank draws the
+            same one and then takes its slice of each global batch, as without shuffling.
+        seed: see ``shuffle``.
     """
 
     path: str
@@ -112,8 +117,14 @@ class MovieLens100KConfig:
     zip_hash_buckets: int = 32
     global_batch_size: int = 512
     on_bad_line: OnBadLine = "error"
+    shuffle: bool = False
+    seed: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.shuffle, bool):
+            raise ValueError(f"shuffle={self.shuffle!r} must be true or false.")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed={self.seed!r} must be an integer >= 0.")
         if not str(self.path):
             raise ValueError(f"path={self.path!r} must be the MovieLens-100k directory (holding u.data).")
         if self.split not in _MOVIELENS_SPLITS:
@@ -349,12 +360,18 @@ class MovieLens100KDataset(GlobalBatchDataset[tuple[int, int, float]]):
         super().__init__(global_batch_size=data.config.global_batch_size, rank=rank, world_size=world_size)
         self.data, self.split = data, split
         self.skipped_lines = data.skipped_lines_for(split)
+        self.epoch = 0  # passes started; with shuffle, it picks the train split's order
 
     def __len__(self) -> int:
         return len(self.data.ratings[self.split]) // self.global_batch_size
 
     def _records(self, warn: bool) -> Iterator[tuple[int, int, float]]:
-        return iter(self.data.ratings[self.split])  # parsed (and skips logged) when ``data`` was built
+        ratings = self.data.ratings[self.split]  # parsed (and skips logged) when ``data`` was built
+        self.epoch += 1
+        if self.split != "train" or not self.data.config.shuffle:
+            return iter(ratings)
+        order = np.random.default_rng([self.data.config.seed, self.epoch - 1]).permutation(len(ratings))
+        return (ratings[i] for i in order.tolist())
 
     def _collate(self, records: list[tuple[int, int, float]]) -> RecBatch:
         data = self.data
@@ -393,12 +410,14 @@ class MovieLens100KDataModule(RankSlicedDataModule):
         zip_hash_buckets: int = MovieLens100KConfig.zip_hash_buckets,
         global_batch_size: int = MovieLens100KConfig.global_batch_size,
         on_bad_line: OnBadLine = MovieLens100KConfig.on_bad_line,
+        shuffle: bool = MovieLens100KConfig.shuffle,
+        seed: int = MovieLens100KConfig.seed,
     ) -> None:
         super().__init__()
         self.config = MovieLens100KConfig(
             path=path, split=split, train_fraction=train_fraction, val_fraction=val_fraction, num_users=num_users,
             num_items=num_items, zip_hash_buckets=zip_hash_buckets, global_batch_size=global_batch_size,
-            on_bad_line=on_bad_line,
+            on_bad_line=on_bad_line, shuffle=shuffle, seed=seed,
         )
         self._data: MovieLens100K | None = None
 

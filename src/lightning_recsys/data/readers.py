@@ -73,6 +73,11 @@ def check_global_batch_size(value: int) -> None:
         raise ValueError(f"global_batch_size={value!r} must be an integer >= 1.")
 
 
+def check_num_workers(value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"num_workers={value!r} must be an integer >= 0.")
+
+
 def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
     """``[start, stop)``: the examples of every global batch that ``rank`` of ``world_size`` takes."""
     if world_size < 1:

@@ -1,0 +1,257 @@
+"""Does a shipped example config beat the baselines without learning? Model AUC / NE next to theirs.
+
+MovieLens-100k (``--path``, the extracted ``ml-100k`` directory; not bundled, its licence forbids
+redistribution): trains ``examples/configs/movielens_dlrm.yaml`` on ``u1.base`` (its newest
+``val_fraction`` validates) and tests on ``u1.test``. The baselines (``lightning_recsys.models.
+baselines``) are fit on the same training ratings; their smoothing strength is picked on the
+validation ratings, then they score ``u1.test``.
+
+Criteo (``--criteo-path``, a directory of TorchRec npy files, ``day_{i}_{dense,sparse,labels}.npy``):
+trains the model of ``examples/configs/criteo_dlrm.yaml`` on ``CriteoBinaryDataModule`` with the
+given days (``--data lightning_recsys.data.CriteoBinaryDataModule``). The baseline is popularity: the smoothed positive rate of one categorical feature's
+value, the feature picked on the validation day.
+
+``--make-synthetic DIR`` writes a MovieLens-100k-format directory (943 users, 1682 movies, 100k
+ratings, ``u1.base``/``u1.test``) whose labels come from planted user and item biases, user x
+movie latent factors and user-genre affinities; it is for tuning and testing the script, not a
+stand-in for the real data's numbers.
+
+    python benchmarks/quality.py --path data/ml-100k                       # JSON: benchmarks/results/quality.json
+    python benchmarks/quality.py --make-synthetic /tmp/ml-synth && python benchmarks/quality.py --path /tmp/ml-synth
+    python benchmarks/quality.py --path data/ml-100k --override --model.init_args.embedding_dim 32
+    python benchmarks/quality.py --criteo-path npy/ --train-days 0 1 2 --val-days 3 --test-days 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+RESULTS = Path(__file__).resolve().parent / "results"
+STRENGTHS = [0.0, 1.0, 3.0, 10.0, 30.0, 100.0]
+
+
+# ----------------------------------------------------------------------------- synthetic MovieLens
+
+
+def make_synthetic_movielens(directory: Path, seed: int = 0, num_ratings: int = 100_000, interaction: float = 1.0) -> None:
+    """A MovieLens-100k-format directory with planted structure (see the module docstring)."""
+    from lightning_recsys.data.movielens import GENRES, OCCUPATIONS
+
+    rng = np.random.default_rng(seed)
+    users, items, dim = 943, 1682, 8
+    directory.mkdir(parents=True, exist_ok=True)
+    ages = rng.integers(7, 74, users)
+    genders = rng.random(users) < 0.29
+    occupations = rng.integers(0, len(OCCUPATIONS), users)
+    zips = rng.integers(0, 100_000, users)
+    (directory / "u.user").write_text(
+        "".join(f"{u + 1}|{ages[u]}|{'F' if genders[u] else 'M'}|{OCCUPATIONS[occupations[u]]}|{zips[u]:05d}\n" for u in range(users))
+    )
+    genre_flags = rng.random((items, len(GENRES))) < 0.12
+    years = rng.integers(1922, 1999, items)
+    lines = []
+    for i in range(items):
+        date = f"01-Jan-{years[i]}" if rng.random() > 0.01 else ""
+        flags = "|".join("1" if f else "0" for f in genre_flags[i])
+        lines.append(f"{i + 1}|Movie {i + 1} ({years[i]})|{date}||http://example.invalid/{i + 1}|{flags}\n")
+    (directory / "u.item").write_bytes("".join(lines).encode("latin-1"))
+
+    # Who rates what: active users and popular movies, without repeats.
+    activity = rng.lognormal(0.0, 1.0, users)
+    popularity = 1.0 / np.arange(1, items + 1) ** 0.9
+    rng.shuffle(popularity)
+    pairs: set[tuple[int, int]] = set()
+    while len(pairs) < num_ratings:
+        u = rng.choice(users, size=num_ratings, p=activity / activity.sum())
+        i = rng.choice(items, size=num_ratings, p=popularity / popularity.sum())
+        for pair in zip(u.tolist(), i.tolist()):
+            pairs.add(pair)
+            if len(pairs) == num_ratings:
+                break
+    u, i = (np.array(x) for x in zip(*sorted(pairs)))
+    user_bias, item_bias = rng.normal(0.3, 0.8, users), rng.normal(0.0, 0.8, items)
+    user_factors, item_factors = rng.normal(0, 1, (users, dim)), rng.normal(0, 1, (items, dim))
+    genre_taste = rng.normal(0, 0.6, (users, len(GENRES)))
+    logit = (
+        user_bias[u] + item_bias[i]
+        + interaction * (user_factors[u] * item_factors[i]).sum(1) / math.sqrt(dim)
+        + interaction * (genre_taste[u] * genre_flags[i]).sum(1)
+        + 0.3 * ((ages[u] > 35) == (years[i] < 1970))
+    )
+    positive = rng.random(len(u)) < 1 / (1 + np.exp(-logit))
+    ratings = np.where(positive, rng.integers(4, 6, len(u)), rng.integers(1, 4, len(u)))
+    timestamps = 874_724_710 + rng.integers(0, 18_000_000, len(u))
+    order = rng.permutation(len(u))
+    rows = [f"{u[k] + 1}\t{i[k] + 1}\t{ratings[k]}\t{timestamps[k]}\n" for k in order]
+    (directory / "u.data").write_text("".join(rows))
+    cut = len(rows) * 4 // 5  # u1: a random 80 / 20 split, as MovieLens's u1.base / u1.test
+    (directory / "u1.base").write_text("".join(rows[:cut]))
+    (directory / "u1.test").write_text("".join(rows[cut:]))
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def _baselines_movielens(path: str, split: str, val_fraction: float) -> dict:
+    from lightning_recsys.data.movielens import MovieLens100K, MovieLens100KConfig
+    from lightning_recsys.models.baselines import PopularityBaseline, UserItemBiasBaseline, auc, normalized_entropy
+
+    config = MovieLens100KConfig(path=path, split=split, val_fraction=val_fraction)
+    data = MovieLens100K(config, warn=False)
+    arrays = {name: np.array(data.ratings[name]).reshape(-1, 3) for name in ("train", "val", "test")}
+    users, items, labels = (arrays["train"][:, k] for k in range(3))
+    out: dict = {"ratings": {name: len(a) for name, a in arrays.items()}}
+    for name in ("popularity", "user_item_bias"):
+        best = None
+        for strength in STRENGTHS:
+            if name == "popularity":
+                model = PopularityBaseline(strength).fit(items.astype(int), labels, config.num_items)
+                score = lambda a, model=model: model.predict(a[:, 1].astype(int))  # noqa: E731
+            else:
+                model = UserItemBiasBaseline(strength).fit(users.astype(int), items.astype(int), labels, config.num_users, config.num_items)
+                score = lambda a, model=model: model.predict(a[:, 0].astype(int), a[:, 1].astype(int))  # noqa: E731
+            val = arrays["val"] if len(arrays["val"]) else arrays["train"]
+            val_auc = auc(score(val), val[:, 2])
+            if best is None or val_auc > best["val_auc"]:
+                test = score(arrays["test"])
+                best = {
+                    "strength": strength, "val_auc": val_auc,
+                    "test_auc": auc(test, arrays["test"][:, 2]), "test_ne": normalized_entropy(test, arrays["test"][:, 2]),
+                }
+        out[name] = best
+    return out
+
+
+def _baselines_criteo(path: str, train_days: list[int], val_days: list[int], test_days: list[int]) -> dict:
+    from lightning_recsys.data.criteo_binary import day_file
+    from lightning_recsys.models.baselines import SmoothedRate, auc, normalized_entropy
+
+    def load(days: list[int], kind: str) -> np.ndarray:
+        return np.concatenate([np.load(day_file(path, d, kind), mmap_mode="r") for d in days])
+
+    labels = {s: load(d, "labels").reshape(-1).astype(np.float64) for s, d in (("train", train_days), ("val", val_days), ("test", test_days))}
+    sparse = {s: load(d, "sparse") for s, d in (("train", train_days), ("val", val_days), ("test", test_days))}
+    best = None
+    for f in range(sparse["train"].shape[1]):
+        # Exact stored values (no hashing): the baseline gets no collisions.
+        values, inverse = np.unique(np.concatenate([sparse[s][:, f] for s in ("train", "val", "test")]), return_inverse=True)
+        cuts = np.cumsum([len(sparse[s]) for s in ("train", "val", "test")])[:-1]
+        keys = dict(zip(("train", "val", "test"), np.split(inverse, cuts)))
+        rate = SmoothedRate.fit(keys["train"], labels["train"], len(values), strength=10.0)
+        val_auc = auc(rate(keys["val"]), labels["val"])
+        if best is None or val_auc > best["val_auc"]:
+            test = rate(keys["test"])
+            best = {"feature": f"cat_{f}", "strength": 10.0, "val_auc": val_auc,
+                    "test_auc": auc(test, labels["test"]), "test_ne": normalized_entropy(test, labels["test"])}
+    return {"examples": {s: len(v) for s, v in labels.items()}, "popularity": best}
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+def _train(config: Path, overrides: list[str], workdir: Path) -> dict:
+    """fit then test a config through the CLI's own objects; metrics of rank 0."""
+    from lightning_recsys.cli import build_cli
+
+    args = ["--config", str(config), "--trainer.default_root_dir", str(workdir), "--trainer.enable_progress_bar", "false", *overrides]
+    cli = build_cli(args, run=False)
+    start = time.perf_counter()
+    cli.trainer.fit(cli.model, datamodule=cli.datamodule)
+    fit_seconds = time.perf_counter() - start
+    val = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
+    epochs = cli.trainer.current_epoch
+    cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
+    test = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("test/")}
+    return {
+        "rank": cli.trainer.global_rank, "world_size": cli.trainer.world_size, "epochs_run": epochs,
+        "fit_seconds": round(fit_seconds, 1), "val": val, "test": test,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--path", help="MovieLens-100k directory (u.user, u.item, u1.base, u1.test)")
+    parser.add_argument("--split", default="u1")
+    parser.add_argument("--config", type=Path, default=None, help="default: the shipped movielens_dlrm.yaml / criteo_dlrm.yaml")
+    parser.add_argument("--criteo-path", help="directory of TorchRec npy Criteo files")
+    parser.add_argument("--train-days", type=int, nargs="+", default=[0])
+    parser.add_argument("--val-days", type=int, nargs="+", default=[1])
+    parser.add_argument("--test-days", type=int, nargs="+", default=[2])
+    parser.add_argument("--criteo-table-size", type=int, default=None, help="override data.table_sizes")
+    parser.add_argument("--make-synthetic", type=Path, help="write a synthetic MovieLens-format directory here and exit")
+    parser.add_argument("--synthetic-ratings", type=int, default=100_000, help="ratings of --make-synthetic")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--baselines-only", action="store_true")
+    parser.add_argument("--json", type=Path, default=RESULTS / "quality.json")
+    parser.add_argument("--override", nargs=argparse.REMAINDER, default=[], help="CLI arguments passed on to the config (last)")
+    args = parser.parse_args(argv)
+
+    if args.make_synthetic:
+        make_synthetic_movielens(args.make_synthetic, seed=args.seed, num_ratings=args.synthetic_ratings)
+        print(f"synthetic MovieLens-100k-format data in {args.make_synthetic}")
+        return 0
+    if bool(args.path) == bool(args.criteo_path):
+        parser.error("give --path (MovieLens-100k) or --criteo-path (npy Criteo files)")
+
+    workdir = Path(tempfile.mkdtemp(prefix="quality-"))
+    if args.path:
+        from lightning_recsys.data.movielens import MovieLens100KConfig
+
+        config = args.config or CONFIGS / "movielens_dlrm.yaml"
+        result = {"dataset": "movielens-100k", "path": args.path, "split": args.split, "config": str(config)}
+        val_fraction = MovieLens100KConfig.val_fraction
+        result["baselines"] = _baselines_movielens(args.path, args.split, val_fraction)
+        overrides = ["--data.path", args.path, "--data.split", args.split, *args.override]
+    else:
+        config_in = args.config or CONFIGS / "criteo_dlrm.yaml"
+        result = {"dataset": "criteo-npy", "path": args.criteo_path, "days": [args.train_days, args.val_days, args.test_days]}
+        result["baselines"] = _baselines_criteo(args.criteo_path, args.train_days, args.val_days, args.test_days)
+        config = config_in
+        result["config"] = f"{config_in} (data: CriteoBinaryDataModule)"
+        overrides = [
+            "--data", "lightning_recsys.data.CriteoBinaryDataModule", "--data.path", args.criteo_path, "--data.train_days", json.dumps(args.train_days),
+            "--data.val_days", json.dumps(args.val_days), "--data.test_days", json.dumps(args.test_days),
+        ]
+        if args.criteo_table_size:  # the config's interpolation is resolved before these overrides: set both
+            size = str(args.criteo_table_size)
+            overrides += ["--data.table_sizes", size, "--model.init_args.table_sizes", json.dumps([int(size)] * 26)]
+        overrides += args.override
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    if not args.baselines_only:
+        result["model"] = _train(config, [*overrides, "--seed_everything", str(args.seed)], workdir)
+        rank = result["model"]["rank"]
+    if rank != 0:
+        return 0
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    _print(result)
+    print(f"JSON: {args.json}")
+    return 0
+
+
+def _print(result: dict) -> None:
+    rows = [(name, b["test_auc"], b["test_ne"], f"strength {b['strength']}" + (f", {b['feature']}" if "feature" in b else ""))
+            for name, b in result["baselines"].items() if isinstance(b, dict) and "test_auc" in b]
+    if "model" in result:
+        m = result["model"]
+        rows.insert(0, ("model", m["test"].get("test/auc", math.nan), m["test"].get("test/ne", math.nan),
+                        f"{m['epochs_run']} epochs, fit {m['fit_seconds']} s, {m['world_size']} processes"))
+    print(f"\n{result['dataset']} ({result['path']}), config {result['config']}")
+    print(f"{'':<16}{'test AUC':>10}{'test NE':>10}  notes")
+    for name, test_auc, test_ne, notes in rows:
+        print(f"{name:<16}{test_auc:>10.4f}{test_ne:>10.4f}  {notes}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

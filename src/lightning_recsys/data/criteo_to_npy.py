@@ -1,0 +1,48 @@
+"""``python -m lightning_recsys.data.criteo_to_npy IN... --out-dir DIR``: Criteo TSV/gzip to TorchRec's npy files.
+
+One input file per day; see ``lightning_recsys.data.criteo_binary.convert_tsv_to_npy``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Sequence
+from pathlib import Path
+
+from lightning_recsys.data.criteo_binary import convert_tsv_to_npy, day_file
+
+
+def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
+    if days is not None:
+        if len(days) != len(paths):
+            raise SystemExit(f"--days has {len(days)} numbers for {len(paths)} input files; give one per file.")
+        return list(days)
+    found = [re.search(r"day_(\d+)", Path(p).name) for p in paths]
+    if all(found):
+        return [int(m.group(1)) for m in found]  # type: ignore[union-attr]
+    return list(range(len(paths)))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """``python -m lightning_recsys.data.criteo_to_npy IN... --out-dir DIR``: TSV/gzip to TorchRec's npy files."""
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_recsys.data.criteo_to_npy",
+        description="Convert Criteo TSV files (plain or gzip) into TorchRec's day_{i}_{dense,sparse,labels}.npy files.",
+    )
+    parser.add_argument("inputs", nargs="+", help="TSV or gzip files, one per day")
+    parser.add_argument("--out-dir", required=True, help="directory for the npy files")
+    parser.add_argument(
+        "--days", type=int, nargs="+", default=None,
+        help="day number of each input (default: the N of day_N in the file names, else 0, 1, ...)",
+    )
+    parser.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = parser.parse_args(argv)
+    for path, day in zip(args.inputs, _day_numbers(args.inputs, args.days)):
+        rows = convert_tsv_to_npy(path, args.out_dir, day, on_bad_line=args.on_bad_line, progress=not args.no_progress)
+        print(f"{path} -> {day_file(args.out_dir, day, '{dense,sparse,labels}')}: {rows} rows")
+
+
+if __name__ == "__main__":
+    main()

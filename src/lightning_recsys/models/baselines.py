@@ -1,0 +1,119 @@
+"""Baselines without learning that a ranker should beat: item popularity and user + item bias.
+
+Both are fit on a training split's ``(key, label)`` pairs and score another split; single-device
+numpy code. A rate is smoothed towards the training split's positive rate ``p`` with
+``strength`` pseudo-examples: ``(positives + strength * p) / (examples + strength)``, so a key seen
+once is not scored 0 or 1, and a key never seen in training scores ``p``.
+
+- ``PopularityBaseline``: a key's (an item's, or any categorical value's) smoothed positive rate.
+- ``UserItemBiasBaseline``: the user's and the item's smoothed rates added as log-odds, relative to
+  the base rate: ``sigmoid(logit(r_user) + logit(r_item) - logit(p))``. (The ``- logit(p)`` makes
+  it a probability where neither key says anything; AUC does not depend on it.)
+
+``auc`` and ``normalized_entropy`` score predicted probabilities the way the rankers' ``val/auc``
+and ``val/ne`` do (``NE = logloss / H(mean label)``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torchmetrics.functional.classification import binary_auroc
+
+_EPS = 1e-7  # probabilities are clipped to [eps, 1 - eps] before a log
+
+
+def _logit(p: np.ndarray | float) -> np.ndarray:
+    p = np.clip(p, _EPS, 1 - _EPS)
+    return np.log(p) - np.log1p(-p)
+
+
+@dataclass
+class SmoothedRate:
+    """Per-key smoothed positive rates, fit by ``SmoothedRate.fit``; ``rates[k]`` for keys ``0 .. n-1``."""
+
+    rates: np.ndarray
+    counts: np.ndarray
+    base_rate: float
+
+    @classmethod
+    def fit(cls, keys: np.ndarray, labels: np.ndarray, num_keys: int, strength: float, base_rate: float | None = None) -> SmoothedRate:
+        keys, labels = np.asarray(keys, dtype=np.int64), np.asarray(labels, dtype=np.float64)
+        if keys.shape != labels.shape or keys.ndim != 1:
+            raise ValueError(f"keys {keys.shape} and labels {labels.shape} must be 1-D and of one length.")
+        if len(keys) == 0:
+            raise ValueError("no training examples to fit a rate on.")
+        if keys.min() < 0 or keys.max() >= num_keys:
+            raise ValueError(f"keys must be in [0, num_keys={num_keys}); found {keys.min()}..{keys.max()}.")
+        if not strength >= 0:
+            raise ValueError(f"strength={strength} must be >= 0.")
+        p = float(labels.mean()) if base_rate is None else base_rate
+        counts = np.bincount(keys, minlength=num_keys).astype(np.float64)
+        positives = np.bincount(keys, weights=labels, minlength=num_keys)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rates = (positives + strength * p) / (counts + strength)
+        rates[counts + strength == 0] = p  # unseen with no smoothing
+        return cls(rates=rates, counts=counts, base_rate=p)
+
+    def __call__(self, keys: np.ndarray) -> np.ndarray:
+        keys = np.asarray(keys, dtype=np.int64)
+        out = np.full(keys.shape, self.base_rate)
+        known = (keys >= 0) & (keys < len(self.rates))
+        out[known] = self.rates[keys[known]]
+        return out
+
+
+class PopularityBaseline:
+    """A key's smoothed positive rate in the training split (items, for MovieLens)."""
+
+    def __init__(self, strength: float = 10.0) -> None:
+        self.strength = strength
+        self.item: SmoothedRate | None = None
+
+    def fit(self, items: np.ndarray, labels: np.ndarray, num_items: int) -> PopularityBaseline:
+        self.item = SmoothedRate.fit(items, labels, num_items, self.strength)
+        return self
+
+    def predict(self, items: np.ndarray) -> np.ndarray:
+        if self.item is None:
+            raise RuntimeError("PopularityBaseline.predict before fit.")
+        return self.item(items)
+
+
+class UserItemBiasBaseline:
+    """The user's and the item's smoothed positive rates, added as log-odds around the base rate."""
+
+    def __init__(self, strength: float = 10.0) -> None:
+        self.strength = strength
+        self.user: SmoothedRate | None = None
+        self.item: SmoothedRate | None = None
+
+    def fit(self, users: np.ndarray, items: np.ndarray, labels: np.ndarray, num_users: int, num_items: int) -> UserItemBiasBaseline:
+        self.user = SmoothedRate.fit(users, labels, num_users, self.strength)
+        self.item = SmoothedRate.fit(items, labels, num_items, self.strength)
+        return self
+
+    def predict(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
+        if self.user is None or self.item is None:
+            raise RuntimeError("UserItemBiasBaseline.predict before fit.")
+        logits = _logit(self.user(users)) + _logit(self.item(items)) - _logit(self.user.base_rate)
+        return 1.0 / (1.0 + np.exp(-logits))
+
+
+def auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    """ROC AUC (torchmetrics' ``binary_auroc``, as the rankers' ``val/auc``)."""
+    return float(binary_auroc(torch.as_tensor(np.asarray(probabilities, dtype=np.float64)), torch.as_tensor(np.asarray(labels)).long()))
+
+
+def normalized_entropy(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    """Mean log loss over the entropy of the labels' own positive rate; 1.0 is the constant base-rate guess."""
+    p = np.clip(np.asarray(probabilities, dtype=np.float64), _EPS, 1 - _EPS)
+    y = np.asarray(labels, dtype=np.float64)
+    logloss = -np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))
+    ctr = y.mean()
+    if not 0 < ctr < 1:
+        return math.nan
+    return float(logloss / -(ctr * math.log(ctr) + (1 - ctr) * math.log1p(-ctr)))

@@ -1,0 +1,258 @@
+"""The pyarrow Criteo reader against the line-by-line one: same batches, same errors, and rank/worker slices."""
+
+import gzip
+import logging
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_recsys.data.criteo import CriteoConfig, CriteoDataModule, CriteoDataset
+from lightning_recsys.data.criteo_arrow import CriteoArrowDataset, LineIndex, count_chunk_lines, file_chunks
+from lightning_recsys.data.readers import MalformedLineError
+
+
+def _line(rng: random.Random, i: int) -> str:
+    """A valid line with a mix of missing, negative, large and odd-length values; its first integer is ``i``."""
+    ints = [str(i)] + [rng.choice(["", "0", "-1", "-3", "7", "123456", "0042", str(rng.randrange(10**9))]) for _ in range(12)]
+    cats = [
+        rng.choice(["", f"{rng.randrange(2**32):08x}", f"{rng.randrange(2**32):08X}", "a", "0", f"{rng.randrange(2**60):x}"])
+        for _ in range(26)
+    ]
+    return "\t".join([str(rng.randrange(2))] + ints + cats)
+
+
+def _lines(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [_line(rng, i) for i in range(n)]
+
+
+def _write(path, lines, compress=False, newline_at_end=True) -> str:
+    text = "\n".join(lines) + ("\n" if newline_at_end else "")
+    if compress:
+        with gzip.open(path, "wb") as f:
+            f.write(text.encode("utf-8", errors="surrogateescape"))
+    else:
+        path.write_bytes(text.encode("utf-8", errors="surrogateescape"))
+    return str(path)
+
+
+def _config(paths, **kwargs) -> CriteoConfig:
+    kwargs = {"table_sizes": [97] * 13 + [1000003] * 13, "global_batch_size": 8, **kwargs}
+    return CriteoConfig(train_paths=paths, **kwargs)
+
+
+def _same(a, b) -> bool:
+    return (
+        torch.equal(a.dense, b.dense)
+        and torch.equal(a.labels, b.labels)
+        and a.sparse.keys() == b.sparse.keys()
+        and torch.equal(a.sparse.values(), b.sparse.values())
+        and torch.equal(a.sparse.lengths(), b.sparse.lengths())
+        and torch.equal(a.sparse.offsets(), b.sparse.offsets())
+        and a.sparse.length_per_key() == b.sparse.length_per_key()
+    )
+
+
+def _first_ints(batch) -> list[int]:
+    return [round(v) for v in torch.expm1(batch.dense[:, 0].double()).tolist()]
+
+
+@pytest.mark.parametrize("window_bytes", [64, 1000, 1 << 20])
+@pytest.mark.parametrize("compress", [False, True])
+def test_same_batches_as_the_line_by_line_reader(tmp_path, window_bytes, compress):
+    lines = _lines(150)
+    first = _write(tmp_path / "a", lines[:61], compress)
+    second = _write(tmp_path / "b", lines[61:], compress, newline_at_end=False)
+    config = _config([first, second])
+    old = list(CriteoDataset(config, "train"))
+    new = list(CriteoArrowDataset(config, "train", window_bytes=window_bytes))
+    assert len(new) == len(old) == 150 // 8  # the partial tail is dropped; a batch spans the two files
+    assert all(_same(a, b) for a, b in zip(old, new))
+    assert new[7].sparse.values().dtype == torch.int64 and new[7].dense.dtype == torch.float32
+
+
+def test_values_outside_the_fast_path_still_match(tmp_path):
+    """Hex longer than 16 digits, integers past int64, CRLF line ends: the exact path reads them the same."""
+    lines = _lines(24)
+    fields = lines[5].split("\t")
+    fields[20] = "1" * 40  # 40 hex digits
+    fields[4] = "9" * 25  # bigger than int64
+    lines[5] = "\t".join(fields)
+    path = tmp_path / "crlf.tsv"
+    path.write_bytes(("\r\n".join(lines) + "\r\n").encode())
+    config = _config([str(path)])
+    old, new = list(CriteoDataset(config, "train")), list(CriteoArrowDataset(config, "train"))
+    assert len(new) == len(old) == 3 and all(_same(a, b) for a, b in zip(old, new))
+
+
+_GOOD = "\t".join(["1"] + ["5"] * 13 + ["0000000a"] * 26)
+_BAD = [
+    _GOOD.rsplit("\t", 1)[0],  # 39 fields
+    "2" + _GOOD[1:],  # label
+    "01" + _GOOD[1:],  # a two-character label
+    "\t" + _GOOD[2:],  # an empty label
+    _GOOD.replace("\t5\t", "\t9.5\t", 1),
+    _GOOD.replace("\t5\t", "\t+5\t", 1),
+    _GOOD.replace("\t5\t", "\t 5\t", 1),
+    _GOOD.replace("\t5\t", "\t-\t", 1),
+    _GOOD.replace("\t5\t", "\t0x5\t", 1),
+    _GOOD.replace("\t5\t", "\t5-\t", 1),
+    _GOOD.replace("\t5\t", "\tff\t", 1),
+    _GOOD.replace("0000000a", "-000000a", 1),
+    _GOOD.replace("0000000a", "0x00000a", 1),
+    _GOOD.replace("0000000a", "-a", 1),
+    _GOOD.replace("0000000a", "0000\r00a", 1),
+    _GOOD.replace("0000000a", "caf\u00e9", 1),
+    _GOOD.replace("0000000a", "00\udcff0000a", 1),  # a byte that is not UTF-8
+    _GOOD + "\t",  # 41 fields
+    "",  # an empty line
+    '"1"' + _GOOD[1:],  # quotes are not special
+]
+
+
+@pytest.mark.parametrize("bad", _BAD)
+@pytest.mark.parametrize("compress", [False, True])
+def test_malformed_line_error_is_the_line_by_line_readers(tmp_path, bad, compress):
+    lines = [_GOOD] * 30 + [bad] + [_GOOD] * 9
+    path = _write(tmp_path / "day_3.tsv", lines, compress)
+    config = _config([path], global_batch_size=4)
+    with pytest.raises(MalformedLineError) as old:
+        list(CriteoDataset(config, "train"))
+    with pytest.raises(MalformedLineError) as new:
+        list(CriteoArrowDataset(config, "train", window_bytes=700))
+    assert str(new.value) == str(old.value)
+    assert new.value.line_number == 31 and new.value.path == path
+
+
+def test_skip_counts_and_logs_like_the_line_by_line_reader_with_line_aligned_batches(tmp_path, caplog):
+    lines = _lines(20)
+    lines[2], lines[9], lines[10] = "junk", "2" + lines[9][1:], ""
+    first = _write(tmp_path / "a.tsv", lines[:12])
+    second = _write(tmp_path / "b.tsv", [*lines[12:], "x\ty"])
+    config = _config([first, second], global_batch_size=4, on_bad_line="skip")
+    with caplog.at_level(logging.WARNING, logger="lightning_recsys.data.readers"):
+        dataset = CriteoArrowDataset(config, "train", window_bytes=300)
+        batches = list(dataset)
+    assert dataset.skipped_lines == 4
+    warnings = [r.getMessage() for r in caplog.records if r.name == "lightning_recsys.data.readers"]
+    assert len(warnings) == 2
+    assert f"Skipped 3 malformed line(s) of {first}" in warnings[0] and "the first was line 3:" in warnings[0]
+    assert f"Skipped 1 malformed line(s) of {second}" in warnings[1] and "line 9:" in warnings[1]
+    # 21 lines: 5 batches of 4 lines; a batch is short by its skipped lines.
+    assert [_first_ints(b) for b in batches] == [[0, 1, 3], [4, 5, 6, 7], [8, 11], [12, 13, 14, 15], [16, 17, 18, 19]]
+    # The examples are the line-by-line reader's, in the same order.
+    old = list(CriteoDataset(config, "train"))
+    assert sum((_first_ints(b) for b in old), []) == sum((_first_ints(b) for b in batches), [])[:16]
+
+
+def _examples(batches) -> list[int]:
+    return sum((_first_ints(b) for b in batches), [])
+
+
+@pytest.mark.parametrize(("world_size", "num_workers"), [(1, 2), (2, 0), (2, 2), (3, 0), (4, 3)])
+def test_ranks_and_workers_cover_every_example_once(tmp_path, world_size, num_workers):
+    lines = _lines(301)
+    paths = [
+        _write(tmp_path / "a.tsv", lines[:100]),
+        _write(tmp_path / "b.gz", lines[100:170], compress=True),
+        _write(tmp_path / "empty.tsv", [], newline_at_end=False),
+        _write(tmp_path / "c.tsv", lines[170:], newline_at_end=False),
+    ]
+    config = _config(paths, global_batch_size=12)
+    index = LineIndex.build(paths, chunk_bytes=997)  # many chunks: ranks start mid-chunk
+    assert index.total == 301
+    per_rank = []
+    for rank in range(world_size):
+        dataset = CriteoArrowDataset(config, "train", rank, world_size, line_index=index, window_bytes=2000)
+        loader = DataLoader(dataset, batch_size=None, num_workers=num_workers)
+        batches = list(loader)
+        assert len(batches) == 301 // 12 and all(b.batch_size == 12 // world_size for b in batches)
+        per_rank.append(batches)
+    # Rank r holds the contiguous lines [r*n*b, (r+1)*n*b); together: the first n*B lines, once each.
+    union = sum((_examples(batches) for batches in per_rank), [])
+    assert union == list(range(301 // 12 * 12))
+    # Workers do not change what a rank gets, and every example is the line-by-line reader's.
+    old = {tuple(_first_ints(b)): b for b in CriteoDataset(_config(paths, global_batch_size=12 // world_size), "train")}
+    for batches in per_rank:
+        for batch in batches:
+            assert _same(batch, old[tuple(_first_ints(batch))])
+
+
+def test_concatenated_gzip_members_are_one_file(tmp_path):
+    lines = _lines(40)
+    path = tmp_path / "two_members.gz"
+    path.write_bytes(gzip.compress(("\n".join(lines[:17]) + "\n").encode()) + gzip.compress(("\n".join(lines[17:]) + "\n").encode()))
+    config = _config([str(path)])
+    assert LineIndex.build([str(path)]).total == 40
+    assert all(_same(a, b) for a, b in zip(CriteoDataset(config, "train"), CriteoArrowDataset(config, "train", window_bytes=500)))
+    assert len(list(CriteoArrowDataset(config, "train", 1, 2))) == 40 // 8
+
+
+def test_one_rank_with_workers_gives_the_batches_in_order(tmp_path):
+    path = _write(tmp_path / "d.gz", _lines(90), compress=True)
+    config = _config([path], global_batch_size=4)
+    expected = list(CriteoDataset(config, "train"))
+    got = list(DataLoader(CriteoArrowDataset(config, "train", window_bytes=900), batch_size=None, num_workers=2))
+    assert len(got) == len(expected) == 22 and all(_same(a, b) for a, b in zip(got, expected))
+
+
+@pytest.mark.parametrize("newline_at_end", [True, False])
+def test_line_index_counts_line_starts_at_every_chunk_size(tmp_path, newline_at_end):
+    lines = ["a", "", "bcd", "ef", "", "", "ghijk"]
+    path = _write(tmp_path / "x.tsv", lines, newline_at_end=newline_at_end)
+    data = (tmp_path / "x.tsv").read_bytes()
+    starts = [0] + [i + 1 for i, c in enumerate(data) if c == 10 and i + 1 < len(data)]
+    for chunk_bytes in range(1, len(data) + 2):
+        chunks = file_chunks([path], chunk_bytes)
+        counted = [count_chunk_lines(c) for c in chunks]
+        assert sum(c for c, _ in counted) == len(lines)
+        for chunk, (count, first) in zip(chunks, counted):
+            mine = [s for s in starts if chunk.start <= s < chunk.stop]
+            assert count == len(mine) and (first == mine[0] if mine else first == chunk.stop)
+    index = LineIndex.build([path, path], chunk_bytes=3)
+    assert index.total == 2 * len(lines)
+    chunk, skip = index.locate(len(lines) + 2)
+    assert index.chunks[chunk].path == path and index.first_line_numbers[chunk] + skip == 3
+    with pytest.raises(IndexError):
+        index.locate(index.total)
+
+
+def test_datamodule_defaults_to_arrow_and_gives_ranks_contiguous_lines(tmp_path):
+    train = _write(tmp_path / "train.tsv", _lines(20))
+    dm = CriteoDataModule([train], table_sizes=[97] * 13 + [1000003] * 13, global_batch_size=4, num_workers=0)
+    assert dm.config.reader == "arrow"
+    old = list(CriteoDataModule([train], table_sizes=dm.table_sizes, global_batch_size=4, reader="python").train_dataloader())
+    assert all(_same(a, b) for a, b in zip(dm.train_dataloader(), old)) and len(old) == 5
+    dm.trainer = SimpleNamespace(global_rank=1, world_size=2)
+    assert [_first_ints(b) for b in dm.train_dataloader()] == [[10, 11], [12, 13], [14, 15], [16, 17], [18, 19]]
+    assert dm.line_index("train").total == 20
+    with pytest.raises(ValueError, match=r"reader='fast' is not one of \['arrow', 'python'\]"):
+        CriteoDataModule([train], reader="fast")
+    with pytest.raises(ValueError, match=r"num_workers=-1 must be an integer >= 0"):
+        CriteoDataModule([train], num_workers=-1)
+
+
+def test_prefetch_keeps_order_passes_errors_on_and_stops_when_closed():
+    import threading
+
+    from lightning_recsys.data.criteo_arrow import prefetch
+
+    assert list(prefetch(iter(range(50)))) == list(range(50))
+
+    def failing():
+        yield 1
+        raise OSError("disk gone")
+
+    got = []
+    with pytest.raises(OSError, match="disk gone"):
+        for item in prefetch(failing()):
+            got.append(item)
+    assert got == [1]
+    before = threading.active_count()
+    stream = prefetch(iter(range(10**6)))
+    assert next(stream) == 0
+    stream.close()  # the producer sees the stop and ends; no thread is left behind
+    assert threading.active_count() == before
