@@ -3,7 +3,8 @@
 * ``lightning-recsys fit|validate|test|predict ...`` and ``make demo ARGS="..."``: the CLI parses the
   config and options and builds every object (``run=False``), which rejects unknown options and values.
 * ``python examples/<script>.py ...`` (also under ``torchrun``/``srun``): the script's own parser.
-* ``python benchmarks/<script>.py``: ``--help`` in a subprocess (the script imports and parses).
+* ``python benchmarks/<script>.py`` and ``python -m <module> ...``: ``--help`` in a subprocess (it
+  imports and parses).
 * ``make <target>``: the Makefile has the target (``make -n``).
 * ``lightning-recsys plan ...``: run for real (planning only).
 Package downloads and installs are not run (no network in tests); placeholders (``<cfg>``, ``$VAR``) neither.
@@ -77,6 +78,10 @@ def check(command: str, tmp_path: Path) -> None:
         if "--summary-json" in args:
             args[args.index("--summary-json") + 1] = str(tmp_path / "run.json")
         _cli_builds(args)
+        return
+    if words[0].startswith("python") and words[1] == "-m":
+        result = subprocess.run([sys.executable, "-m", words[2], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr[-3000:]
         return
     script = next(w for w in words if w.endswith(".py"))
     if script.startswith("examples/"):
