@@ -106,22 +106,14 @@ def run_ranks(
     return [outputs[r] for r in range(world_size)]
 
 
-def run_torchrun_nodes(script: list[str], *, nodes: int, nproc_per_node: int, cwd: Any, timeout: float = 240) -> list[str]:
-    """Launch ``script`` as ``nodes`` torchrun launches on 127.0.0.1 (one per node rank); return each node's output.
-
-    Fails with the node's output tail if any launch exits non-zero; no launch outlives this call.
-    """
+def run_processes(commands: list[list[str]], *, cwd: Any, envs: list[dict[str, str]] | None = None, timeout: float = 240) -> list[str]:
+    """Run ``commands`` at once; return each one's output. Fails with the output tail of any that exits
+    non-zero; none outlives this call."""
     import subprocess
-    import sys
 
-    port = free_port()
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
-             "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *script],
-            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in range(nodes)
+        subprocess.Popen(command, cwd=cwd, env=envs[i] if envs else None, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for i, command in enumerate(commands)
     ]
     try:
         outputs = [proc.communicate(timeout=timeout)[0] for proc in procs]
@@ -129,6 +121,19 @@ def run_torchrun_nodes(script: list[str], *, nodes: int, nproc_per_node: int, cw
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
-    for node, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"node {node} exited {proc.returncode}:\n{output[-4000:]}"
+    for index, (proc, output) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"process {index} ({' '.join(commands[index][:4])} ...) exited {proc.returncode}:\n{output[-4000:]}"
     return outputs
+
+
+def run_torchrun_nodes(script: list[str], *, nodes: int, nproc_per_node: int, cwd: Any, timeout: float = 240) -> list[str]:
+    """Launch ``script`` as ``nodes`` torchrun launches on 127.0.0.1 (one per node rank); return each node's output."""
+    import sys
+
+    port = free_port()
+    launches = [
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), *script]
+        for node in range(nodes)
+    ]
+    return run_processes(launches, cwd=cwd, timeout=timeout)

@@ -26,14 +26,13 @@ def test_two_node_torchrun_trains_2d_and_exits_cleanly(tmp_path):
 def test_slurm_environment_of_srun_forms_the_2x2_topology_and_trains_2d(tmp_path):
     """Four processes with the variables srun sets for 2 nodes x 2 tasks; Lightning's SLURMEnvironment reads them."""
     import os
-    import subprocess
     import sys
 
-    from multiprocess import free_port
+    from multiprocess import free_port, run_processes
 
     script = [sys.executable, str(ROOT / "examples" / "train_synthetic_dlrm.py"), "--tiny", "--devices", "2", "--num-nodes", "2"]
     port = str(free_port())
-    procs = []
+    envs = []
     for rank in range(4):
         env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"))}
         env.update(
@@ -41,15 +40,8 @@ def test_slurm_environment_of_srun_forms_the_2x2_topology_and_trains_2d(tmp_path
             SLURM_NNODES="2", SLURM_NODELIST="node[01-02]", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank % 2),
             SLURM_NODEID=str(rank // 2), MASTER_ADDR="127.0.0.1", MASTER_PORT=port,  # one machine plays both nodes
         )
-        procs.append(subprocess.Popen(script, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    try:
-        outputs = [proc.communicate(timeout=240)[0] for proc in procs]
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-    for rank, (proc, output) in enumerate(zip(procs, outputs)):
-        assert proc.returncode == 0, f"rank {rank} exited {proc.returncode}:\n{output[-4000:]}"
+        envs.append(env)
+    outputs = run_processes([script] * 4, cwd=tmp_path, envs=envs)
     assert "2D all_to_all_optimized: 2 replicas x sharding groups of 2 ranks; sharding groups [[0, 1], [2, 3]]" in outputs[0]
     assert "Validation after 1 epochs on 4 ranks: AUC=" in outputs[0]
 
