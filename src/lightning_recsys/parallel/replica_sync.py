@@ -166,10 +166,6 @@ class ReplicaSynchronizer:
         return cls(tensors, replica_group, config=config, kernels=kernels, rows_total=rows_total, bucket_bytes=bucket_bytes)
 
     @property
-    def num_tensors(self) -> int:
-        return len(self._tensors)
-
-    @property
     def payload_bytes(self) -> int:
         """Bytes of a whole-shard sync."""
         return sum(t.numel() * t.element_size() for t in self._tensors)
