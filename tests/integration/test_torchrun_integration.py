@@ -46,7 +46,7 @@ def test_slurm_environment_of_srun_forms_the_2x2_topology_and_trains_2d(tmp_path
     assert "Validation after 1 epochs on 4 ranks: AUC=" in outputs[0]
 
 
-EXIT_RUNS = 5
+EXIT_RUNS = 3
 
 
 @pytest.mark.slow
