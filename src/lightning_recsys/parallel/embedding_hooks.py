@@ -31,6 +31,7 @@ class EmbeddingOutputHooks:
         self._check_finite = check_finite
         self._grad_scale = grad_scale
         self.nonfinite: dict[str, list[str]] = {NONFINITE_LOSS: [], NONFINITE_EMBEDDINGS: [], NONFINITE_GRADIENTS: []}
+        self._handles: list[Any] = []
 
     @property
     def checks_finite(self) -> bool:
@@ -42,7 +43,13 @@ class EmbeddingOutputHooks:
 
     def install(self, modules: dict[str, nn.Module]) -> None:
         for fqn, module in modules.items():
-            module.register_forward_hook(self._output_hook(fqn))
+            self._handles.append(module.register_forward_hook(self._output_hook(fqn)))
+
+    def remove(self) -> None:
+        """Take the hooks off the modules (a later strategy may install its own on the same model)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
 
     def note_loss(self, loss: Any) -> None:
         if self._check_finite and isinstance(loss, Tensor) and not bool(torch.isfinite(loss.detach()).all()):

@@ -176,7 +176,10 @@ class ShardedRuntime:
         return self.replica_sync.last_sync_stats if self.replica_sync is not None else None
 
     def close(self) -> None:
-        """Stop accounting and remove the replica sync's row-tracking hooks (the model may be reused)."""
+        """Stop accounting and remove this runtime's hooks from the model (a later runtime may reuse it)."""
         self.comm.stop()
         if self.replica_sync is not None:
             self.replica_sync.close()
+        if self.output_hooks is not None:
+            self.output_hooks.remove()
+            self.output_hooks = None
