@@ -82,16 +82,25 @@ class _ShardedEmbeddingCollection(_WorldDataParallelMixin, ShardedEmbeddingColle
     pass
 
 
-class RecSysEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
-    """EmbeddingBagCollection sharder with row-wise types on CPU and an optional allow-list."""
+class _AllowListMixin:
+    """A sharder that offers only the sharding types of an allow-list (None: all it would offer)."""
+
+    _extra_cpu_types: tuple[str, ...] = ()
 
     def __init__(self, allowed_sharding_types: list[str] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        super().__init__(**kwargs)  # type: ignore[call-arg]
         self._allowed = allowed_sharding_types
 
     def sharding_types(self, compute_device_type: str) -> list[str]:
-        types = _with_cpu_extras(super().sharding_types(compute_device_type), compute_device_type, _CPU_EXTRA_TYPES)
+        stock = super().sharding_types(compute_device_type)  # type: ignore[misc]
+        types = _with_cpu_extras(stock, compute_device_type, self._extra_cpu_types)
         return [t for t in types if self._allowed is None or t in self._allowed]
+
+
+class RecSysEmbeddingBagCollectionSharder(_AllowListMixin, EmbeddingBagCollectionSharder):
+    """EmbeddingBagCollection sharder with row-wise types on CPU and an optional allow-list."""
+
+    _extra_cpu_types = _CPU_EXTRA_TYPES
 
     def shard(
         self,
@@ -114,16 +123,8 @@ class RecSysEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder):
         )
 
 
-class RecSysEmbeddingCollectionSharder(EmbeddingCollectionSharder):
+class RecSysEmbeddingCollectionSharder(_AllowListMixin, EmbeddingCollectionSharder):
     """EmbeddingCollection (sequence) sharder with an optional allow-list."""
-
-    def __init__(self, allowed_sharding_types: list[str] | None = None, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._allowed = allowed_sharding_types
-
-    def sharding_types(self, compute_device_type: str) -> list[str]:
-        types = super().sharding_types(compute_device_type)
-        return [t for t in types if self._allowed is None or t in self._allowed]
 
     def shard(
         self,
