@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
     torch.set_num_threads(1)
 
-    from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
+    from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
     from lightning_recsys.data import SyntheticClickLogConfig
     from lightning_recsys.models import DLRMRanker
 
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     )
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.05),
-        sharding_types=[args.sharding_type],
+        planning=PlanningConfig(sharding_types=[args.sharding_type]),
         sharding_group_size=group_size,
         layout=args.layout,
         replica_sync=ReplicaSyncConfig(rows=args.sync_rows, every_n_steps=args.sync_every_n_steps),

@@ -4,8 +4,8 @@ Same model, same data (pre-generated batches, so data generation does not count)
 2 processes, 1D, gloo on CPU. Variants, run interleaved several times:
 
 * ``raw``: ``DistributedModelParallel`` and a plain loop (forward, BCE, backward, dense step);
-* ``lightning``: ``Trainer(strategy=TwoDRecStrategy(validate_inputs="off"))``;
-* ``lightning+checks``: the default ``validate_inputs="error"`` (the per-step input check and the
+* ``lightning``: ``Trainer(strategy=TwoDRecStrategy(guard=GuardConfig(validate_inputs="off")))``;
+* ``lightning+checks``: the default ``GuardConfig(validate_inputs="error")`` (the per-step input check and the
   batch handshake between ranks).
 
     python benchmarks/overhead.py                      # Markdown table; JSON in benchmarks/results/
@@ -67,7 +67,7 @@ def _raw(rank: int, steps: int) -> list[float]:
     dist.init_process_group("gloo")
     model = _model()
     sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd", lr=0.01).fused_params(), ["table_wise"])
-    plan = make_sharding_plan(model, sharders, sharding_group_size=WORLD_SIZE, local_world_size=WORLD_SIZE, compute_device="cpu")
+    plan = make_sharding_plan(model, sharders, sharding_group_size=WORLD_SIZE, group_ranks_per_node=WORLD_SIZE, compute_device="cpu")
     dmp = DistributedModelParallel(model, env=ShardingEnv.from_process_group(dist.group.WORLD), device=torch.device("cpu"), plan=plan, sharders=sharders)
     dense = [p for n, p in dmp.named_parameters() if "embedding_bags" not in n]
     optimizer = torch.optim.SGD(dense, lr=0.01)
@@ -85,7 +85,7 @@ def _lightning(rank: int, steps: int, validate: str) -> list[float]:
     from lightning.pytorch import Callback, LightningDataModule, Trainer
     from torch.utils.data import DataLoader
 
-    from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+    from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConfig, TwoDRecStrategy
 
     class Stamps(Callback):
         def __init__(self) -> None:
@@ -100,7 +100,9 @@ def _lightning(rank: int, steps: int, validate: str) -> list[float]:
 
     stamps = Stamps()
     strategy = TwoDRecStrategy(
-        embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.01), sharding_types=["table_wise"], validate_inputs=validate
+        embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.01),
+        planning=PlanningConfig(sharding_types=["table_wise"]),
+        guard=GuardConfig(validate_inputs=validate),
     )
     trainer = Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,

@@ -44,7 +44,7 @@ from lightning_recsys.planner import (
     build_plan_report,
     torchrec_constraints,
 )
-from lightning_recsys.planner.torchrec_planner import make_topology, quiet_torchrec_planner
+from lightning_recsys.planner.torchrec_planner import quiet_torchrec_planner, torchrec_topology
 
 # Criteo-like cardinalities: a few tables of millions of rows, a long tail of small ones.
 CRITEO_LIKE_ROWS: tuple[int, ...] = (
@@ -121,7 +121,7 @@ def compare(group_size: int, *, batch_size: int = 512, dim: int = 128, seed: int
         "default": (
             "TorchRec EmbeddingShardingPlanner",
             EmbeddingShardingPlanner(
-                topology=make_topology(group_size, local, "cuda"),
+                topology=torchrec_topology(group_size, local, "cuda"),
                 batch_size=batch_size,
                 constraints=torchrec_constraints(tables, stats=stats, compute_kernels=KERNELS),
                 stats=[],
@@ -131,7 +131,7 @@ def compare(group_size: int, *, batch_size: int = 512, dim: int = 128, seed: int
         "balanced": (
             "BalancedPlanner",
             BalancedPlanner(
-                sharding_group_size=group_size, local_world_size=local, compute_device="cuda", batch_size=batch_size,
+                sharding_group_size=group_size, group_ranks_per_node=local, compute_device="cuda", batch_size=batch_size,
                 stats=stats, compute_kernels=KERNELS,
             ),
         ),
@@ -142,7 +142,7 @@ def compare(group_size: int, *, batch_size: int = 512, dim: int = 128, seed: int
             plan = planner.plan(model, sharders)
         seconds[name] = time.perf_counter() - start
         reports[name] = build_plan_report(
-            plan, model, sharders, sharding_group_size=group_size, local_world_size=local, compute_device="cuda",
+            plan, model, sharders, sharding_group_size=group_size, group_ranks_per_node=local, compute_device="cuda",
             batch_size=batch_size, stats=stats, planner=label,
         )  # fmt: skip
     return {

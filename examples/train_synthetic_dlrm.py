@@ -14,7 +14,7 @@ import json
 
 import lightning.pytorch as pl
 
-from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name=args.embedding_optimizer, lr=args.embedding_lr),
-        sharding_types=args.sharding_type,
+        planning=PlanningConfig(sharding_types=args.sharding_type),
         sharding_group_size=args.sharding_group_size,
         layout=args.layout,
         replica_sync=ReplicaSyncConfig(every_n_steps=args.sync_every_n_steps),

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.parallel.sharded_model import local_shards
@@ -100,9 +100,17 @@ def fit_sharded(
     return model, trainer, predictions
 
 
-def sgd_strategy(**kwargs: object) -> TwoDRecStrategy:
+def sgd_strategy(
+    *, sharding_types: list[str] | None = None, validate_inputs: str = "error", check_finite: bool = False, **kwargs: object
+) -> TwoDRecStrategy:
+    """The oracle's strategy (SGD tables); the planner allow-list and guard settings are spelled flat for brevity."""
     kwargs.setdefault("process_group_timeout", 60)
-    return TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), **kwargs)
+    kwargs.setdefault("planning", PlanningConfig(sharding_types=sharding_types))
+    return TwoDRecStrategy(
+        embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR),
+        guard=GuardConfig(validate_inputs=validate_inputs, check_finite=check_finite),  # type: ignore[arg-type]
+        **kwargs,
+    )
 
 
 def shards_of(model: DLRMRanker) -> Shards:

@@ -19,6 +19,8 @@ _EXPORTS = {
     "CommunicationMonitor": "lightning_recsys.callbacks",
     "DCPCheckpointIO": "lightning_recsys.strategies",
     "EmbeddingOptimizerConfig": "lightning_recsys.parallel",
+    "GuardConfig": "lightning_recsys.parallel.guard_config",
+    "PlanningConfig": "lightning_recsys.planner.config",
     "QCommsConfig": "lightning_recsys.parallel.qcomms",
     "ReplicaSyncConfig": "lightning_recsys.parallel.replica_sync_config",
     "TableConstraints": "lightning_recsys.planner",
@@ -28,9 +30,11 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from lightning_recsys.callbacks import CommunicationMonitor
     from lightning_recsys.parallel import EmbeddingOptimizerConfig
+    from lightning_recsys.parallel.guard_config import GuardConfig
     from lightning_recsys.parallel.qcomms import QCommsConfig
     from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
     from lightning_recsys.planner import TableConstraints
+    from lightning_recsys.planner.config import PlanningConfig
     from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
 
 register_strategy_name()
@@ -49,4 +53,15 @@ def __dir__() -> list[str]:
     return sorted([*globals(), *_EXPORTS])
 
 
-__all__ = ["CommunicationMonitor", "DCPCheckpointIO", "EmbeddingOptimizerConfig", "QCommsConfig", "ReplicaSyncConfig", "TableConstraints", "TwoDRecStrategy", "__version__"]
+__all__ = [
+    "CommunicationMonitor",
+    "DCPCheckpointIO",
+    "EmbeddingOptimizerConfig",
+    "GuardConfig",
+    "PlanningConfig",
+    "QCommsConfig", 
+    "ReplicaSyncConfig",
+    "TableConstraints",
+    "TwoDRecStrategy",
+    "__version__",
+]

@@ -39,6 +39,7 @@ from lightning_recsys.planner import (
     make_balanced_plan,
     plan_rows,
 )
+from lightning_recsys.planner.config import PlanningConfig
 
 WORLD_SIZE = 2
 HASHED_TABLE, PARTITIONS = "t_sparse_1", 4  # 64 rows: 4 partitions of 16 rows, 2 per rank
@@ -61,7 +62,7 @@ def _train_planned(rank: int, world_size: int) -> dict:
             model,
             sharders,
             sharding_group_size=world_size,
-            local_world_size=world_size,
+            group_ranks_per_node=world_size,
             compute_device="cpu",
             constraints=CONSTRAINTS,
             batch_size=local,
@@ -130,7 +131,9 @@ def _fit_with_balanced_strategy(rank: int, world_size: int) -> dict:
     from oracle import fit_sharded, sgd_strategy
 
     strategy = sgd_strategy(
-        planner="balanced", profile_batches=STEPS, hash_partitions={HASHED_TABLE: PARTITIONS}, table_constraints=CONSTRAINTS
+        planning=PlanningConfig(
+            planner="balanced", profile_batches=STEPS, hash_partitions={HASHED_TABLE: PARTITIONS}, table_constraints=CONSTRAINTS
+        )
     )
     model, _, predictions = fit_sharded(rank, world_size, strategy)
     report = strategy.plan_report.to_json() if strategy.plan_report is not None else None

@@ -149,7 +149,7 @@ def build(
         for n, _ in tables
     }
     plan = make_sharding_plan(
-        model, sharders, sharding_group_size=group_size, local_world_size=group_size, compute_device="cpu", constraints=constraints
+        model, sharders, sharding_group_size=group_size, group_ranks_per_node=group_size, compute_device="cpu", constraints=constraints
     )
     sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=plan)
     dp = config.make_torch_optimizer(sharded.data_parallel_table_params) if sharded.data_parallel_table_params else None

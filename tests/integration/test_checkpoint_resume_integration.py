@@ -14,6 +14,7 @@ from oracle import assemble, make_model, shards_of
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.checkpoint import is_committed, read_meta
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.planner.config import PlanningConfig
 
 WORLD_SIZE = 2
 STEPS_PER_EPOCH = 3
@@ -49,7 +50,7 @@ def _fit(
     losses = _Losses()
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
-        sharding_types=["row_wise", "table_wise"],
+        planning=PlanningConfig(sharding_types=["row_wise", "table_wise"]),
         process_group_timeout=60,
         checkpoint_io=DCPCheckpointIO(async_save=async_save),
     )

@@ -12,6 +12,7 @@ from multiprocess import run_ranks
 from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
+from lightning_recsys.planner.config import PlanningConfig
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[200, 100], num_dense_features=4, global_batch_size=64, train_batches=6, val_batches=1, seed=5)
 BF16_LOSS_ATOL = 2e-2  # bf16 keeps 8 mantissa bits: about 4e-3 relative per op, on a BCE loss near 0.69
@@ -67,8 +68,8 @@ class _EmbeddingLr(Callback):
 def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None) -> dict:
     seen = _EmbeddingLr()
     strategy = TwoDRecStrategy(
-        process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4),
-        embedding_lr_follows_scheduler=follows, sharding_types=["table_wise"],
+        process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4, lr_follows_scheduler=follows),
+        planning=PlanningConfig(sharding_types=["table_wise"]),
     )
     trainer = Trainer(
         accelerator="cpu", devices=world_size, max_steps=4, limit_val_batches=0, logger=False, gradient_clip_val=clip,

@@ -17,6 +17,7 @@ from oracle import fit_sharded, sgd_strategy, train_unsharded
 from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import DLRMRanker
+from lightning_recsys.planner.config import PlanningConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 WORLD_SIZE = 2
@@ -60,7 +61,7 @@ def _embedding_bytes_per_precision(rank: int, world_size: int) -> dict[str, int]
             table_sizes=config.table_sizes, num_dense_features=4, embedding_dim=64,
             dense_arch_layer_sizes=[16, 64], over_arch_layer_sizes=[8, 1],
         )
-        strategy = TwoDRecStrategy(sharding_types=["table_wise"], qcomms=precision, process_group_timeout=60)
+        strategy = TwoDRecStrategy(planning=PlanningConfig(sharding_types=["table_wise"]), qcomms=precision, process_group_timeout=60)
         trainer = Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -88,7 +89,7 @@ def _tiny_block_run(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         model = DLRMRanker(table_sizes=config.table_sizes, num_dense_features=4, embedding_dim=4,
                            dense_arch_layer_sizes=[16, 4], over_arch_layer_sizes=[8, 1])
-        strategy = TwoDRecStrategy(sharding_types=["table_wise"], qcomms=precision, process_group_timeout=60)
+        strategy = TwoDRecStrategy(planning=PlanningConfig(sharding_types=["table_wise"]), qcomms=precision, process_group_timeout=60)
         trainer = Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -132,7 +133,7 @@ def _validation_auc(rank: int, world_size: int) -> dict[str, float]:
                            over_arch_layer_sizes=[32, 16, 1], embedding_device="meta")
         strategy = TwoDRecStrategy(
             embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
-            sharding_types=["table_wise", "column_wise"], qcomms=qcomms, process_group_timeout=60,
+            planning=PlanningConfig(sharding_types=["table_wise", "column_wise"]), qcomms=qcomms, process_group_timeout=60,
         )
         trainer = Trainer(
             accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=2, num_sanity_val_steps=0,

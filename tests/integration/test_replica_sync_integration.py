@@ -117,7 +117,7 @@ def build(rank: int, *, group_size: int, sharding_type: str, optimizer: str, syn
         for n, _ in BAG_TABLES + SEQ_TABLES
     }
     plan = make_sharding_plan(
-        model, sharders, sharding_group_size=group_size, local_world_size=group_size, compute_device="cpu", constraints=constraints
+        model, sharders, sharding_group_size=group_size, group_ranks_per_node=group_size, compute_device="cpu", constraints=constraints
     )
     sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=plan)
     dense = torch.optim.SGD([p for p in sharded.dmp.module.parameters() if not sharded.is_embedding_param(p)], lr=0.1)

@@ -12,6 +12,7 @@ from multiprocess import run_ranks
 from lightning_recsys import CommunicationMonitor, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
+from lightning_recsys.planner.config import PlanningConfig
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[50, 30], num_dense_features=3, global_batch_size=32, train_batches=4, val_batches=2, test_batches=2)
 
@@ -71,7 +72,10 @@ def _model() -> DLRMRanker:
 
 def _strategy() -> TwoDRecStrategy:
     # t_sparse_1 data_parallel, whatever the planner would pick for it
-    return TwoDRecStrategy(process_group_timeout=60, table_constraints={"t_sparse_1": TableConstraints(sharding_types=["data_parallel"])})
+    return TwoDRecStrategy(
+        process_group_timeout=60,
+        planning=PlanningConfig(table_constraints={"t_sparse_1": TableConstraints(sharding_types=["data_parallel"])}),
+    )
 
 
 def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:

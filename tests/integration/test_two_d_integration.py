@@ -9,6 +9,7 @@ from multiprocess import run_ranks
 from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
+from lightning_recsys.planner.config import PlanningConfig
 
 WORLD_SIZE, NODES, PER_NODE = 4, 2, 2
 
@@ -138,7 +139,7 @@ def _fit_with_sync_settings(rank: int, world_size: int) -> dict:
     for sync_state in (True, False):
         strategy = TwoDRecStrategy(
             embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
-            sharding_types=["row_wise"],
+            planning=PlanningConfig(sharding_types=["row_wise"]),
             sharding_group_size=PER_NODE,
             replica_sync=ReplicaSyncConfig(optimizer_state=sync_state),
             process_group_timeout=60,

@@ -17,6 +17,7 @@ from oracle import CONFIG, DENSE_LR, EMBEDDING_LR, STEPS, TABLE_KEY, assemble, f
 from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog
 from lightning_recsys.planner import plan_rows
+from lightning_recsys.planner.config import PlanningConfig
 
 WEIGHT_DECAY = 0.5  # large, so that decay on the wrong rows is far outside assert_close's tolerance
 EPS = 1e-8
@@ -52,7 +53,7 @@ def train_unsharded_with_l2_on_looked_up_rows() -> tuple[dict[str, torch.Tensor]
 
 
 def _train(rank: int, world_size: int, sharding_type: str, accelerator: str) -> dict:
-    strategy = TwoDRecStrategy(embedding_optimizer=_config(), sharding_types=[sharding_type], process_group_timeout=60)
+    strategy = TwoDRecStrategy(embedding_optimizer=_config(), planning=PlanningConfig(sharding_types=[sharding_type]), process_group_timeout=60)
     model, trainer, _ = fit_sharded(rank, world_size, strategy, accelerator=accelerator)
     return {"shards": shards_of(model), "plan": plan_rows(strategy.sharded_model.plan), "steps": trainer.global_step}
 

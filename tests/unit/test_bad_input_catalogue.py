@@ -15,13 +15,15 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
-from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, ReplicaSyncConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, QCommsConfig, ReplicaSyncConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unsharded
 from lightning_recsys.data import CriteoDataModule, MalformedLineError, RecBatch, SyntheticClickLogConfig
 from lightning_recsys.data.criteo import CriteoDataset
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.parallel.input_guard import CoordinatedBatches, InputValidator, feature_tables
 from lightning_recsys.parallel.sharders import validate_sharding_types
+from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.strategies.validation import check_device_support
 
 VALIDATOR = InputValidator(feature_tables(DLRMRanker(table_sizes=[10, 20], num_dense_features=2, embedding_dim=4, dense_arch_layer_sizes=[4])))
 
@@ -59,8 +61,16 @@ _DUPLICATE_OUT_OF_RANGE = {**_DUPLICATE, "values": (1, 2, 3, 15)}
 def _strategy_on(devices: int, num_nodes: int, **kwargs) -> TwoDRecStrategy:
     strategy = TwoDRecStrategy(parallel_devices=[torch.device("cpu")] * devices, **kwargs)
     strategy.num_nodes = num_nodes
-    strategy._topology = strategy._make_topology()
+    strategy._topology = ParallelTopology.for_world(
+        ranks_per_node=devices, num_nodes=num_nodes, sharding_group_size=strategy.sharding_group_size, layout=strategy.layout
+    )
     return strategy
+
+
+def _check_device(strategy: TwoDRecStrategy) -> None:
+    check_device_support(
+        "cpu", strategy.process_group_backend, strategy.embedding_optimizer_config, strategy.planning, two_d=not strategy.topology.is_1d
+    )
 
 
 def _read_criteo(tmp: Path, line: str) -> None:
@@ -98,22 +108,22 @@ CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] 
     ("table configured without features", lambda t: _table_without_features(), ValueError,
      r"no values for feature\(s\) \['orphan'\] that the model's tables need"),
     ("world not divisible by the group", lambda t: _strategy_on(2, 3, sharding_group_size=4), ValueError,
-     r"sharding_group_size=4\) must divide the world size 6 \(devices=2 x num_nodes=3\); valid sizes are \[1, 2, 3, 6\]"),
+     r"sharding_group_size=4 must divide the world size 6 \(devices=2 x num_nodes=3\); valid sizes are \[1, 2, 3, 6\]"),
     ("unknown layout", lambda t: TwoDRecStrategy(layout="ring"), ValueError, r"layout='ring' is not one of"),
     ("table_row_wise under 2D", lambda t: validate_sharding_types(["table_row_wise"], "cpu", "sharding_types", two_d=True),
      ValueError, r"'table_row_wise', which is not supported under 2D"),
-    ("adam on CPU fused tables", lambda t: _strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(name="adam"))._validate_backend(),
+    ("adam on CPU fused tables", lambda t: _check_device(_strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(name="adam"))),
      ValueError, r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"),
     ("weight decay with an optimizer FBGEMM cannot decay", lambda t: EmbeddingOptimizerConfig(name="sgd", weight_decay=0.01),
      ValueError, r"name='sgd', weight_decay=0.01\) is not supported: FBGEMM's fused EXACT_SGD kernel has no weight decay"),
     ("weight decay on CPU fused tables",
-     lambda t: _strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(weight_decay=0.01))._validate_backend(),
+     lambda t: _check_device(_strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(weight_decay=0.01))),
      ValueError, r"weight_decay=0.01\) would be ignored on CPU.*restrict sharding_types to \['data_parallel'\]"),
-    ("nccl on CPU", lambda t: _strategy_on(1, 1, process_group_backend="nccl")._validate_backend(), ValueError,
+    ("nccl on CPU", lambda t: _check_device(_strategy_on(1, 1, process_group_backend="nccl")), ValueError,
      r"process_group_backend='nccl' needs CUDA devices"),
     ("unknown precision", lambda t: QCommsConfig(forward="fp4"), ValueError, r"QCommsConfig\(forward='fp4'\) is not one of"),
     ("unknown qcomms preset", lambda t: TwoDRecStrategy(qcomms="fp6"), ValueError, r"qcomms='fp6' is not a preset"),
-    ("bad validate_inputs", lambda t: TwoDRecStrategy(validate_inputs="sometimes"), ValueError, r"validate_inputs='sometimes' is not one of"),
+    ("bad validate_inputs", lambda t: GuardConfig(validate_inputs="sometimes"), ValueError, r"validate_inputs=.sometimes.\) is not one of"),
     ("sync interval 0", lambda t: ReplicaSyncConfig(every_n_steps=0), ValueError, r"every_n_steps=0 must be an integer >= 1"),
     ("constraint on an unknown sharding type", lambda t: TableConstraints(sharding_types=["diagonal"]), ValueError,
      r"sharding_types=\[..., 'diagonal', ...\]\): not one of"),

@@ -178,7 +178,7 @@ def test_report_of_a_tiny_plan_adds_up():
 def test_report_measures_torchrec_default_plans_too():
     model = _model([100, 200, 300])
     sharders = _sharders()
-    plan = make_sharding_plan(model, sharders, sharding_group_size=2, local_world_size=2, compute_device="cpu")
+    plan = make_sharding_plan(model, sharders, sharding_group_size=2, group_ranks_per_node=2, compute_device="cpu")
     report = build_plan_report(plan, model, sharders, sharding_group_size=2, batch_size=BATCH, planner="default")
     assert {t.name for t in report.tables} == {"t_sparse_0", "t_sparse_1", "t_sparse_2"}
     assert sum(len(r.shards) for r in report.ranks) == len(report.shards) > 0

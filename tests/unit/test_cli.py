@@ -38,7 +38,7 @@ def test_two_node_config_resolves_group_size_and_qcomms():
     cli = _build("two_node_2d_fp8.yaml", "--trainer.accelerator", "cpu", "--trainer.devices", "1")
     strategy = cli.trainer.strategy
     assert cli.trainer.num_nodes == 2
-    assert strategy._sharding_group_size == 8  # resolved from ${trainer.devices} when the file was read
+    assert strategy.sharding_group_size == 8  # resolved from ${trainer.devices} when the file was read
     assert strategy.effective_qcomms.precisions["pooled_all_to_all"] == ("fp8_e4m3", "bf16")
     assert strategy.replica_sync_config == ReplicaSyncConfig(rows="touched", every_n_steps=1)
 

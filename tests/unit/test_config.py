@@ -4,7 +4,14 @@ import pytest
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
-from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys import (
+    EmbeddingOptimizerConfig,
+    GuardConfig,
+    PlanningConfig,
+    ReplicaSyncConfig,
+    TableConstraints,
+    TwoDRecStrategy,
+)
 from lightning_recsys.data import SyntheticClickLogConfig
 from lightning_recsys.models import DLRMRanker
 
@@ -15,8 +22,13 @@ _INVALID_CONSTRUCTIONS = [
     (EmbeddingOptimizerConfig, {"eps": -1.0}, r"eps=-1.0\) must be > 0"),
     (EmbeddingOptimizerConfig, {"weight_decay": -0.1}, r"weight_decay=-0.1\) must be >= 0"),
     (EmbeddingOptimizerConfig, {"beta1": 1.0}, r"beta1=1.0\) must be in \[0, 1\)"),
-    (TwoDRecStrategy, {"sharding_types": ["diagonal"]}, r"sharding_types contains 'diagonal', which is not one of"),
-    (TwoDRecStrategy, {"sharding_types": []}, r"sharding_types=\[\] allows no sharding type"),
+    (PlanningConfig, {"sharding_types": ["diagonal"]}, r"sharding_types\) contains 'diagonal', which is not one of"),
+    (PlanningConfig, {"sharding_types": []}, r"sharding_types=\[\]\) allows no sharding type"),
+    (PlanningConfig, {"planner": "greedy"}, r"planner='greedy'\) is not one of \['torchrec', 'balanced'\]"),
+    (PlanningConfig, {"hash_partitions": {"t": 4}, "sharding_types": ["table_wise"]}, r"does not allow 'row_wise'"),
+    (GuardConfig, {"validate_inputs": "sometimes"}, r"validate_inputs='sometimes'\) is not one of \['error', 'warn', 'off'\]"),
+    (GuardConfig, {"check_finite": "yes"}, r"check_finite='yes'\) must be a bool"),
+    (EmbeddingOptimizerConfig, {"lr_follows_scheduler": 1}, r"lr_follows_scheduler=1\) must be a bool"),
     (TwoDRecStrategy, {"process_group_timeout": 0}, r"process_group_timeout=0 must be > 0 seconds"),
     (TwoDRecStrategy, {"process_group_backend": "mpi"}, r"process_group_backend='mpi' must be 'gloo', 'nccl' or None"),
     (TwoDRecStrategy, {"sharding_group_size": 0}, r"sharding_group_size=0 must be an integer >= 1, or None"),
@@ -63,7 +75,7 @@ def test_adam_is_refused_on_cpu_for_model_parallel_tables():
 
 
 def test_strategy_rejects_wrong_embedding_optimizer_type():
-    with pytest.raises(TypeError, match=r"embedding_optimizer='sgd' must be an EmbeddingOptimizerConfig"):
+    with pytest.raises(TypeError, match=r"embedding_optimizer='sgd'\): expected an EmbeddingOptimizerConfig"):
         TwoDRecStrategy(embedding_optimizer="sgd")  # type: ignore[arg-type]
 
 

@@ -90,7 +90,7 @@ def test_both_planners_get_the_profiled_batch_size_and_pooling_factors():
 
 def test_other_ranks_get_rank_zeros_plan_and_reshape():
     stats = {"t_sparse_0": TableStats(pooling_factor=1.0), "t_sparse_1": TableStats(pooling_factor=1.0)}
-    config = PlanningConfig(planner="balanced", planner_stats=stats, reshape_tables=True)
+    config = PlanningConfig(planner="balanced", table_stats=stats, reshape_tables=True)
     rank0 = Recorder()
     on_zero = _pipeline(config, broadcast=rank0).run(_model())
     assert on_zero.inputs.reshape and on_zero.report is not None
@@ -113,10 +113,10 @@ def test_a_planning_error_on_rank_zero_reaches_the_other_ranks():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"planner": "greedy"}, r"planner='greedy' is not one of \['torchrec', 'balanced'\]"),
-        ({"profile_batches": -1}, r"profile_batches=-1 must be an integer >= 0"),
+        ({"planner": "greedy"}, r"planner='greedy'\) is not one of \['torchrec', 'balanced'\]"),
+        ({"profile_batches": -1}, r"profile_batches=-1\) must be an integer >= 0"),
         ({"table_constraints": {"t": {"sharding_types": ["row_wise"]}}}, r"table_constraints\['t'\] must be a TableConstraints"),
-        ({"planner_stats": {"t": 2.0}}, r"planner_stats\['t'\] must be a TableStats"),
+        ({"table_stats": {"t": 2.0}}, r"table_stats\['t'\] must be a TableStats"),
         ({"hash_partitions": {"t": 0}}, r"hash_partitions\['t'\]=0 must be an integer >= 1"),
     ],
 )

@@ -10,7 +10,7 @@ def _plan(constraints=None, sharding_types=None):
     model = DLRMRanker(table_sizes=[100, 200, 300], embedding_dim=8, dense_arch_layer_sizes=[8, 8], embedding_device="meta")
     sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params(), sharding_types)
     return make_sharding_plan(
-        model, sharders, sharding_group_size=2, local_world_size=2, compute_device="cpu", constraints=constraints
+        model, sharders, sharding_group_size=2, group_ranks_per_node=2, compute_device="cpu", constraints=constraints
     )
 
 

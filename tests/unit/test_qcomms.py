@@ -17,7 +17,6 @@ from lightning_recsys.parallel.qcomms import (
     resolve_qcomms,
     wire_bytes_per_value,
 )
-from lightning_recsys.parallel.sharders import make_sharders
 
 BLOCK = 16
 SHAPES = [(64, BLOCK), (7, 3 * BLOCK), (5, 11), (37,), (0, BLOCK), (0,)]
@@ -254,18 +253,17 @@ def test_tiny_blocks_fall_back_to_bf16_and_say_so(preset, widths, block, falls_b
     assert requested.fallbacks == codecs.requested.fallbacks  # the request itself is left as it was
 
 
-def test_fix_block_size_updates_the_registry_the_sharders_hold():
-    codecs = QCommsCodecs.build(resolve_qcomms(QCommsConfig.preset("fp8")))
-    sharders = make_sharders({}, qcomm_codecs_registry=codecs.registry)
-    held = sharders[0].qcomm_codecs_registry
+def test_planning_codecs_refuse_to_encode_and_final_ones_are_built_from_the_plan():
+    requested = resolve_qcomms(QCommsConfig.preset("fp8"))
+    planning = QCommsCodecs.build(requested)
     with pytest.raises(RuntimeError, match="block size is set from the sharding plan"):
-        held[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward.encode(torch.ones(4))
-    codecs.fix_block_size(_plan(4, 6))
-    assert held is codecs.registry and held[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward.quantized_dtype == torch.bfloat16
-    assert codecs.effective.precisions["pooled_all_to_all"] == ("bf16", "bf16") and len(codecs.effective.fallbacks) == 6
-    codecs.fix_block_size(_plan(32, 64))  # a later plan starts again from the request
-    assert held[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward.block_size == 32
-    assert codecs.effective.precisions["pooled_all_to_all"] == ("fp8_e4m3", "fp8_e5m2") and len(codecs.effective.fallbacks) == 2
+        planning.registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward.encode(torch.ones(4))
+    narrow = QCommsCodecs.build(requested, _plan(4, 6))
+    assert narrow.registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward.quantized_dtype == torch.bfloat16
+    assert narrow.effective.precisions["pooled_all_to_all"] == ("bf16", "bf16") and len(narrow.effective.fallbacks) == 6
+    wide = QCommsCodecs.build(requested, _plan(32, 64))  # each plan starts from the request
+    assert wide.registry[CommOp.POOLED_EMBEDDINGS_ALL_TO_ALL.name].forward.block_size == 32
+    assert wide.effective.precisions["pooled_all_to_all"] == ("fp8_e4m3", "fp8_e5m2") and len(wide.effective.fallbacks) == 2
 
 
 def test_a_plan_without_sharded_tables_has_no_block_and_no_fallback():

@@ -38,7 +38,7 @@ def test_the_strategy_takes_a_config_and_refuses_anything_else():
     assert TwoDRecStrategy().replica_sync_config == ReplicaSyncConfig()
     config = ReplicaSyncConfig(rows="all", every_n_steps=4)
     assert TwoDRecStrategy(replica_sync=config).replica_sync_config is config
-    with pytest.raises(TypeError, match="replica_sync=4 must be a ReplicaSyncConfig"):
+    with pytest.raises(TypeError, match=r"replica_sync=4\): expected a ReplicaSyncConfig"):
         TwoDRecStrategy(replica_sync=4)  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         TwoDRecStrategy(sync_every_n_steps=2)  # type: ignore[call-arg]

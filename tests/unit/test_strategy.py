@@ -13,6 +13,9 @@ from lightning.pytorch.strategies import StrategyRegistry
 import lightning_recsys  # noqa: F401 - registers "twod_rec"
 from lightning_recsys import DCPCheckpointIO, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
+from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.planner import PlanningConfig
+from lightning_recsys.strategies.validation import check_device_support, check_trainer_settings
 
 
 def test_registered_by_name_with_description():
@@ -47,36 +50,37 @@ def test_gradient_accumulation_is_refused():
     strategy = TwoDRecStrategy()
     strategy.precision_plugin = Precision()
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=4\) is not supported"):
-        strategy._validate_trainer(_fake_trainer(accumulate_grad_batches=4))
+        check_trainer_settings(_fake_trainer(accumulate_grad_batches=4), strategy.precision_plugin, strategy.checkpoint_io)
 
 
 def test_checkpoints_go_through_dcp_on_every_rank():
     strategy = TwoDRecStrategy()
     strategy.precision_plugin = Precision()
     assert isinstance(strategy.checkpoint_io, DCPCheckpointIO) and strategy.restore_checkpoint_after_setup
-    strategy._validate_trainer(_fake_trainer(callbacks=[ModelCheckpoint()]))  # ModelCheckpoint is welcome
+    check_trainer_settings(_fake_trainer(callbacks=[ModelCheckpoint()]), strategy.precision_plugin, strategy.checkpoint_io)  # ModelCheckpoint is welcome
     strategy.checkpoint_io = TorchCheckpointIO()
     with pytest.raises(ValueError, match=r"needs checkpoint_io=DCPCheckpointIO \(the default\); got TorchCheckpointIO"):
-        strategy._validate_trainer(_fake_trainer())
+        check_trainer_settings(_fake_trainer(), strategy.precision_plugin, strategy.checkpoint_io)
     with pytest.raises(RuntimeError, match=r"before TwoDRecStrategy has sharded the model"):
         DCPCheckpointIO().save_checkpoint({}, "x.ckpt")
 
 
 def test_nccl_on_cpu_is_refused_before_any_process_group():
-    strategy = TwoDRecStrategy(process_group_backend="nccl", parallel_devices=[torch.device("cpu")])
-    strategy._topology = strategy._make_topology()
     with pytest.raises(ValueError, match=r"process_group_backend='nccl' needs CUDA devices"):
-        strategy._validate_backend()
+        check_device_support("cpu", "nccl", lightning_recsys.EmbeddingOptimizerConfig(), PlanningConfig(), two_d=False)
 
 
 def test_adam_on_cpu_is_refused_before_any_process_group():
-    strategy = TwoDRecStrategy(
-        embedding_optimizer=lightning_recsys.EmbeddingOptimizerConfig(name="adam"),
-        parallel_devices=[torch.device("cpu")],
-    )
-    strategy._topology = strategy._make_topology()
+    adam = lightning_recsys.EmbeddingOptimizerConfig(name="adam")
     with pytest.raises(ValueError, match=r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"):
-        strategy._validate_backend()
+        check_device_support("cpu", None, adam, PlanningConfig(), two_d=False)
+
+
+def _topology(strategy: TwoDRecStrategy) -> ParallelTopology:
+    return ParallelTopology.for_world(
+        ranks_per_node=strategy.num_processes, num_nodes=strategy.num_nodes,
+        sharding_group_size=strategy.sharding_group_size, layout=strategy.layout,
+    )
 
 
 def _strategy_on(devices: int, num_nodes: int, **kwargs) -> TwoDRecStrategy:
@@ -86,18 +90,18 @@ def _strategy_on(devices: int, num_nodes: int, **kwargs) -> TwoDRecStrategy:
 
 
 def test_sharding_group_size_defaults_to_the_devices_per_node():
-    topology = _strategy_on(2, 3)._make_topology()
+    topology = _topology(_strategy_on(2, 3))
     assert (topology.world_size, topology.sharding_group_size, topology.node_size) == (6, 2, 2)
     assert topology.sharding_groups() == [[0, 1], [2, 3], [4, 5]]
-    assert _strategy_on(4, 1)._make_topology().is_1d
+    assert _topology(_strategy_on(4, 1)).is_1d
 
 
 def test_sharding_group_size_that_does_not_divide_the_world_is_refused_before_any_process_group():
     strategy = _strategy_on(2, 2, sharding_group_size=3)
-    with pytest.raises(ValueError, match=r"sharding_group_size=3\) must divide the world size 4 \(devices=2 x num_nodes=2\); valid sizes are \[1, 2, 4\]"):
-        strategy._make_topology()
-    with pytest.raises(ValueError, match=r"sharding_group_size=8\) must divide the world size 4"):
-        _strategy_on(2, 2, sharding_group_size=8)._make_topology()
+    with pytest.raises(ValueError, match=r"sharding_group_size=3 must divide the world size 4 \(devices=2 x num_nodes=2\); valid sizes are \[1, 2, 4\]"):
+        _topology(strategy)
+    with pytest.raises(ValueError, match=r"sharding_group_size=8 must divide the world size 4"):
+        _topology(_strategy_on(2, 2, sharding_group_size=8))
 
 
 def test_table_row_wise_is_refused_under_2d_only():

@@ -42,10 +42,10 @@ def test_node_boundaries_and_planner_local_size():
     assert [contiguous.node_of(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
     assert not contiguous.spans_nodes(contiguous.sharding_group_of(5))
     assert contiguous.spans_nodes(contiguous.replica_group_of(5))
-    assert contiguous.sharding_group_ranks_per_node() == 4
+    assert contiguous.group_ranks_per_node == 4
     strided = ParallelTopology(world_size=8, sharding_group_size=4, layout="all_reduce_optimized", ranks_per_node=4)
     assert strided.spans_nodes(strided.sharding_group_of(0)) and not strided.spans_nodes(strided.replica_group_of(0))
-    assert strided.sharding_group_ranks_per_node() == 2
+    assert strided.group_ranks_per_node == 2
     assert contiguous.layout_warnings() == [] and strided.layout_warnings() == []
 
 

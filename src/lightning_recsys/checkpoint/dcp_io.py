@@ -1,7 +1,7 @@
 """Saving and loading sharded state with PyTorch Distributed Checkpoint (DCP), Trainer-free.
 
 Every function here that takes a ``topology`` is collective: every rank calls it, at the same
-point. Only sharding group 0 (``topology.sharding_groups()[0]``) writes the tables, so replicas do
+point. Only sharding group 0 (``topology.writer_group``) writes the tables, so replicas do
 not write duplicates; every sharding group reads with its own process group, so a checkpoint
 loads into any topology, world size and plan. See ``layout`` for the files and the commit.
 """
@@ -181,7 +181,7 @@ def _prepare_save(
     try:
         if rank == 0:
             prepare_temporary(final)
-        if rank in topology.sharding_groups()[0]:
+        if rank in topology.writer_group:
             optimizer_state = state.embedding_optimizer_state(topology.sharding_process_group())
             prepared.dcp_state = {model_key(k): v for k, v in state.model_state_dict.items()}
             prepared.dcp_state.update(optimizer_state.state_dict_for_save())
@@ -234,7 +234,7 @@ def _build_meta(
         sharding_group_size=topology.sharding_group_size,
         num_replicas=topology.num_replicas,
         layout=topology.layout,
-        written_by_ranks=list(topology.sharding_groups()[0]),
+        written_by_ranks=list(topology.writer_group),
         plan=rows,
         tables=tables,
         embedding_optimizer={"name": state.embedding_optimizer.name, "states": list(optimizer_state.states)},
@@ -255,7 +255,7 @@ class AsyncCheckpointSaver:
     def __init__(self, topology: ParallelTopology) -> None:
         _require_process_group("AsyncCheckpointSaver")
         self._topology = topology
-        self._group = dist.new_group(topology.sharding_groups()[0], backend="gloo")
+        self._group = dist.new_group(topology.writer_group, backend="gloo")
         self._pending: AsyncCheckpointHandle | None = None
 
     def save(

@@ -34,9 +34,10 @@ from torchrec.distributed.planner.types import PlannerError
 from lightning_recsys.cli.trainer import build_cli
 from lightning_recsys.parallel.topology import ParallelTopology
 from lightning_recsys.planner import PlanReport
-from lightning_recsys.planner.pipeline import PLANNERS, PlanningPipeline
+from lightning_recsys.planner.config import PLANNERS
+from lightning_recsys.planner.pipeline import PlanningPipeline
 from lightning_recsys.strategies import TwoDRecStrategy
-from lightning_recsys.strategies.planning import planning_config, planning_sharders, planning_topology
+from lightning_recsys.strategies.planning import planning_sharders, planning_topology
 
 _GPU_ACCELERATORS = {"gpu", "cuda"}
 
@@ -130,7 +131,7 @@ def _plan(
     settings: dict[str, Any] = {"planner": args.planner, "profile_batches": args.profile_batches, "reshape_tables": args.reshape}
     if hash_partitions is not None:
         settings["hash_partitions"] = hash_partitions
-    config = dataclasses.replace(planning_config(strategy), **{k: v for k, v in settings.items() if v is not None})
+    config = dataclasses.replace(strategy.planning, **{k: v for k, v in settings.items() if v is not None})
     topology = planning_topology(
         strategy, world_size=world_size, ranks_per_node=ranks_per_node, sharding_group_size=args.sharding_group_size
     )

@@ -64,6 +64,9 @@ class EmbeddingOptimizerConfig:
         weight_decay: L2 weight decay on the looked-up rows, >= 0; > 0 needs ``rowwise_adagrad``.
         beta1: Adam's first-moment decay, in [0, 1).
         beta2: Adam's second-moment decay, in [0, 1).
+        lr_follows_scheduler: the tables' learning rate follows the first LR scheduler: ``lr`` times
+            that scheduler's factor (its optimizer's current lr over its ``initial_lr``), set before
+            every training step. Off by default: schedulers then move only the dense optimizers.
     """
 
     name: EmbeddingOptimizerName = "rowwise_adagrad"
@@ -72,6 +75,7 @@ class EmbeddingOptimizerConfig:
     weight_decay: float = 0.0
     beta1: float = 0.9
     beta2: float = 0.999
+    lr_follows_scheduler: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in _FUSED_TYPES:
@@ -90,6 +94,8 @@ class EmbeddingOptimizerConfig:
                 f"{_NO_L2_DECAY[self.name]}, so model-parallel and data-parallel tables would decay differently. "
                 "Use name='rowwise_adagrad' (L2 decay on the looked-up rows of every table), or weight_decay=0."
             )
+        if not isinstance(self.lr_follows_scheduler, bool):
+            raise ValueError(f"EmbeddingOptimizerConfig(lr_follows_scheduler={self.lr_follows_scheduler!r}) must be a bool.")
         for field, value in (("beta1", self.beta1), ("beta2", self.beta2)):
             if not 0 <= value < 1:
                 raise ValueError(f"EmbeddingOptimizerConfig({field}={value}) must be in [0, 1).")

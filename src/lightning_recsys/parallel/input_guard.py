@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import time
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -400,26 +399,3 @@ class _Handshake:
             self.work.wait()
         except (RuntimeError, dist.DistError) as error:  # the run is already ending or failing
             log.debug("in-flight batch handshake failed while closing: %s", error)
-
-
-def report_lost_ranks(rank: int, world_size: int, *, wait_seconds: float) -> str:
-    """After a failed collective: which ranks are gone? Survivors check in on the rendezvous store.
-
-    Every surviving rank writes a key and waits up to ``wait_seconds`` for the others'; a rank
-    that never checks in is reported lost (dead, or stuck in a collective). If the store itself is
-    unreachable, its host (rank 0's node) is the one lost.
-    """
-    # torch keeps the store of init_process_group private; it is the only channel left once a rank is gone.
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"lightning_recsys/survivor/{rank}", "1")
-        deadline = time.monotonic() + wait_seconds
-        missing = list(range(world_size))
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"lightning_recsys/survivor/{r}"])]
-            time.sleep(0.2)
-    except Exception as error:  # noqa: BLE001 - this is a diagnosis; the original error propagates
-        return f"the rendezvous store (hosted with rank 0) is unreachable ({error}); rank 0 is probably lost"
-    if not missing:
-        return "every rank is still alive; the failure is not a lost rank (see the other ranks' errors)"
-    return f"lost rank(s) {missing}: they did not check in within {wait_seconds:.0f}s of the failure (dead, or stuck in a collective)"

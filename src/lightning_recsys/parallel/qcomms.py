@@ -277,18 +277,6 @@ class QCommsCodecs:
                 )
         return cls(effective=effective, registry=registry or None, block_size=block, device=device, requested=requested)
 
-    def fix_block_size(self, plan: ShardingPlan) -> None:
-        """Make these codecs the final ones for ``plan``, in place.
-
-        The sharders made from ``self.registry`` hold that very dict, so its entries are replaced
-        rather than the dict; ``self.effective`` then says what really runs.
-        """
-        final = type(self).build(self.requested or self.effective, plan, device=self.device)
-        if self.registry is not None:
-            self.registry.clear()
-            self.registry.update(final.registry or {})
-        self.effective, self.block_size = final.effective, final.block_size
-
 
 def block_size_for_plan(plan: ShardingPlan) -> Optional[int]:
     """The gcd of every shard's width in ``plan``; None when no table is sharded (all data-parallel)."""

@@ -141,7 +141,7 @@ def remap_plan_to_global_ranks(
             for shard in spec.shards:
                 assert shard.placement is not None
                 global_rank = group[shard.placement.rank()]
-                placement_device = "cpu" if device.type == "cpu" else f"{device.type}:{global_rank % topology.node_size}"
+                placement_device = "cpu" if device.type == "cpu" else f"{device.type}:{topology.local_rank(global_rank)}"
                 shard.placement = _remote_device(f"rank:{global_rank}/{placement_device}")
     return remapped
 

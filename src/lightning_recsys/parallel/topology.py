@@ -63,12 +63,26 @@ class ParallelTopology:
                 f"sharding_group_size={self.sharding_group_size} must divide the world size "
                 f"({self.world_size}); valid sizes are {_divisors(self.world_size)}."
             )
-        if self.layout not in LAYOUTS:
-            raise ValueError(f"layout={self.layout!r} is not one of {list(LAYOUTS)}.")
+        check_topology_arguments(self.sharding_group_size, self.layout)
         if self.ranks_per_node is not None and (self.ranks_per_node < 1 or self.world_size % self.ranks_per_node):
             raise ValueError(
                 f"ranks_per_node={self.ranks_per_node} must be >= 1 and divide the world size ({self.world_size})."
             )
+
+    @classmethod
+    def for_world(
+        cls, *, ranks_per_node: int, num_nodes: int, sharding_group_size: int | None = None, layout: Layout = "all_to_all_optimized"
+    ) -> ParallelTopology:
+        """The layout for ``num_nodes`` nodes of ``ranks_per_node`` ranks; the group size defaults to a node."""
+        check_topology_arguments(sharding_group_size, layout)
+        world = ranks_per_node * num_nodes
+        group_size = sharding_group_size or ranks_per_node
+        if world % group_size:
+            raise ValueError(
+                f"sharding_group_size={group_size} must divide the world size {world} "
+                f"(devices={ranks_per_node} x num_nodes={num_nodes}); valid sizes are {_divisors(world)}."
+            )
+        return cls(world_size=world, sharding_group_size=group_size, layout=layout, ranks_per_node=ranks_per_node)
 
     @property
     def num_replicas(self) -> int:
@@ -110,8 +124,18 @@ class ParallelTopology:
     def spans_nodes(self, ranks: list[int] | tuple[int, ...]) -> bool:
         return len({self.node_of(r) for r in ranks}) > 1
 
-    def sharding_group_ranks_per_node(self) -> int:
-        """How many ranks of one sharding group share a node (the planner's local world size)."""
+    @property
+    def writer_group(self) -> list[int]:
+        """Sharding group 0: the ranks that write the tables of a checkpoint (replicas hold the same)."""
+        return self.sharding_groups()[0]
+
+    def local_rank(self, rank: int) -> int:
+        """The rank's index on its node."""
+        return rank % self.node_size
+
+    @property
+    def group_ranks_per_node(self) -> int:
+        """How many ranks of one sharding group share a node (TorchRec's ``local_world_size``)."""
         group = self.sharding_groups()[0]
         return sum(1 for r in group if self.node_of(r) == self.node_of(group[0]))
 
@@ -167,6 +191,18 @@ class ParallelTopology:
         if "mesh" not in self._mesh:
             raise RuntimeError("ParallelTopology.device_mesh(device_type) must be called (on every rank) first.")
         return self._mesh["mesh"]
+
+
+def check_topology_arguments(sharding_group_size: int | None, layout: str) -> None:
+    """Raise if the requested group size or layout cannot be right on any world."""
+    if sharding_group_size is not None and (
+        isinstance(sharding_group_size, bool) or not isinstance(sharding_group_size, int) or sharding_group_size < 1
+    ):
+        raise ValueError(
+            f"sharding_group_size={sharding_group_size!r} must be an integer >= 1, or None for the devices per node."
+        )
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {list(LAYOUTS)}.")
 
 
 def _divisors(n: int) -> list[int]:

@@ -16,8 +16,9 @@ from lightning_recsys.planner.balanced import (
     PlanResult,
     make_balanced_plan,
 )
+from lightning_recsys.planner.config import PlanningConfig
 from lightning_recsys.planner.constraints import TableConstraints, torchrec_constraints
-from lightning_recsys.planner.pipeline import PlannedSharding, PlanningConfig, PlanningInputs, PlanningPipeline
+from lightning_recsys.planner.pipeline import PlannedSharding, PlanningInputs, PlanningPipeline
 from lightning_recsys.planner.report import (
     PlanReport,
     RankReport,

@@ -8,7 +8,7 @@ no plan that fits) is raised on every rank. No Lightning imports.
 
 1. **Inputs** (``PlanningPipeline.prepare``, rank 0): the per-rank batch size (given, else
    profiled, else TorchRec's default of 512), the per-table statistics (profiled on
-   ``profile_batches`` batches, else ``planner_stats``, else assumed), and, with
+   ``profile_batches`` batches, else ``table_stats``, else assumed), and, with
    ``reshape_tables``, the reshape advice. Every rank gets them and applies the reshape.
 2. **Plan** (``PlanningPipeline.plan``, rank 0): TorchRec's ``EmbeddingShardingPlanner`` or
    ``BalancedPlanner``, both told the same batch size, statistics, constraints and hash partitions;
@@ -18,8 +18,8 @@ no plan that fits) is raised on every rank. No Lightning imports.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlanner
@@ -28,15 +28,14 @@ from lightning_recsys.parallel.reshape import apply_reshape
 from lightning_recsys.parallel.topology import ParallelTopology
 from lightning_recsys.planner.balanced import BalancedPlanner
 from lightning_recsys.planner.collective import Broadcast, no_broadcast, on_rank_zero
-from lightning_recsys.planner.constraints import TableConstraints, check_hash_partitions
+from lightning_recsys.planner.config import PLANNERS, PlannerName, PlanningConfig
+from lightning_recsys.planner.constraints import check_hash_partitions
 from lightning_recsys.planner.report import PlanReport, build_plan_report
 from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
 from lightning_recsys.planner.shard_cost import CommCosts
 from lightning_recsys.planner.stats import TableStats, profile_datamodule
 from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_planner
 
-PlannerName = Literal["torchrec", "balanced"]
-PLANNERS: tuple[str, ...] = ("torchrec", "balanced")
 PLANNER_LABELS: dict[str, str] = {"torchrec": "TorchRec EmbeddingShardingPlanner", "balanced": "BalancedPlanner"}
 
 
@@ -44,46 +43,6 @@ class HasTrainLoader(Protocol):
     """A DataModule, or anything else that yields training batches (``RecBatch`` or KJTs)."""
 
     def train_dataloader(self) -> Iterable[Any]: ...
-
-
-@dataclass(kw_only=True)
-class PlanningConfig:
-    """How the sharding plan is made: which planner, and what it is told about the tables.
-
-    Args:
-        planner: ``"torchrec"`` (TorchRec's ``EmbeddingShardingPlanner``) or ``"balanced"``
-            (``BalancedPlanner``: balances storage, lookups, all-to-all bytes and step time per rank).
-        table_constraints: per-table ``TableConstraints``, keyed by table name.
-        planner_stats: per-table ``TableStats`` (pooling factor, hot rows), keyed by table name;
-            tables without any are assumed (their ``TableConstraints.pooling_factor``, else 1 id).
-        profile_batches: measure the statistics on this many training batches first (rank 0), >= 0.
-        hash_partitions: tables whose ids are hashed into P partitions, ``{"t_user": 64}``; they
-            are sharded row-wise on partition boundaries, P / sharding group size per rank.
-        reshape_tables: apply the reshape advice (halve the dim, double the rows, where that cuts
-            the all-to-all bytes) to the model's tables before planning. Changes the model.
-    """
-
-    planner: PlannerName = "torchrec"
-    table_constraints: dict[str, TableConstraints] = field(default_factory=dict)
-    planner_stats: dict[str, TableStats] | None = None
-    profile_batches: int = 0
-    hash_partitions: dict[str, int] | None = None
-    reshape_tables: bool = False
-
-    def __post_init__(self) -> None:
-        if self.planner not in PLANNERS:
-            raise ValueError(f"planner={self.planner!r} is not one of {list(PLANNERS)}.")
-        if isinstance(self.profile_batches, bool) or not isinstance(self.profile_batches, int) or self.profile_batches < 0:
-            raise ValueError(f"profile_batches={self.profile_batches!r} must be an integer >= 0.")
-        for name, value in self.table_constraints.items():
-            if not isinstance(value, TableConstraints):
-                raise TypeError(f"table_constraints[{name!r}] must be a TableConstraints, got {type(value).__name__}.")
-        for name, value in (self.planner_stats or {}).items():
-            if not isinstance(value, TableStats):
-                raise TypeError(f"planner_stats[{name!r}] must be a TableStats, got {type(value).__name__}.")
-        for name, value in (self.hash_partitions or {}).items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"hash_partitions[{name!r}]={value!r} must be an integer >= 1.")
 
 
 @dataclass(frozen=True)
@@ -142,7 +101,7 @@ class PlanningPipeline:
         topology = self.topology
         return {
             "sharding_group_size": topology.sharding_group_size,
-            "local_world_size": topology.sharding_group_ranks_per_node(),
+            "group_ranks_per_node": topology.group_ranks_per_node,
             "compute_device": self.compute_device,
         }
 
@@ -186,7 +145,7 @@ class PlanningPipeline:
     # -- stages
     def _inputs(self, module: nn.Module, datamodule: HasTrainLoader | None, setup: bool, batch_size: int | None) -> PlanningInputs:
         config = self.config
-        stats = dict(config.planner_stats) if config.planner_stats else None
+        stats = dict(config.table_stats) if config.table_stats else None
         if config.profile_batches and datamodule is not None:
             try:
                 profile = profile_datamodule(datamodule, config.profile_batches, setup=setup)

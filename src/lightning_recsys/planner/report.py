@@ -33,7 +33,7 @@ from lightning_recsys.planner.constraints import TableConstraints, pooling_facto
 from lightning_recsys.planner.reshape import ReshapeAdvice
 from lightning_recsys.planner.shard_cost import CommCosts, Imbalance, format_bytes, shard_cost, storage_tier
 from lightning_recsys.planner.stats import LoadProfile, TableStats, resolve_table_stats
-from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, make_topology
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_topology
 
 REPORT_METRICS: tuple[str, ...] = ("storage_bytes", "lookups", "a2a_bytes", "step_time_ms")
 _SHORT_TYPES = {
@@ -113,7 +113,7 @@ class PlanReport:
 
     planner: str
     sharding_group_size: int
-    local_world_size: int
+    group_ranks_per_node: int
     compute_device: str
     batch_size: int
     comm: str
@@ -129,7 +129,7 @@ class PlanReport:
         return {
             "planner": self.planner,
             "sharding_group_size": self.sharding_group_size,
-            "local_world_size": self.local_world_size,
+            "group_ranks_per_node": self.group_ranks_per_node,
             "compute_device": self.compute_device,
             "batch_size_per_rank": self.batch_size,
             "comm": self.comm,
@@ -157,7 +157,7 @@ class PlanReport:
         lines = [
             (
                 f"Sharding plan ({self.planner}): {self.sharding_group_size} ranks per sharding group, "
-                f"{self.local_world_size} per node, {self.compute_device}, batch {self.batch_size} per rank"
+                f"{self.group_ranks_per_node} per node, {self.compute_device}, batch {self.batch_size} per rank"
             ),
             f"Comm: {self.comm}",
             "",
@@ -242,7 +242,7 @@ def build_plan_report(
     sharders: list[ModuleSharder[nn.Module]],
     *,
     sharding_group_size: int,
-    local_world_size: int | None = None,
+    group_ranks_per_node: int | None = None,
     compute_device: str = "cpu",
     batch_size: int = DEFAULT_BATCH_SIZE,
     stats: Mapping[str, TableStats] | LoadProfile | None = None,
@@ -256,7 +256,7 @@ def build_plan_report(
     tables = embedding_tables(module)
     by_name = {t.name: t for t in tables}
     resolved, assumed = resolve_table_stats(tables, stats, pooling_factor_defaults(table_constraints))
-    topology = make_topology(sharding_group_size, local_world_size, compute_device)
+    topology = torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device)
     comm = comm_costs or CommCosts.from_sharders(sharders)
     tier = storage_tier(compute_device)
     # Only the traffic constrains the estimates: every sharding type must be enumerable to match the plan.
@@ -354,7 +354,7 @@ def build_plan_report(
     return PlanReport(
         planner=planner,
         sharding_group_size=sharding_group_size,
-        local_world_size=topology.local_world_size,
+        group_ranks_per_node=topology.local_world_size,
         compute_device=compute_device,
         batch_size=batch_size,
         comm=comm.describe(),

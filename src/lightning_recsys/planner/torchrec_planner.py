@@ -1,7 +1,7 @@
 """TorchRec's own planner (``EmbeddingShardingPlanner``), and what every planner here hands it.
 
 * ``embedding_tables``: the tables of a module, as TorchRec's planner enumerates them;
-* ``make_topology``: TorchRec's ``Topology`` of one sharding group (no process group needed);
+* ``torchrec_topology``: TorchRec's ``Topology`` of one sharding group (no process group needed);
 * ``quiet_torchrec_planner``: drops a warning TorchRec logs for every data-parallel table;
 * ``torchrec_planner`` / ``make_sharding_plan``: TorchRec's default planner on our constraints
   and traffic statistics, in this process or on rank 0 for every rank.
@@ -62,19 +62,19 @@ def embedding_tables(module: nn.Module) -> list[BaseEmbeddingConfig]:
     return tables
 
 
-def make_topology(
+def torchrec_topology(
     sharding_group_size: int,
-    local_world_size: int | None,
+    group_ranks_per_node: int | None,
     compute_device: str,
     memory_per_rank: int | None = None,
 ) -> Topology:
     """A TorchRec ``Topology`` for one sharding group (no process group needed)."""
     if sharding_group_size < 1:
         raise ValueError(f"sharding_group_size={sharding_group_size} must be >= 1.")
-    local = min(local_world_size or sharding_group_size, sharding_group_size)
+    local = min(group_ranks_per_node or sharding_group_size, sharding_group_size)
     if sharding_group_size % local:
         raise ValueError(
-            f"local_world_size={local_world_size} must divide sharding_group_size={sharding_group_size} "
+            f"group_ranks_per_node={group_ranks_per_node} must divide sharding_group_size={sharding_group_size} "
             "(a sharding group spans whole nodes or part of one node)."
         )
     memory: dict[str, int] = {}
@@ -100,7 +100,7 @@ def torchrec_planner(
     module: nn.Module,
     *,
     sharding_group_size: int,
-    local_world_size: int | None,
+    group_ranks_per_node: int | None,
     compute_device: str,
     batch_size: int | None = None,
     stats: Mapping[str, TableStats] | LoadProfile | None = None,
@@ -117,7 +117,7 @@ def torchrec_planner(
     tables = embedding_tables(module)
     resolved, _ = resolve_table_stats(tables, stats, pooling_factor_defaults(constraints))
     return QuietEmbeddingShardingPlanner(
-        topology=make_topology(sharding_group_size, local_world_size, compute_device, memory_per_rank),
+        topology=torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device, memory_per_rank),
         batch_size=batch_size or DEFAULT_BATCH_SIZE,
         constraints=torchrec_constraints(tables, stats=resolved, table_constraints=constraints, hash_partitions=hash_partitions),
         stats=[],
@@ -130,7 +130,7 @@ def make_sharding_plan(
     sharders: list[ModuleSharder[nn.Module]],
     *,
     sharding_group_size: int,
-    local_world_size: int,
+    group_ranks_per_node: int,
     compute_device: str,
     constraints: dict[str, TableConstraints] | None = None,
     batch_size: int | None = None,
@@ -143,7 +143,7 @@ def make_sharding_plan(
     planner = torchrec_planner(
         module,
         sharding_group_size=sharding_group_size,
-        local_world_size=local_world_size,
+        group_ranks_per_node=group_ranks_per_node,
         compute_device=compute_device,
         batch_size=batch_size,
         stats=stats,

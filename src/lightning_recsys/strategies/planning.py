@@ -8,28 +8,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
-from torchrec.distributed.types import ModuleSharder
+from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
-from lightning_recsys.parallel.qcomms import QCommsCodecs
+from lightning_recsys.parallel.qcomms import QCommsCodecs, resolve_qcomms
 from lightning_recsys.parallel.sharders import make_sharders, supported_sharding_types
 from lightning_recsys.parallel.topology import ParallelTopology
-from lightning_recsys.planner.pipeline import PlanningConfig
 
 if TYPE_CHECKING:
     from lightning_recsys.strategies.twod_rec import TwoDRecStrategy
-
-
-def planning_config(strategy: TwoDRecStrategy) -> PlanningConfig:
-    """The strategy's planner settings."""
-    return PlanningConfig(
-        planner=strategy._planner,
-        table_constraints=dict(strategy._table_constraints),
-        planner_stats=strategy._planner_stats,
-        profile_batches=strategy._profile_batches,
-        hash_partitions=strategy._hash_partitions,
-        reshape_tables=strategy._reshape_tables,
-    )
 
 
 def planning_topology(
@@ -39,21 +27,33 @@ def planning_topology(
 
     ``sharding_group_size`` overrides the strategy's (whose default is the ranks per node).
     """
-    return ParallelTopology(
-        world_size=world_size,
-        sharding_group_size=sharding_group_size or strategy._sharding_group_size or ranks_per_node,
-        layout=strategy._layout,
+    if world_size % ranks_per_node:
+        raise ValueError(f"world_size={world_size} is not a whole number of nodes of {ranks_per_node} ranks.")
+    return ParallelTopology.for_world(
         ranks_per_node=ranks_per_node,
+        num_nodes=world_size // ranks_per_node,
+        sharding_group_size=sharding_group_size or strategy.sharding_group_size,
+        layout=strategy.layout,
     )
 
 
 def planning_sharders(
-    strategy: TwoDRecStrategy, *, compute_device: str, topology: ParallelTopology
+    strategy: TwoDRecStrategy,
+    *,
+    compute_device: str,
+    topology: ParallelTopology,
+    plan: ShardingPlan | None = None,
+    device: torch.device | None = None,
 ) -> tuple[list[ModuleSharder[nn.Module]], QCommsCodecs]:
-    """The sharders the strategy gives the planner and DMP, and the QComms codecs inside them."""
-    allowed = strategy._sharding_types
+    """The sharders and their QComms codecs: the planner's (``plan=None``), or DMP's final ones for ``plan``.
+
+    Both are built from the strategy's requested precisions. The planner reads only the codecs'
+    wire dtypes; the final codecs take their scale-block size (and any fallback it forces) from the
+    plan's shard widths. ``device`` picks FBGEMM's kernels on CUDA.
+    """
+    allowed = strategy.planning.sharding_types
     if allowed is None and not topology.is_1d:
         allowed = supported_sharding_types(compute_device, two_d=True)
-    codecs = QCommsCodecs.build(strategy.effective_qcomms)
-    sharders = make_sharders(strategy.embedding_optimizer_config.fused_params(), allowed, qcomm_codecs_registry=codecs.registry)
-    return sharders, codecs
+    codecs = QCommsCodecs.build(resolve_qcomms(strategy.qcomms_config), plan, device=device)
+    fused = strategy.embedding_optimizer_config.fused_params()
+    return make_sharders(fused, allowed, qcomm_codecs_registry=codecs.registry), codecs

@@ -21,7 +21,7 @@ It is TorchRec's ``EmbeddingShardingPlanner`` with our components in its extensi
 Hash partitions: a table whose ids are hashed into ``P`` partitions of ``rows / P`` contiguous rows
 is sharded row-wise with ``P / G`` whole partitions per rank (``G``: the sharding group size).
 
-2D: the planner plans one sharding group (``sharding_group_size`` ranks, ``local_world_size`` of
+2D: the planner plans one sharding group (``sharding_group_size`` ranks, ``group_ranks_per_node`` of
 them per node); every replica group uses the same plan. No Lightning imports.
 
 They share one ``BalanceContext`` (``context.py``) per ``plan()`` call; ``BalancedPlanner``

@@ -46,7 +46,7 @@ from lightning_recsys.planner.shard_cost import (
     tier_bytes,
 )
 from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule, resolve_table_stats
-from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, make_topology, quiet_torchrec_planner
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, quiet_torchrec_planner, torchrec_topology
 
 DEFAULT_COMPUTE_KERNELS: tuple[str, ...] = ("fused", "dense")  # dense: TorchRec's data-parallel kernel
 
@@ -70,7 +70,7 @@ class BalancedPlanner(ShardingPlanner):
 
     Args:
         sharding_group_size: ranks the tables are sharded over (one node in 2D).
-        local_world_size: ranks of the group per node (default: the whole group on one node).
+        group_ranks_per_node: ranks of the group per node (default: the whole group on one node).
         compute_device: ``cpu`` or ``cuda`` (``cuda`` plans work without a GPU).
         batch_size: examples per rank per step.
         stats: per-table traffic (``TableStats`` by table name), a ``LoadProfile`` from
@@ -96,7 +96,7 @@ class BalancedPlanner(ShardingPlanner):
         self,
         *,
         sharding_group_size: int,
-        local_world_size: int | None = None,
+        group_ranks_per_node: int | None = None,
         compute_device: str = "cpu",
         batch_size: int = DEFAULT_BATCH_SIZE,
         stats: Mapping[str, TableStats] | LoadProfile | None = None,
@@ -127,9 +127,9 @@ class BalancedPlanner(ShardingPlanner):
         for name, value in (constraints or {}).items():
             if not isinstance(value, TableConstraints):
                 raise TypeError(f"BalancedPlanner(constraints[{name!r}]) must be a TableConstraints, got {type(value).__name__}.")
-        self.topology = make_topology(sharding_group_size, local_world_size, compute_device, memory_per_rank)
+        self.topology = torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device, memory_per_rank)
         self.sharding_group_size = sharding_group_size
-        self.local_world_size = self.topology.local_world_size
+        self.group_ranks_per_node = self.topology.local_world_size
         self.compute_device = compute_device
         self.batch_size = batch_size
         self.stats = stats

@@ -1,0 +1,127 @@
+"""Sharding the LightningModule at setup: plan it, build the final codecs from the plan, wrap it in DMP.
+
+A module that an earlier Trainer's strategy sharded is reused instead (TorchRec replaced its tables
+in place, so it cannot be planned again), if the settings that decide the sharding are the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel, shard_model
+from lightning_recsys.parallel.input_guard import InputValidator, feature_tables
+from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsConfig
+from lightning_recsys.parallel.runtime import ShardedRuntime
+from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES
+from lightning_recsys.planner import PlanningConfig, PlanReport, plan_rows, summarize_plan
+from lightning_recsys.planner.pipeline import PlanningPipeline
+from lightning_recsys.strategies.planning import planning_sharders
+
+if TYPE_CHECKING:
+    from lightning_recsys.strategies.twod_rec import TwoDRecStrategy
+
+_RECORD = "_lightning_recsys_sharding"  # in the module's __dict__: not a submodule, not in state_dict
+
+
+@dataclass(frozen=True)
+class ShardingSettings:
+    """Everything that decides how the tables are sharded and updated; compared when a module is reused."""
+
+    topology: tuple[int, int, str, int]  # world size, sharding group size, layout, ranks per node
+    device: str
+    embedding_optimizer: EmbeddingOptimizerConfig
+    qcomms: QCommsConfig
+    planning: PlanningConfig
+
+    @classmethod
+    def of(cls, strategy: TwoDRecStrategy) -> ShardingSettings:
+        topology = strategy.topology
+        return cls(
+            topology=(topology.world_size, topology.sharding_group_size, topology.layout, topology.node_size),
+            device=strategy.root_device.type,
+            # Whether the tables' LR follows a scheduler is decided per step, not by the sharding.
+            embedding_optimizer=dataclasses.replace(strategy.embedding_optimizer_config, lr_follows_scheduler=False),
+            qcomms=strategy.qcomms_config,
+            planning=strategy.planning,
+        )
+
+    def differences(self, earlier: ShardingSettings) -> list[str]:
+        return [
+            f"{f.name}: {getattr(earlier, f.name)!r} then, {getattr(self, f.name)!r} now"
+            for f in dataclasses.fields(self)
+            if getattr(earlier, f.name) != getattr(self, f.name)
+        ]
+
+
+@dataclass
+class ShardedSetup:
+    """A sharded module and what its sharding decided; left on the module for a later Trainer to reuse."""
+
+    sharded: ShardedModel
+    settings: ShardingSettings
+    input_validator: InputValidator
+    equal_batch_sizes_required: bool  # row-wise pooling reduce-scatters, which needs equal batches
+    effective_qcomms: EffectiveQComms  # with the plan's block size and any fallback it forced
+    plan_report: Optional[PlanReport]  # rank 0
+    runtime: Optional[ShardedRuntime] = None  # its accounting and row-tracking hooks are on the shared modules
+
+
+def shard_or_reuse(strategy: TwoDRecStrategy, module: LightningModule) -> ShardedSetup:
+    """The module's sharded setup: made now, or the one an earlier Trainer's strategy left on it."""
+    settings = ShardingSettings.of(strategy)
+    previous: Optional[ShardedSetup] = module.__dict__.get(_RECORD)
+    if previous is None:
+        setup = _shard(strategy, module, settings)
+        module.__dict__[_RECORD] = setup
+        return setup
+    differing = settings.differences(previous.settings)
+    if differing:
+        raise ValueError(
+            "TwoDRecStrategy: this module's tables were already sharded by an earlier Trainer's strategy with other "
+            f"settings ({'; '.join(differing)}). TorchRec replaces the tables in place, so they cannot be re-planned. "
+            "Use the same strategy settings and world, or build a fresh model and load a checkpoint into it "
+            "(Trainer(...).test(fresh_model, ckpt_path=...))."
+        )
+    if previous.runtime is not None:
+        previous.runtime.close()  # the earlier strategy's accounting and row-tracking hooks
+        previous.runtime = None
+    return previous
+
+
+def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: ShardingSettings) -> ShardedSetup:
+    validator = InputValidator(feature_tables(module))  # also refuses tables without features
+    topology: ParallelTopology = strategy.topology
+    device = strategy.root_device
+    planner_sharders, _ = planning_sharders(strategy, compute_device=device.type, topology=topology, device=device)
+    pipeline = PlanningPipeline(
+        strategy.planning, sharders=planner_sharders, topology=topology, compute_device=device.type,
+        rank=strategy.global_rank, broadcast=strategy.broadcast,
+    )
+    datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
+    planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
+    sharders, codecs = planning_sharders(strategy, compute_device=device.type, topology=topology, plan=planned.plan, device=device)
+    report = planned.report.to_table() if planned.report is not None else summarize_plan(planned.plan)
+    rank_zero_info(
+        f"TwoDRecStrategy: {topology.describe()}\nSharding plan (group-local ranks, {strategy.planning.planner} planner):\n"
+        f"{report}\nQComms (effective precisions):\n{codecs.effective.describe()}"
+    )
+    if codecs.effective.fallbacks:
+        rank_zero_warn("QComms: " + "; ".join(codecs.effective.fallbacks) + ".")
+    sharded = shard_model(
+        module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
+        dense_grads_precision=codecs.effective.dense_grads,
+    )
+    return ShardedSetup(
+        sharded=sharded,
+        settings=settings,
+        input_validator=validator,
+        equal_batch_sizes_required=any(row["sharding_type"] in ROW_SHARDED_TYPES for row in plan_rows(planned.plan)),
+        effective_qcomms=codecs.effective,
+        plan_report=planned.report,
+    )
+
