@@ -36,7 +36,7 @@ from lightning_recsys.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from lightning_recsys.checkpoint.layout import temporary_path
+from lightning_recsys.checkpoint.directory import temporary_path
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig

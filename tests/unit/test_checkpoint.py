@@ -25,7 +25,7 @@ from lightning_recsys.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from lightning_recsys.checkpoint.layout import (
+from lightning_recsys.checkpoint.directory import (
     MARKER_FILE,
     CheckpointMeta,
     commit,
@@ -36,7 +36,7 @@ from lightning_recsys.checkpoint.layout import (
 from lightning_recsys.checkpoint.table_state import (
     ROWWISE_MOMENTUM,
     EmbeddingOptimizerState,
-    TableLayout,
+    TablePlacement,
     columns_to_rowwise,
     rowwise_to_columns,
     state_key,
@@ -181,21 +181,21 @@ def _shard(offsets: list[int], sizes: list[int], rank: int) -> ShardMetadata:
     return ShardMetadata(shard_offsets=offsets, shard_sizes=sizes, placement=f"rank:{rank}/cpu")
 
 
-def test_table_layouts_map_torchrec_rowwise_state_offsets_to_weight_shards() -> None:
+def test_table_placements_map_torchrec_rowwise_state_offsets_to_weight_shards() -> None:
     rows, dim = 7, 8
-    row_wise = TableLayout(key="ebc.embedding_bags.t.weight", rows=rows, dim=dim,
+    row_wise = TablePlacement(key="ebc.embedding_bags.t.weight", rows=rows, dim=dim,
                            shards=(_shard([0, 0], [4, dim], 0), _shard([4, 0], [3, dim], 1)))
     assert row_wise.kind == "row_blocks"
     assert row_wise.weight_shard_of_rowwise_state(4).placement.rank() == 1
     # Column shards listed out of column order: TorchRec stacks their state by column offset.
-    column_wise = TableLayout(key="ebc.embedding_bags.t.weight", rows=rows, dim=dim,
+    column_wise = TablePlacement(key="ebc.embedding_bags.t.weight", rows=rows, dim=dim,
                               shards=(_shard([0, 4], [rows, 4], 0), _shard([0, 0], [rows, 4], 2)))
     assert column_wise.kind == "column_blocks"
     assert column_wise.weight_shard_of_rowwise_state(0).shard_offsets == [0, 0]
     assert column_wise.weight_shard_of_rowwise_state(rows).shard_offsets == [0, 4]
     assert [s.shard_offsets for s in column_wise.local_shards(2)] == [[0, 0]]
-    assert TableLayout.of("k", torch.zeros(rows, dim)).kind == "replicated"
-    grid = TableLayout(key="ebc.embedding_bags.g.weight", rows=rows, dim=dim,
+    assert TablePlacement.of("k", torch.zeros(rows, dim)).kind == "replicated"
+    grid = TablePlacement(key="ebc.embedding_bags.g.weight", rows=rows, dim=dim,
                        shards=(_shard([0, 0], [4, 4], 0), _shard([4, 0], [3, 4], 1), _shard([0, 4], [rows, 4], 2)))
     with pytest.raises(NotImplementedError, match="table 'g'.*grid"):
         grid.check_supported()
@@ -204,7 +204,7 @@ def test_table_layouts_map_torchrec_rowwise_state_offsets_to_weight_shards() -> 
 def _data_parallel_state(optimizer: torch.optim.Optimizer, params: dict[str, nn.Parameter], name: str) -> EmbeddingOptimizerState:
     return EmbeddingOptimizerState(
         optimizer_name=name,
-        tables={k: TableLayout.of(k, p.detach()) for k, p in params.items()},
+        tables={k: TablePlacement.of(k, p.detach()) for k, p in params.items()},
         fused_state={},
         data_parallel_optimizer=optimizer,
         data_parallel_params=params,

@@ -26,13 +26,13 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
-from lightning_recsys.checkpoint import layout, load_unsharded, read_meta
-from lightning_recsys.checkpoint.layout import CheckpointMeta, commit, prepare_temporary, resolve
+from lightning_recsys.checkpoint import directory, load_unsharded, read_meta
+from lightning_recsys.checkpoint.directory import CheckpointMeta, commit, prepare_temporary, resolve
 
 KILLED = 17
 _FS_CALLS: tuple[tuple[object, str], ...] = (
     (os, "rename"), (os, "replace"), (os, "symlink"), (os, "unlink"), (os, "remove"), (os, "rmdir"), (os, "mkdir"),
-    (os, "fsync"), (shutil, "rmtree"), (layout, "_exchange"),
+    (os, "fsync"), (shutil, "rmtree"), (directory, "_exchange"),
 )
 
 
@@ -123,7 +123,7 @@ def _loaded_step(path: Path) -> int:
 def _name_only_view(final: Path) -> int:
     """What a search by name sees: Lightning lists the directory and takes what matches, as a path."""
     assert final.name in os.listdir(final.parent), f"{final.name} is missing: a resume from 'last' would start over"
-    return layout._read_meta_at(final).step  # the very entry the name is, without the recovery rule
+    return directory._read_meta_at(final).step  # the very entry the name is, without the recovery rule
 
 
 def _setup(tmp_path: Path, case: str) -> Path:
@@ -133,7 +133,7 @@ def _setup(tmp_path: Path, case: str) -> Path:
     elif case == "replace a real directory":  # the layout before symlinks: <name> is the data directory
         _save(tmp_path / "old", 1)
         shutil.copytree(resolve(tmp_path / "old"), final)
-        layout.remove_checkpoint(tmp_path / "old")
+        directory.remove_checkpoint(tmp_path / "old")
     return final
 
 
@@ -178,7 +178,7 @@ def test_a_kill_at_every_filesystem_step_of_a_save_keeps_a_checkpoint_under_the_
 
 def test_without_an_atomic_swap_a_real_directory_is_recovered_from_its_aside_copy(tmp_path: Path, monkeypatch) -> None:
     # Where renameat2(RENAME_EXCHANGE) is unavailable, replacing a pre-symlink directory has one gap.
-    monkeypatch.setattr(layout, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(directory, "_exchange", lambda a, b: False)
     final = _setup(tmp_path, "replace a real directory")
     real_replace = os.replace
 
@@ -200,10 +200,10 @@ def test_the_earlier_protocols_crash_state_is_recovered_to_the_highest_step(tmp_
     # Killed between its two renames, the earlier protocol left the old copy aside and the new one at
     # the temporary name, and nothing under the name.
     final = tmp_path / "last.ckpt"
-    for step, helper in ((4, layout.OLD_PREFIX), (5, layout.TMP_PREFIX)):
+    for step, helper in ((4, directory.OLD_PREFIX), (5, directory.TMP_PREFIX)):
         _save(tmp_path / f"s{step}", step)
-        shutil.copytree(resolve(tmp_path / f"s{step}"), tmp_path / (helper + layout._name_hash(final)))
-        layout.remove_checkpoint(tmp_path / f"s{step}")
+        shutil.copytree(resolve(tmp_path / f"s{step}"), tmp_path / (helper + directory._name_hash(final)))
+        directory.remove_checkpoint(tmp_path / f"s{step}")
     assert _loaded_step(final) == 5
     _save(final, 3)  # an older step must not be written over the recovered copy's name before it is restored
     assert _loaded_step(final) == 3 and sorted(os.listdir(tmp_path)) == sorted([final.name, os.readlink(final)])
@@ -215,6 +215,6 @@ def test_removing_a_checkpoint_deletes_its_name_data_and_leftovers_only(tmp_path
     _save(tmp_path / "epoch=0.ckpt", 1)
     _save(tmp_path / "epoch=1.ckpt", 2)
     kept = os.readlink(tmp_path / "epoch=1.ckpt")
-    (tmp_path / (layout.TMP_PREFIX + layout._name_hash(tmp_path / "epoch=0.ckpt"))).mkdir()  # a dead save's leftover
+    (tmp_path / (directory.TMP_PREFIX + directory._name_hash(tmp_path / "epoch=0.ckpt"))).mkdir()  # a dead save's leftover
     DCPCheckpointIO().remove_checkpoint(tmp_path / "epoch=0.ckpt")  # what ModelCheckpoint(save_top_k=...) calls
     assert sorted(os.listdir(tmp_path)) == sorted(["epoch=1.ckpt", kept]) and _loaded_step(tmp_path / "epoch=1.ckpt") == 2

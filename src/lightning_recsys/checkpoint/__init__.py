@@ -4,9 +4,8 @@ No Lightning imports: the strategy's CheckpointIO plugin, ``lightning_recsys.str
 and its hooks call this layer.
 """
 
+from lightning_recsys.checkpoint.async_save import AsyncCheckpointHandle, AsyncCheckpointSaver
 from lightning_recsys.checkpoint.dcp_io import (
-    AsyncCheckpointHandle,
-    AsyncCheckpointSaver,
     CheckpointError,
     LoadedCheckpoint,
     ShardedState,
@@ -15,7 +14,7 @@ from lightning_recsys.checkpoint.dcp_io import (
     load_unsharded,
     save_checkpoint,
 )
-from lightning_recsys.checkpoint.layout import (
+from lightning_recsys.checkpoint.directory import (
     FORMAT_VERSION,
     CheckpointMeta,
     UncommittedCheckpointError,

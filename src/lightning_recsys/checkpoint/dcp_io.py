@@ -3,15 +3,14 @@
 Every function here that takes a ``topology`` is collective: every rank calls it, at the same
 point. Only sharding group 0 (``topology.writer_group``) writes the tables, so replicas do
 not write duplicates; every sharding group reads with its own process group, so a checkpoint
-loads into any topology, world size and plan. See ``layout`` for the files and the commit.
+loads into any topology, world size and plan. See ``directory`` for the files and the commit.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.storage import StorageWriter
 
-from lightning_recsys.checkpoint.layout import (
+from lightning_recsys.checkpoint.directory import (
     HOST_STATE_FILE,
     CheckpointMeta,
     commit,
@@ -38,7 +37,7 @@ from lightning_recsys.checkpoint.table_state import (
     STEP,
     EmbeddingOptimizerState,
     StateReads,
-    TableLayout,
+    TablePlacement,
     accepted_shapes,
     state_key,
     table_name,
@@ -80,14 +79,14 @@ class ShardedState:
     embedding_optimizer: EmbeddingOptimizerConfig
     data_parallel_table_optimizer: torch.optim.Optimizer | None = None
 
-    def table_layouts(self) -> dict[str, TableLayout]:
-        """Weight key -> layout, for every embedding table of the sharded module."""
+    def table_placements(self) -> dict[str, TablePlacement]:
+        """Weight key -> placement, for every embedding table of the sharded module."""
         fqns = self.sharded_model.embedding_module_fqns
-        layouts: dict[str, TableLayout] = {}
+        placements: dict[str, TablePlacement] = {}
         for key, value in self.model_state_dict.items():
             if isinstance(value, torch.Tensor) and any(fqn == "" or key.startswith(fqn + ".") for fqn in fqns):
-                layouts[key] = TableLayout.of(key, value)
-        return layouts
+                placements[key] = TablePlacement.of(key, value)
+        return placements
 
     def embedding_optimizer_state(self, process_group: dist.ProcessGroup | None) -> EmbeddingOptimizerState:
         module = self.sharded_model.dmp.module
@@ -96,7 +95,7 @@ class ShardedState:
         fused = self.sharded_model.fused_optimizer.state_dict()["state"]
         return EmbeddingOptimizerState(
             optimizer_name=self.embedding_optimizer.name,
-            tables=self.table_layouts(),
+            tables=self.table_placements(),
             fused_state={key: list(states.items()) for key, states in fused.items()},
             data_parallel_optimizer=self.data_parallel_table_optimizer,
             data_parallel_params=data_parallel_params,
@@ -136,7 +135,7 @@ def save_checkpoint(
     process group; global rank 0 writes ``host_state`` with ``torch.save``. After every rank has
     finished, rank 0 writes ``meta.json`` and the commit marker and swaps ``path`` (a symlink to the
     data directory) onto the new copy in one ``os.replace`` (an existing checkpoint there is replaced;
-    see ``layout`` for the protocol). A failure on any rank raises on every rank and leaves no
+    see ``directory`` for the protocol). A failure on any rank raises on every rank and leaves no
     committed checkpoint behind. ``step`` orders ``latest_checkpoint``;
     ``extra_meta`` (JSON-serializable) goes into ``meta.json``.
     """
@@ -224,10 +223,10 @@ def _build_meta(
     rows = plan_rows(state.sharded_model.plan)
     sharding_types = {(str(r["module"]), str(r["table"])): r["sharding_type"] for r in rows}
     tables = {}
-    for key, layout in optimizer_state.tables.items():
+    for key, placement in optimizer_state.tables.items():
         name = table_name(key)
         sharding_type = next((t for (module, table), t in sharding_types.items() if table == name and key.startswith(module)), None)
-        tables[key] = {"table": name, "shape": [layout.rows, layout.dim], "sharding_type": sharding_type}
+        tables[key] = {"table": name, "shape": [placement.rows, placement.dim], "sharding_type": sharding_type}
     return CheckpointMeta(
         step=step,
         world_size=topology.world_size,
@@ -241,98 +240,6 @@ def _build_meta(
         versions=software_versions(),
         extra=dict(extra_meta or {}),
     )
-
-
-# ----------------------------------------------------------------- async save
-class AsyncCheckpointSaver:
-    """Saves with ``dcp.async_save`` in a background thread; at most one save in flight.
-
-    Creating it is collective (every rank): it makes a gloo process group over sharding group 0
-    for the background writes, because DCP's background collectives must not share a process
-    group with training's (the two threads would interleave their collectives).
-    """
-
-    def __init__(self, topology: ParallelTopology) -> None:
-        _require_process_group("AsyncCheckpointSaver")
-        self._topology = topology
-        self._group = dist.new_group(topology.writer_group, backend="gloo")
-        self._pending: AsyncCheckpointHandle | None = None
-
-    def save(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        state: ShardedState,
-        host_state: Mapping[str, Any] | None = None,
-        step: int | None = None,
-        extra_meta: Mapping[str, Any] | None = None,
-        storage_writer_factory: StorageWriterFactory = default_storage_writer,
-    ) -> AsyncCheckpointHandle:
-        """Start saving to ``path`` (see ``save_checkpoint``); every rank calls it and later ``wait()``.
-
-        Returns once the state is copied (staged) to CPU memory, so training may change it; the
-        checkpoint is committed only by ``handle.wait()`` (or the next ``save``/``wait`` here).
-        """
-        self.wait()
-        prepared = _prepare_save(Path(path), state=state, topology=self._topology, step=step, extra_meta=extra_meta)
-        future: Future[Any] | None = None
-        error: Exception | None = None
-        try:
-            _write_host_state(prepared.tmp, host_state)
-            if prepared.dcp_state is not None:
-                result = dcp.async_save(
-                    prepared.dcp_state, storage_writer=storage_writer_factory(prepared.tmp), process_group=self._group
-                )
-                if isinstance(result, Future):  # staged already (FileSystemWriter stages before returning)
-                    future = result
-                else:  # a stager that stages in the background: training must not run ahead of the copy
-                    result.staging_completion.result()
-                    future = result.upload_completion
-        except Exception as e:  # noqa: BLE001
-            error = e
-        _all_ranks_ok(error, action=f"starting the async save of {str(prepared.tmp)!r}")
-        self._pending = AsyncCheckpointHandle(prepared=prepared, future=future)
-        return self._pending
-
-    def wait(self) -> Path | None:
-        """Finish and commit the save in flight, if any (every rank calls it); its path, or None."""
-        pending, self._pending = self._pending, None
-        return pending.wait() if pending is not None else None
-
-    def close(self) -> None:
-        """Finish the save in flight and release the process group (every rank calls it)."""
-        self.wait()
-        if self._group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
-            dist.destroy_process_group(self._group)
-        self._group = None
-
-
-@dataclass
-class AsyncCheckpointHandle:
-    """A save in flight. ``wait()`` on every rank commits it."""
-
-    prepared: _PreparedSave
-    future: Future[Any] | None
-    _committed: bool = field(default=False)
-
-    @property
-    def path(self) -> Path:
-        return self.prepared.final
-
-    def wait(self) -> Path:
-        """Wait for every rank's write, then commit (rank 0 swaps the name); collective. Returns the path."""
-        if self._committed:
-            return self.path
-        error: Exception | None = None
-        try:
-            if self.future is not None:
-                self.future.result()
-        except Exception as e:  # noqa: BLE001
-            error = e
-        self._committed = True  # a failed save is not retried
-        _all_ranks_ok(error, action=f"writing checkpoint {str(self.prepared.tmp)!r} in the background")
-        _commit_on_rank_zero(self.prepared)
-        return self.path
 
 
 # ----------------------------------------------------------------- load
@@ -362,11 +269,11 @@ def load_checkpoint(
     meta: CheckpointMeta | None = None
     error: Exception | None = None
     try:
-        directory = resolve(directory)  # the newest committed copy of this name (see layout)
+        directory = resolve(directory)  # the newest committed copy of this name (see directory.py)
         meta = read_meta(directory)
         metadata = FileSystemReader(directory).read_metadata()
         optimizer_state = state.embedding_optimizer_state(group) if load_embedding_optimizer_state else None
-        expected = _model_entries(state.model_state_dict, set(state.table_layouts()))
+        expected = _model_entries(state.model_state_dict, set(state.table_placements()))
         if optimizer_state is not None:
             expected += _optimizer_entries(optimizer_state)
         to_load = check_entries(
@@ -406,12 +313,12 @@ def _model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> lis
 
 def _optimizer_entries(optimizer_state: EmbeddingOptimizerState) -> list[ExpectedEntry]:
     entries = []
-    for key, layout in optimizer_state.tables.items():
+    for key, placement in optimizer_state.tables.items():
         for state in optimizer_state.states:
             entries.append(
-                ExpectedEntry(key=state_key(key, state), shapes=accepted_shapes(state, layout.rows, layout.dim), table=key)
+                ExpectedEntry(key=state_key(key, state), shapes=accepted_shapes(state, placement.rows, placement.dim), table=key)
             )
-        if layout.shards is None and optimizer_state.states:
+        if placement.shards is None and optimizer_state.states:
             entries.append(ExpectedEntry(key=state_key(key, STEP), shapes=((),), table=key, optional=True))
     return entries
 
@@ -437,7 +344,7 @@ def load_unsharded(
     optimizer state is not read. ``module`` must have the saved model's structure, with real (not
     meta) storage. Validation and ``strict`` are as in ``load_checkpoint``.
     """
-    directory = resolve(path)  # the newest committed copy of this name (see layout)
+    directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     meta = read_meta(directory)
     metadata = FileSystemReader(directory).read_metadata()
     model_state = module.state_dict()
@@ -500,8 +407,6 @@ def _require_process_group(caller: str) -> None:
 
 
 __all__ = [
-    "AsyncCheckpointHandle",
-    "AsyncCheckpointSaver",
     "CheckpointError",
     "LoadedCheckpoint",
     "ShardedState",

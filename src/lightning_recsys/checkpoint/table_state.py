@@ -17,7 +17,7 @@ The normalized form, one entry per table and state, keyed ``embedding_optimizer.
 * ``rowwise_momentum1``: ``[rows]`` when every saved shard spans all columns (table_wise,
   row_wise, data_parallel), else ``[rows, dim]`` *by column*: element ``(r, c)`` is the
   accumulator of the column shard that holds column ``c``. Loading takes, for each target shard,
-  the mean over its columns (computed in float64). So a same-layout resume is exact, a column
+  the mean over its columns (computed in float64). So a resume with the same sharding is exact, a column
   shard loaded from a whole-row accumulator gets a copy of it, and whole rows loaded from column
   shards get the column-weighted mean of their accumulators. The weighted mean is exactly the
   accumulator an unsharded row-wise Adagrad would hold for the same gradients, because FBGEMM adds
@@ -97,9 +97,9 @@ def columns_to_rowwise(by_column: torch.Tensor) -> torch.Tensor:
     return by_column.to(torch.float64).mean(dim=1).to(by_column.dtype)
 
 
-# ----------------------------------------------------------------- table layouts
+# ----------------------------------------------------------------- table placements
 @dataclass(frozen=True)
-class TableLayout:
+class TablePlacement:
     """Where one embedding table's weight lives: its global shape and shards (None: data-parallel)."""
 
     key: str
@@ -108,7 +108,7 @@ class TableLayout:
     shards: tuple[ShardMetadata, ...] | None
 
     @classmethod
-    def of(cls, key: str, weight: torch.Tensor) -> TableLayout:
+    def of(cls, key: str, weight: torch.Tensor) -> TablePlacement:
         if isinstance(weight, ShardedTensor):
             rows, dim = weight.size()
             return cls(key=key, rows=rows, dim=dim, shards=tuple(weight.metadata().shards_metadata))
@@ -174,11 +174,11 @@ def _sharded_tensor(
     return ShardedTensor._init_from_local_shards_and_global_metadata(shards, metadata, process_group=process_group)
 
 
-def _row_block_metas(layout: TableLayout) -> list[ShardMetadata]:
+def _row_block_metas(placement: TablePlacement) -> list[ShardMetadata]:
     """1-D shards over the rows of a table whose shards span all columns."""
     return [
         ShardMetadata(shard_offsets=[s.shard_offsets[0]], shard_sizes=[s.shard_sizes[0]], placement=s.placement)
-        for s in layout.shards or ()
+        for s in placement.shards or ()
     ]
 
 
@@ -202,7 +202,7 @@ class EmbeddingOptimizerState:
 
     Args:
         optimizer_name: ``EmbeddingOptimizerConfig.name``.
-        tables: every embedding table's layout, keyed by its weight key in the model state dict.
+        tables: every embedding table's placement, keyed by its weight key in the model state dict.
         fused_state: weight key -> this rank's native FBGEMM states, in FBGEMM's order (ShardedTensors
             whose local shards are the live state); tables without a local shard may be absent.
         data_parallel_optimizer: the torch optimizer of the data-parallel tables, if any.
@@ -211,7 +211,7 @@ class EmbeddingOptimizerState:
     """
 
     optimizer_name: str
-    tables: dict[str, TableLayout]
+    tables: dict[str, TablePlacement]
     fused_state: dict[str, list[tuple[str, ShardedTensor]]]
     data_parallel_optimizer: torch.optim.Optimizer | None
     data_parallel_params: dict[str, torch.nn.Parameter]
@@ -243,8 +243,8 @@ class EmbeddingOptimizerState:
                         "ShardedTensor (TorchRec's DTensor output); only ShardedTensor state can be checkpointed."
                     )
         if ROWWISE_MOMENTUM in expected:
-            for layout in self.tables.values():
-                layout.check_supported()
+            for placement in self.tables.values():
+                placement.check_supported()
 
     @property
     def states(self) -> tuple[str, ...]:
@@ -254,41 +254,41 @@ class EmbeddingOptimizerState:
     def state_dict_for_save(self) -> dict[str, torch.Tensor | ShardedTensor]:
         """The normalized state for ``dcp.save``: ShardedTensors for model-parallel tables, tensors for the rest."""
         out: dict[str, torch.Tensor | ShardedTensor] = {}
-        for key, layout in self.tables.items():
-            if layout.shards is None:
-                out.update(self._data_parallel_for_save(layout))
+        for key, placement in self.tables.items():
+            if placement.shards is None:
+                out.update(self._data_parallel_for_save(placement))
                 continue
             native = dict(enumerate(value for _, value in self.fused_state.get(key, [])))
             for index, state in enumerate(self.states):
-                out[state_key(key, state)] = self._model_parallel_for_save(layout, state, native.get(index))
+                out[state_key(key, state)] = self._model_parallel_for_save(placement, state, native.get(index))
         return out
 
-    def _model_parallel_for_save(self, layout: TableLayout, state: str, native: ShardedTensor | None) -> ShardedTensor:
+    def _model_parallel_for_save(self, placement: TablePlacement, state: str, native: ShardedTensor | None) -> ShardedTensor:
         pieces: dict[Offsets, torch.Tensor] = {}  # weight shard offsets -> this rank's native state
         for shard in native.local_shards() if native is not None else []:
             if state == ROWWISE_MOMENTUM:
-                weight_shard = layout.weight_shard_of_rowwise_state(shard.metadata.shard_offsets[0])
+                weight_shard = placement.weight_shard_of_rowwise_state(shard.metadata.shard_offsets[0])
             else:
-                weight_shard = layout.weight_shard_at(shard.metadata.shard_offsets)
+                weight_shard = placement.weight_shard_at(shard.metadata.shard_offsets)
             pieces[tuple(weight_shard.shard_offsets)] = shard.tensor.detach()
         dtype = next(iter(pieces.values())).dtype if pieces else torch.float32
-        shards = list(layout.shards or ())
-        if state == ROWWISE_MOMENTUM and layout.kind == "row_blocks":
+        shards = list(placement.shards or ())
+        if state == ROWWISE_MOMENTUM and placement.kind == "row_blocks":
             local = {(offsets[0],): t.contiguous() for offsets, t in pieces.items()}
-            return _sharded_tensor([layout.rows], _row_block_metas(layout), local, dtype, self.process_group)
+            return _sharded_tensor([placement.rows], _row_block_metas(placement), local, dtype, self.process_group)
         if state == ROWWISE_MOMENTUM:  # column blocks: by column, see the module doc
             sizes = {tuple(s.shard_offsets): s.shard_sizes[1] for s in shards}
             local = {offsets: rowwise_to_columns(t, sizes[offsets]) for offsets, t in pieces.items()}
-            return _sharded_tensor([layout.rows, layout.dim], shards, local, dtype, self.process_group)
+            return _sharded_tensor([placement.rows, placement.dim], shards, local, dtype, self.process_group)
         local = {offsets: t.contiguous() for offsets, t in pieces.items()}
-        return _sharded_tensor([layout.rows, layout.dim], shards, local, dtype, self.process_group)
+        return _sharded_tensor([placement.rows, placement.dim], shards, local, dtype, self.process_group)
 
-    def _data_parallel_for_save(self, layout: TableLayout) -> dict[str, torch.Tensor]:
-        param = self.data_parallel_params.get(layout.key)
+    def _data_parallel_for_save(self, placement: TablePlacement) -> dict[str, torch.Tensor]:
+        param = self.data_parallel_params.get(placement.key)
         if param is None or self.data_parallel_optimizer is None:
             if self.states:
                 raise ValueError(
-                    f"table {table_name(layout.key)!r} is data-parallel, but no torch optimizer state was given "
+                    f"table {table_name(placement.key)!r} is data-parallel, but no torch optimizer state was given "
                     "for it; pass data_parallel_table_optimizer (EmbeddingOptimizerConfig.make_torch_optimizer)."
                 )
             return {}
@@ -297,11 +297,11 @@ class EmbeddingOptimizerState:
         for native, state in TORCH_STATE_NAMES[self.optimizer_name].items():
             value = torch_state.get(native)
             if value is None:  # torch optimizers that initialize lazily (Adam) before their first step
-                value = torch.zeros(layout.rows, layout.dim) if state != ROWWISE_MOMENTUM else torch.zeros(layout.rows)
-            out[state_key(layout.key, state)] = value.detach().reshape(layout.rows) if state == ROWWISE_MOMENTUM else value.detach()
+                value = torch.zeros(placement.rows, placement.dim) if state != ROWWISE_MOMENTUM else torch.zeros(placement.rows)
+            out[state_key(placement.key, state)] = value.detach().reshape(placement.rows) if state == ROWWISE_MOMENTUM else value.detach()
         step = torch_state.get("step")
         if step is not None:
-            out[state_key(layout.key, STEP)] = torch.as_tensor(step, dtype=torch.float32).detach().reshape(())
+            out[state_key(placement.key, STEP)] = torch.as_tensor(step, dtype=torch.float32).detach().reshape(())
         return out
 
     # --------------------------------------------------------------------------- load
@@ -317,36 +317,36 @@ class EmbeddingOptimizerState:
         (skipped with ``strict=False``) keeps its current state.
         """
         reads = StateReads()
-        for key, layout in self.tables.items():
+        for key, placement in self.tables.items():
             if any(state_key(key, state) not in saved for state in self.states):
                 continue
-            if layout.shards is None:
-                self._plan_data_parallel(reads, layout, saved, default_step)
+            if placement.shards is None:
+                self._plan_data_parallel(reads, placement, saved, default_step)
                 continue
             native = dict(enumerate(value for _, value in self.fused_state.get(key, [])))
             for index, state in enumerate(self.states):
                 shape, dtype = saved[state_key(key, state)]
-                self._plan_model_parallel(reads, layout, state, shape, dtype, native.get(index))
+                self._plan_model_parallel(reads, placement, state, shape, dtype, native.get(index))
         return reads
 
     def _plan_model_parallel(
         self,
         reads: StateReads,
-        layout: TableLayout,
+        placement: TablePlacement,
         state: str,
         saved_shape: tuple[int, ...],
         saved_dtype: torch.dtype,
         native: ShardedTensor | None,
     ) -> None:
-        key = state_key(layout.key, state)
+        key = state_key(placement.key, state)
         rank = dist.get_rank()
-        local_weight_shards = layout.local_shards(rank)
+        local_weight_shards = placement.local_shards(rank)
         # (live native shard tensor, the weight shard it belongs to)
         targets: list[tuple[torch.Tensor, ShardMetadata]] = []
         for shard in native.local_shards() if native is not None else []:
             offsets = shard.metadata.shard_offsets
             weight_shard = (
-                layout.weight_shard_of_rowwise_state(offsets[0]) if state == ROWWISE_MOMENTUM else layout.weight_shard_at(offsets)
+                placement.weight_shard_of_rowwise_state(offsets[0]) if state == ROWWISE_MOMENTUM else placement.weight_shard_at(offsets)
             )
             targets.append((shard.tensor, weight_shard))
 
@@ -354,10 +354,10 @@ class EmbeddingOptimizerState:
             return torch.empty(list(sizes), dtype=saved_dtype, device=_device_of(meta))
 
         if state == ROWWISE_MOMENTUM and len(saved_shape) == 1:  # saved as whole-row accumulators
-            if layout.kind == "row_blocks":
-                metas = _row_block_metas(layout)
+            if placement.kind == "row_blocks":
+                metas = _row_block_metas(placement)
                 local = {(m.shard_offsets[0],): buffer(m, m.shard_sizes) for m in metas if _rank_of(m) == rank}
-                reads.targets[key] = _sharded_tensor([layout.rows], metas, local, saved_dtype, self.process_group)
+                reads.targets[key] = _sharded_tensor([placement.rows], metas, local, saved_dtype, self.process_group)
 
                 def apply_rows() -> None:
                     for live, weight_shard in targets:
@@ -365,7 +365,7 @@ class EmbeddingOptimizerState:
 
                 reads._apply.append(apply_rows)
             elif local_weight_shards:  # column blocks: each needs every row; shards overlap, so read it whole
-                whole = buffer(local_weight_shards[0], [layout.rows])
+                whole = buffer(local_weight_shards[0], [placement.rows])
                 reads.targets[key] = whole
 
                 def apply_copies() -> None:
@@ -377,9 +377,9 @@ class EmbeddingOptimizerState:
             return
 
         # Saved [rows, dim] (point-wise state, or row-wise state by column): read what mirrors the weight.
-        shards = list(layout.shards or ())
+        shards = list(placement.shards or ())
         local = {tuple(m.shard_offsets): buffer(m, m.shard_sizes) for m in shards if _rank_of(m) == rank}
-        reads.targets[key] = _sharded_tensor([layout.rows, layout.dim], shards, local, saved_dtype, self.process_group)
+        reads.targets[key] = _sharded_tensor([placement.rows, placement.dim], shards, local, saved_dtype, self.process_group)
         rowwise = state == ROWWISE_MOMENTUM
 
         def apply_mirrored() -> None:
@@ -392,25 +392,25 @@ class EmbeddingOptimizerState:
     def _plan_data_parallel(
         self,
         reads: StateReads,
-        layout: TableLayout,
+        placement: TablePlacement,
         saved: Mapping[str, tuple[tuple[int, ...], torch.dtype]],
         default_step: float,
     ) -> None:
         if not self.states:
             return
-        param = self.data_parallel_params.get(layout.key)
+        param = self.data_parallel_params.get(placement.key)
         optimizer = self.data_parallel_optimizer
         if param is None or optimizer is None:
             raise ValueError(
-                f"table {table_name(layout.key)!r} is data-parallel, but no torch optimizer was given to load its "
+                f"table {table_name(placement.key)!r} is data-parallel, but no torch optimizer was given to load its "
                 "state into; pass data_parallel_table_optimizer (EmbeddingOptimizerConfig.make_torch_optimizer)."
             )
         buffers: dict[str, torch.Tensor] = {}
         for state in self.states:
-            shape, dtype = saved[state_key(layout.key, state)]
+            shape, dtype = saved[state_key(placement.key, state)]
             buffers[state] = torch.empty(list(shape), dtype=dtype, device=param.device)
-            reads.targets[state_key(layout.key, state)] = buffers[state]
-        step_key = state_key(layout.key, STEP)
+            reads.targets[state_key(placement.key, state)] = buffers[state]
+        step_key = state_key(placement.key, STEP)
         if step_key in saved:
             buffers[STEP] = torch.empty((), dtype=saved[step_key][1])
             reads.targets[step_key] = buffers[STEP]
@@ -423,7 +423,7 @@ class EmbeddingOptimizerState:
             for state in self.states:
                 value = buffers[state]
                 if state == ROWWISE_MOMENTUM:
-                    value = (value if value.dim() == 1 else columns_to_rowwise(value)).reshape(layout.rows, 1)
+                    value = (value if value.dim() == 1 else columns_to_rowwise(value)).reshape(placement.rows, 1)
                 _assign(torch_state, native_names[state], value, like=param)
             _assign(torch_state, "step", buffers[STEP].to(torch.float32), like=None)
 

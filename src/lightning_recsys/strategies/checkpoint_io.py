@@ -16,7 +16,7 @@ from lightning_recsys.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from lightning_recsys.checkpoint.layout import remove_checkpoint
+from lightning_recsys.checkpoint.directory import remove_checkpoint
 from lightning_recsys.parallel.topology import ParallelTopology
 
 

@@ -16,28 +16,23 @@ from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
-    _sync_ddp_if_available,
 )
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recsys._registration import STRATEGY_NAME, register
-from lightning_recsys.checkpoint import ShardedState
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel
-from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_purpose
+from lightning_recsys.parallel.comm_accounting import CommAccountant
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.guard_config import GuardConfig
 from lightning_recsys.parallel.input_guard import CoordinatedBatches
@@ -49,7 +44,9 @@ from lightning_recsys.parallel.runtime import ShardedRuntime
 from lightning_recsys.parallel.topology import Layout, check_topology_arguments
 from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.planner import PlanningConfig, PlanReport
+from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
+from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
 from lightning_recsys.strategies.validation import check_device_support, check_trainer_settings
 
@@ -57,7 +54,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class TwoDRecStrategy(ParallelStrategy):
+class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelStrategy):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
 
     The strategy finds every ``EmbeddingBagCollection``/``EmbeddingCollection`` in the module, plans
@@ -405,87 +402,7 @@ class TwoDRecStrategy(ParallelStrategy):
         # DistributedModelParallel places every shard on the root device when it is built.
         pass
 
-    # ----------------------------------------------------------------- collectives
-    @override
-    def barrier(self, name: Optional[str] = None) -> None:
-        if not _distributed_is_initialized():
-            return
-        if dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[self.root_device.index])
-        else:
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        container = [obj]
-        dist.broadcast_object_list(container, src)
-        return container[0]
-
-    @override
-    def reduce(
-        self, tensor: Tensor, group: Optional[Any] = None, reduce_op: Optional[Union[ReduceOp, str]] = "mean"
-    ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            with comm_purpose("metrics"):
-                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    # ----------------------------------------------------------------- checkpoints and teardown
-    @property
-    @override
-    def checkpoint_io(self) -> CheckpointIO:
-        if self._checkpoint_io is None:
-            self._checkpoint_io = DCPCheckpointIO()
-        return self._checkpoint_io
-
-    @checkpoint_io.setter
-    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
-        self._checkpoint_io = io
-
-    @property
-    @override
-    def restore_checkpoint_after_setup(self) -> bool:
-        # The sharded tables (and the data-parallel table optimizer) exist only after setup.
-        return True
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
-        """Every rank writes its shards (Lightning's base strategy would call CheckpointIO on rank 0 only)."""
-        self._sync_if_pending()  # replicas agree, so the one that writes speaks for all
-        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Every rank loads its (re-cut) shards in place; returns the rest of the checkpoint."""
-        checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
-        self.runtime.restart_sync_cadence()  # every replica loaded the same state
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if "state_dict" in checkpoint:  # a plain (non-DCP) checkpoint dict
-            super().load_model_state_dict(checkpoint, strict=strict)
-        # else: DCPCheckpointIO already loaded the model in place
-
-    def sharded_checkpoint_state(self) -> ShardedState:
-        """This rank's state for DCP: the module's state dict and the embedding optimizer state."""
-        return ShardedState(
-            model_state_dict=self.lightning_module.state_dict(),  # type: ignore[union-attr]
-            sharded_model=self.sharded_model,
-            embedding_optimizer=self.embedding_optimizer_config,
-            data_parallel_table_optimizer=self.data_parallel_table_optimizer,
-        )
-
-    def load_strictly(self) -> bool:
-        return bool(getattr(self.lightning_module, "strict_loading", True))
-
-    def restores_optimizer_state(self) -> bool:
-        """Only ``fit`` restores optimizer state; evaluation needs the weights alone."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
-
+    # ----------------------------------------------------------------- teardown
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).

@@ -1,4 +1,4 @@
-"""The on-disk layout of a checkpoint directory and its commit protocol. No collectives here.
+"""A checkpoint directory on disk: what it holds and its commit protocol. No collectives here.
 
 A checkpoint is one directory::
 

@@ -1,0 +1,81 @@
+"""How ``TwoDRecStrategy`` saves and loads: every rank writes and reads its own shards through DCP."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from lightning.fabric.plugins import CheckpointIO
+from lightning.pytorch.trainer.states import TrainerFn
+from typing_extensions import override
+
+from lightning_recsys.checkpoint import ShardedState
+from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
+
+
+class ShardedCheckpointHooks:
+    """The strategy's checkpoint hooks; ``DCPCheckpointIO`` reads ``sharded_checkpoint_state`` and the rest.
+
+    Lightning's base strategy saves through CheckpointIO on rank 0 only, and loads before setup;
+    sharded tables need every rank, after setup.
+    """
+
+    _checkpoint_io: Optional[CheckpointIO]
+    lightning_module: Any
+    runtime: Any
+    sharded_model: Any
+    embedding_optimizer_config: Any
+    data_parallel_table_optimizer: Any
+
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DCPCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: Optional[CheckpointIO]) -> None:
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        # The sharded tables (and the data-parallel table optimizer) exist only after setup.
+        return True
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Every rank writes its shards (Lightning's base strategy would call CheckpointIO on rank 0 only)."""
+        self._sync_if_pending()  # replicas agree, so the one that writes speaks for all
+        self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        """Every rank loads its (re-cut) shards in place; returns the rest of the checkpoint."""
+        checkpoint = self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self.runtime.restart_sync_cadence()  # every replica loaded the same state
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if "state_dict" in checkpoint:  # a plain (non-DCP) checkpoint dict
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # else: DCPCheckpointIO already loaded the model in place
+
+    def sharded_checkpoint_state(self) -> ShardedState:
+        """This rank's state for DCP: the module's state dict and the embedding optimizer state."""
+        return ShardedState(
+            model_state_dict=self.lightning_module.state_dict(),  # type: ignore[union-attr]
+            sharded_model=self.sharded_model,
+            embedding_optimizer=self.embedding_optimizer_config,
+            data_parallel_table_optimizer=self.data_parallel_table_optimizer,
+        )
+
+    def load_strictly(self) -> bool:
+        return bool(getattr(self.lightning_module, "strict_loading", True))
+
+    def restores_optimizer_state(self) -> bool:
+        """Only ``fit`` restores optimizer state; evaluation needs the weights alone."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.FITTING
