@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_recsys import ReplicaSyncConfig, TwoDRecStrategy
+from lightning_recsys import GuardConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.cli import build_cli, main, plan_main
 from lightning_recsys.data import MovieLens100KDataModule
 from lightning_recsys.models import DCNRanker, DLRMRanker
@@ -41,6 +41,8 @@ def test_two_node_config_resolves_group_size_and_qcomms():
     assert strategy.sharding_group_size == 8  # resolved from ${trainer.devices} when the file was read
     assert strategy.effective_qcomms.precisions["pooled_all_to_all"] == ("fp8_e4m3", "bf16")
     assert strategy.replica_sync_config == ReplicaSyncConfig(rows="touched", every_n_steps=1)
+    assert strategy.planning == PlanningConfig(planner="torchrec", profile_batches=2)  # grouped configs from YAML
+    assert strategy.guard == GuardConfig(validate_inputs="error")
 
 
 def test_movielens_config_model_matches_the_readers_features():
