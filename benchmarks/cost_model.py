@@ -39,6 +39,7 @@ from lightning_recsys.parallel.cost_model import Cluster, Link, collectives_from
 from lightning_recsys.parallel.layout_advice import (
     INTERVALS,
     TARGET_SCALING,
+    TIE,
     Hardware,
     Projection,
     candidate_layouts,
@@ -249,9 +250,10 @@ def regime_sweep(hardware: Hardware, compute_s: float, max_interval: int) -> lis
                     features=(Feature(name="f", tables=8, rows=10_000_000, dim=128, ids_per_example=length, pooled=pooled, zipf_exponent=zipf),),
                 )  # fmt: skip
                 ranked = project(shape, layouts, hardware, 8, baseline_layouts=candidate_layouts())
-                best = ranked[0]
                 best_1d = next(p for p in ranked if not p.layout.is_2d)
                 best_2d = next(p for p in ranked if p.layout.is_2d)
+                # As layout_advice.recommend: a tie (within 5%) goes to 1D, which needs no replicas.
+                best = best_1d if best_1d.step_s <= best_2d.step_s * (1 + TIE) else best_2d
                 k = best_2d.layout.sync.every_n_steps
                 draws = k * 1024 * 64 * length
                 fraction = expected_distinct(10_000_000, draws, zipf) / draws
