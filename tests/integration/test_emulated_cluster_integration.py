@@ -59,7 +59,7 @@ def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), "--configs", "2d_touched", "--warmup-steps", "2", "--steps", "3",
          "--global-batch-size", "512", "--table-rows", "64", "--bandwidth-mbit", "100", "--latency-ms", "1",
-         "--run-timeout", "50", "--json", str(out), "--no-png"],
+         "--run-timeout", "50", "--repeats", "1", "--json", str(out), "--no-png"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
