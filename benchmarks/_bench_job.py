@@ -28,7 +28,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from _workload import add_workload_arguments
+from _workload import add_workload_arguments, table_sizes
 
 QCOMMS_CHOICES = ("fp32", "bf16", "fp16", "fp8", "int8", "fp8_fwd_bf16_bwd")
 
@@ -38,8 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON result path (written by global rank 0)")
     parser.add_argument("--devices", type=int, default=2, help="ranks per node")
     parser.add_argument("--num-nodes", type=int, default=2)
-    add_workload_arguments(parser, table_rows=256, steps_help="timed steps after warm-up")
-    parser.add_argument("--pooling-factor", type=float, default=2.0)
+    add_workload_arguments(parser, table_rows="256", steps_help="timed steps after warm-up")
     parser.add_argument("--sharding-type", default="table_wise")
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")
     parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
@@ -47,10 +46,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sync-rows", default="all", choices=["all", "touched"], help="ReplicaSyncConfig.rows (default: whole shards)"
     )
+    parser.add_argument(
+        "--sync-overlap", action=argparse.BooleanOptionalAction, default=False, help="ReplicaSyncConfig.overlap (default: off)"
+    )
+    parser.add_argument("--sync-precision", default="fp32", choices=["fp32", "bf16"], help="ReplicaSyncConfig.precision")
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
     parser.add_argument("--unique-batches", type=int, default=8, help="distinct pre-generated batches, cycled")
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args(argv)
+
+
+def replica_sync_config(args: argparse.Namespace) -> Any:
+    from lightning_recsys import ReplicaSyncConfig
+
+    return ReplicaSyncConfig(
+        rows=args.sync_rows, every_n_steps=args.sync_every_n_steps, overlap=args.sync_overlap, precision=args.sync_precision
+    )
 
 
 def qcomms_setting(name: str) -> Any:
@@ -93,10 +104,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
     torch.set_num_threads(1)
 
-    from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
+    from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TwoDRecStrategy
     from lightning_recsys.data import SyntheticClickLogConfig
     from lightning_recsys.models import DLRMRanker
 
+    # Built first: a setting the installed ReplicaSyncConfig refuses fails before any process group starts.
+    replica_sync = replica_sync_config(args)
     world = args.devices * args.num_nodes
     group_size = args.sharding_group_size or world
     if args.warmup_steps % args.sync_every_n_steps or args.steps % args.sync_every_n_steps:
@@ -108,8 +121,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     pl.seed_everything(args.seed, verbose=False)
     data = _cached_datamodule(
         SyntheticClickLogConfig(
-            table_sizes=[args.table_rows] * args.tables,
+            table_sizes=table_sizes(args.table_rows, args.tables),
             pooling_factors=args.pooling_factor,
+            zipf_exponent=args.zipf_exponent,
             global_batch_size=args.global_batch_size,
             train_batches=total_steps + 1,  # +1: the last step's end is timed by the next start
             val_batches=0,
@@ -131,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         planning=PlanningConfig(sharding_types=[args.sharding_type]),
         sharding_group_size=group_size,
         layout=args.layout,
-        replica_sync=ReplicaSyncConfig(rows=args.sync_rows, every_n_steps=args.sync_every_n_steps),
+        replica_sync=replica_sync,
         qcomms=qcomms_setting(args.qcomms),
         process_group_timeout=120.0,  # a stuck peer fails the run instead of hanging it
     )
@@ -168,6 +182,8 @@ class _StepTimer(pl.Callback):
         self.strategy, self.warmup, self.steps = strategy, warmup, steps
         self.starts: list[float] = []
         self.traffic: list[dict[Any, Any]] = []
+        self.syncs: list[tuple[int, Any]] = []  # (step index, SyncStats) of every replica sync after a step
+        self._last_stats: Any = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
@@ -175,6 +191,10 @@ class _StepTimer(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The strategy closes the step's accounting in optimizer_step, before this hook.
         self.traffic.append(dict(self.strategy.comm_accounting.last_step))
+        stats = self.strategy.replica_sync_stats  # a new object per sync
+        if stats is not None and stats is not self._last_stats:
+            self.syncs.append((len(self.traffic) - 1, stats))
+            self._last_stats = stats
 
     def result(self, args: argparse.Namespace, strategy: Any, world: int) -> dict[str, Any]:
         w, n, k = self.warmup, self.steps, args.sync_every_n_steps
@@ -213,6 +233,23 @@ class _StepTimer(pl.Callback):
             "examples_per_s": args.global_batch_size / step,
             "bytes_per_step_rank0": {"intra_node": payload - inter, "inter_node": inter, "total": payload},
             "traffic_per_step_rank0": traffic,
+            "table_sizes": table_sizes(args.table_rows, args.tables),
+            "rank0_tables": _rank0_tables(strategy),
+            "replica_sync": self._sync_summary(),
+        }
+
+    def _sync_summary(self) -> dict[str, Any] | None:
+        """Rank 0's replica syncs that ran after timed steps: rows per sync, touched fraction, bytes."""
+        timed = [s for step, s in self.syncs if self.warmup <= step < self.warmup + self.steps]
+        if not timed:
+            return None
+        return {
+            "syncs": len(timed),
+            "rows_per_sync": statistics.fmean(s.rows_synced for s in timed),
+            "rows_total": timed[0].rows_total,
+            "touched_fraction": statistics.fmean(s.touched_fraction for s in timed),
+            "payload_bytes_per_sync": statistics.fmean(s.payload_bytes for s in timed),
+            "union": sorted({s.union for s in timed}),
         }
 
 
@@ -224,6 +261,15 @@ def _group_size(topology: Any, group: str, world: int) -> int:
     if group == "replicate":
         return topology.num_replicas
     return len(group.removeprefix("ranks").split(","))
+
+
+def _rank0_tables(strategy: Any) -> list[str] | None:
+    """Tables with a shard on rank 0 (plan ranks are sharding-group-local; rank 0 is local rank 0 in either layout)."""
+    try:
+        plan = strategy.sharded_model.plan
+        return sorted(t for module_plan in plan.plan.values() for t, sharding in module_plan.items() if 0 in (sharding.ranks or []))
+    except Exception:  # noqa: BLE001 - informational
+        return None
 
 
 def _plan_summary(strategy: Any) -> dict[str, str]:

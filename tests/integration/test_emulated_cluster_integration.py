@@ -57,9 +57,9 @@ def _processes_mentioning(text: str, but: int = -1) -> list[int]:
 def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
     out = tmp_path / "ec.json"
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--configs", "2d_a2a_fp8_bf16", "--warmup-steps", "2", "--steps", "3",
+        [sys.executable, str(SCRIPT), "--configs", "2d_touched", "--warmup-steps", "2", "--steps", "3",
          "--global-batch-size", "512", "--table-rows", "64", "--bandwidth-mbit", "100", "--latency-ms", "1",
-         "--run-timeout", "50", "--json", str(out), "--no-png"],
+         "--run-timeout", "50", "--repeats", "1", "--json", str(out), "--no-png"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
@@ -68,11 +68,15 @@ def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-4000:]
-    assert "**network penalty**" in output
+    assert "cluster step / best unshaped" in output and "Target: best 2D configuration" in output
     result = json.loads(out.read_text())
     assert result["shaping"]["bandwidth_mbit"] == 100
     (entry,) = result["configs"]
     assert entry["network_penalty"] > 0
+    assert entry["vs_best_unshaped"] == entry["network_penalty"]  # one configuration: its own unshaped step is the best
+    assert (entry["sync_rows"], entry["sync_every_n_steps"]) == ("touched", 1)
+    sync = entry["sync_measured"]
+    assert sync["syncs"] == 3 and 0 < sync["rows_per_sync"] <= sync["rows_total"]
     rows = entry["cluster"]["traffic_per_step_rank0"]
     # 2D all-to-all optimized: the embedding all-to-all stays inside the node, the replica sync crosses.
     assert all(r["inter_node_bytes"] == 0 for r in rows if r["purpose"] in ("embeddings", "sparse_ids"))

@@ -123,3 +123,20 @@ def test_plan_reports_planning_errors_with_exit_code_1(capsys):
     )  # fmt: skip
     assert code == 1
     assert "hash_partitions['t_sparse_0']=3" in capsys.readouterr().err
+
+
+def test_plan_cluster_prints_the_cost_models_layout_advice(capsys):
+    code = plan_main(["--config", str(CONFIGS / "synthetic_dlrm.yaml"), "--cluster", "8x8@200", "--compute-ms", "5"])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "Layout advice (cost model) for 8 nodes x 8 GPUs, 200 Gbit/s per node" in printed
+    assert "recommended: 1D" in printed or "recommended: 2D" in printed
+    assert "projected" in printed and "confidence:" in printed
+    assert "compute 20 ms per step assumed" not in printed  # the stated compute time is used
+
+
+def test_plan_cluster_rejects_a_malformed_value_before_planning(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--config", str(CONFIGS / "synthetic_dlrm.yaml"), "--cluster", "8-by-8"])
+    assert exit_info.value.code == 2
+    assert "must look like NODESxGPUS" in capsys.readouterr().err

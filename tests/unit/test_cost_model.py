@@ -73,9 +73,12 @@ def test_ring_all_reduce_bytes():
     cost = collective_cost(dense, GroupGeometry(size=4, nodes=2, per_node=2, groups_per_node=1), EMULATED)
     assert (cost.intra_bytes, cost.inter_bytes) == (pytest.approx(1.5 * MB), pytest.approx(1.5 * MB))
     assert cost.latency_s == pytest.approx(4e-3)
-    # Reduce-scatter and all-gather are half an all-reduce; a single-rank group costs nothing.
+    # Reduce-scatter is half an all-reduce of its input; an all-gather's payload is the rank's chunk, of
+    # which each ring edge carries n-1 (everyone else's); a single-rank group costs nothing.
     rs = Collective(purpose="embeddings", op="reduce_scatter", group="world", calls=1, payload_bytes=1 * MB)
     assert collective_cost(rs, GroupGeometry(4, 2, 2, 1), EMULATED).inter_bytes == pytest.approx(0.75 * MB)
+    ag = Collective(purpose="replica_sync", op="all_gather", group="world", calls=1, payload_bytes=1 * MB)
+    assert collective_cost(ag, GroupGeometry(4, 2, 2, 1), EMULATED).inter_bytes == pytest.approx(3 * MB)
     assert collective_cost(dense, GroupGeometry(1, 1, 1, 2), EMULATED).seconds == 0.0
 
 

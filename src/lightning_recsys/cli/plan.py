@@ -32,6 +32,7 @@ import yaml
 from torchrec.distributed.planner.types import PlannerError
 
 from lightning_recsys.cli.trainer import build_cli
+from lightning_recsys.parallel.layout_advice import advise_from_report, parse_cluster
 from lightning_recsys.parallel.topology import ParallelTopology
 from lightning_recsys.planner import PlanReport
 from lightning_recsys.planner.config import PLANNERS
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
         "--reshape", action=argparse.BooleanOptionalAction, default=None, help="bandwidth-aware reshaping (default: the strategy's)"
     )
     parser.add_argument("--json", type=Path, default=None, help="also write the report(s) as JSON here")
+    parser.add_argument(
+        "--cluster", default=None, metavar="NODESxGPUS[@GBIT]", help="also print the cost model's layout advice for this cluster, e.g. 8x8"
+    )
+    parser.add_argument("--compute-ms", type=float, default=None, help="with --cluster: the model's compute time per step on one GPU")
     return parser
 
 
@@ -75,12 +80,14 @@ def plan_main(argv: list[str]) -> int:
     args, overrides = parser.parse_known_args(argv)
     try:
         hash_partitions = None if args.hash_partitions is None else _parse_partitions(args.hash_partitions)
+        if args.cluster is not None:
+            parse_cluster(args.cluster)  # a bad value fails before planning
     except ValueError as err:
         parser.error(str(err))
     logging.getLogger("torchrec").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", module="torchrec")
     try:
-        topology, reports = _plan(args, overrides, hash_partitions)
+        topology, reports, model = _plan(args, overrides, hash_partitions)
     except (PlannerError, ValueError, TypeError, FileNotFoundError) as err:
         print(f"lightning-recsys plan: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
@@ -90,6 +97,12 @@ def plan_main(argv: list[str]) -> int:
         print()
     if len(reports) == 2:
         print(_comparison(reports))
+    if args.cluster is not None:
+        try:
+            print("\n".join(advise_from_report(reports[0], model, args.cluster, args.compute_ms)))
+        except ValueError as err:
+            print(f"lightning-recsys plan: {err}", file=sys.stderr)
+            return 1
     if args.json is not None:
         payload: Any = reports[0].to_json() if len(reports) == 1 else [r.to_json() for r in reports]
         args.json.write_text(json.dumps(payload, indent=2))
@@ -109,7 +122,7 @@ def _parse_partitions(items: list[str]) -> dict[str, int]:
 
 def _plan(
     args: argparse.Namespace, overrides: list[str], hash_partitions: dict[str, int] | None
-) -> tuple[ParallelTopology, list[PlanReport]]:
+) -> tuple[ParallelTopology, list[PlanReport], Any]:
     trainer_cfg = _trainer_settings(args.config, overrides)
     ranks_per_node = args.ranks_per_node or _positive_int(trainer_cfg.get("devices"))
     if ranks_per_node is None:
@@ -145,7 +158,7 @@ def _plan(
     inputs = pipeline.prepare(cli.model, datamodule, setup_datamodule=True, batch_size=args.batch_size)
     order = [config.planner] + ([p for p in PLANNERS if p != config.planner] if args.compare else [])
     reports = [pipeline.plan(cli.model, inputs, planner=name).report for name in order]
-    return topology, [r for r in reports if r is not None]
+    return topology, [r for r in reports if r is not None], cli.model
 
 
 def _trainer_settings(config: Path, overrides: Sequence[str]) -> dict[str, Any]:

@@ -16,7 +16,8 @@ Assumptions, all stated so they can be checked against a measurement:
   The share for the other ranks of the node goes over the rank's own intra-node link.
 * All-reduce is a ring: every ring edge carries 2(n-1)/n of the payload; a group with r ranks on a
   node (consecutive in the ring) has one edge leaving the node, so node egress = (groups per node) x
-  2(n-1)/n x payload. Reduce-scatter and all-gather carry half of that; broadcast the payload.
+  2(n-1)/n x payload. Reduce-scatter carries (n-1)/n of its payload (the whole input), all-gather
+  n-1 times its payload (the rank's own chunk, as the accounting records it), broadcast the payload.
 * Latency: one round trip (2 one-way latencies) per all-to-all call, 2 ceil(log2 n) one-way
   latencies per all-reduce call (tree / recursive doubling for the small, latency-bound case),
   half that for reduce-scatter and all-gather; the link's latency is the inter-node one when the
@@ -206,10 +207,9 @@ def collective_cost(c: Collective, geometry: GroupGeometry, cluster: Cluster) ->
         inter = cluster.ranks_per_node * payload * (g - r) / g if m > 1 else 0.0
         hops = 2.0  # one round trip
     else:
-        # Bytes on each ring edge: 2(g-1)/g of the payload for all-reduce, half for RS/AG, all of it for broadcast.
-        edge = (
-            payload if c.op == "broadcast" else {"all_reduce": 2.0, "reduce_scatter": 1.0, "all_gather": 1.0}[c.op] * (g - 1) / g * payload
-        )
+        # Bytes on each ring edge: 2(g-1)/g of the payload for all-reduce, (g-1)/g for reduce-scatter (the payload
+        # is the whole input), g-1 chunks for all-gather (the payload is this rank's chunk), all of it for broadcast.
+        edge = payload * {"all_reduce": 2.0 * (g - 1) / g, "reduce_scatter": (g - 1) / g, "all_gather": g - 1.0, "broadcast": 1.0}[c.op]
         intra = edge if r > 1 else 0.0
         inter = geometry.groups_per_node * edge if m > 1 else 0.0
         steps = math.ceil(math.log2(g))
