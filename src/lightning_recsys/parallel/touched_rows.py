@@ -87,7 +87,6 @@ class RowTracker:
         self.mask = torch.zeros(offsets[-1], dtype=torch.bool, device=device)
         self._handle = module.register_forward_pre_hook(self._record, with_kwargs=True)
 
-    @torch.no_grad()
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if not module.training or not torch.is_grad_enabled():
             return  # evaluation updates nothing
@@ -116,6 +115,7 @@ class RowTracker:
                 self._capture(torch.unique(fresh))
         self.mask[positions] = True
 
+    @torch.no_grad()
     def _capture(self, fresh: torch.Tensor) -> None:
         for table in self.tables:
             rows = fresh[(fresh >= table.offset) & (fresh < table.offset + table.rows)] - table.offset
