@@ -150,6 +150,15 @@ class RunSummary(Callback):
                 for purpose in sorted({key.purpose for key in accounting.last_step})
             }
             summary["qcomms"] = {c: list(p) for c, p in strategy.effective_qcomms.precisions.items()}
+            totals = strategy.runtime.sync_totals
+            if totals is not None:  # 2D: this rank's replica syncs
+                summary["replica_sync"] = {
+                    "syncs": totals.syncs,
+                    "rows_per_sync": totals.rows_per_sync,
+                    "rows_total": totals.rows_total,
+                    "touched_fraction": totals.touched_fraction,
+                    "bytes_per_sync": totals.bytes_per_sync,
+                }
         return summary
 
 
@@ -175,6 +184,11 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "bytes_per_step" in summary:
         rows.append(("bytes/step (inter-node)", f"{summary['bytes_per_step']['payload']:,} ({summary['bytes_per_step']['inter_node']:,})"))
         rows += [(f"  {purpose}", f"{value:,}") for purpose, value in summary["bytes_per_step_by_purpose"].items()]
+    if "replica_sync" in summary:
+        sync = summary["replica_sync"]
+        rows.append(("replica syncs (rank 0)", f"{sync['syncs']:,}"))
+        rows.append(("  rows per sync (touched fraction)", f"{sync['rows_per_sync']:,.0f} of {sync['rows_total']:,} ({sync['touched_fraction']:.2%})"))
+        rows.append(("  bytes per sync", f"{sync['bytes_per_sync']:,.0f}"))
     rows += [(name, fmt(value)) for name, value in summary["metrics"].items()]
     width = max(len(name) for name, _ in rows)
     return "Run summary\n" + "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)

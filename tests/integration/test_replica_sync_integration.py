@@ -143,9 +143,9 @@ def _compare(rank: int, world: int, combos: list[tuple[str, str, int, int]], bro
     if broken:  # drop the last row of the union: the equality check must catch it
         original = ReplicaSynchronizer._union
 
-        def _union_missing_a_row(self, mask):  # type: ignore[no-untyped-def]
-            union, how, sent = original(self, mask)
-            return union[:-1], how, sent
+        def _union_missing_a_row(self, mask, **kwargs):  # type: ignore[no-untyped-def]
+            union, how, sent, counts = original(self, mask, **kwargs)
+            return union[:-1], how, sent, counts
 
         ReplicaSynchronizer._union = _union_missing_a_row  # type: ignore[method-assign]
     out: dict = {}

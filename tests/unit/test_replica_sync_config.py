@@ -18,13 +18,18 @@ def test_defaults():
         ({"optimizer_state": 1}, r"optimizer_state=1 must be a bool"),
         ({"overlap": "yes"}, r"overlap='yes' must be a bool"),
         ({"precision": "fp8"}, r"precision='fp8' must be one of \['fp32', 'bf16'\]"),
-        ({"overlap": True}, r"overlap=True is not implemented yet"),
-        ({"precision": "bf16"}, r"precision='bf16' .*not implemented yet"),
+        ({"precision": "bf16", "rows": "all"}, r"precision='bf16' needs rows='touched' \(got rows='all'\)"),
     ],
 )
 def test_invalid_values_are_refused_naming_field_value_and_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReplicaSyncConfig(**kwargs)
+
+
+def test_overlap_and_bf16_deltas_are_accepted():
+    config = ReplicaSyncConfig(overlap=True, precision="bf16", every_n_steps=4)
+    assert (config.overlap, config.precision, config.rows) == (True, "bf16", "touched")
+    assert ReplicaSyncConfig(rows="all", overlap=True).overlap
 
 
 def test_keyword_only_and_frozen():

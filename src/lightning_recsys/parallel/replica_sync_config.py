@@ -19,10 +19,15 @@ class ReplicaSyncConfig:
             the result is the same as ``"all"``, which averages every row of every local shard.
         every_n_steps: sync every n training steps (default 1). Evaluation, checkpoint saves and
             the end of training sync too, if a step ran since the last sync.
-        overlap: run the sync's collective in the background while training goes on (not
-            implemented yet: must stay False).
-        precision: precision of the values the sync sends: ``"fp32"`` (default); ``"bf16"`` deltas
-            are not implemented yet.
+        overlap: launch the sync's all-reduce in the background at the end of its step and apply
+            it at the end of the next step, keeping that step's updates (``row = average(sent) +
+            (row - sent)``): the tables see each average one step late. Costs the synced rows'
+            values twice in memory until applied (with ``rows="all"``, twice the shard). Forced
+            syncs apply a sync in flight first. Default False (blocking).
+        precision: what the sync sends for the weights: ``"fp32"`` (default) the rows' values;
+            ``"bf16"`` each touched row's change since the last sync in bf16, every replica then
+            setting ``row = base + average(change)`` (replicas stay bit-identical; rounding hits only
+            the change). Needs ``rows="touched"``; optimizer state goes as fp32 changes.
         optimizer_state: also average the fused optimizer state (row-wise Adagrad's accumulators,
             Adam's moments), default True.
     """
@@ -44,9 +49,8 @@ class ReplicaSyncConfig:
                 raise ValueError(f"ReplicaSyncConfig.{name}={getattr(self, name)!r} must be a bool.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"ReplicaSyncConfig.precision={self.precision!r} must be one of {list(PRECISIONS)}.")
-        if self.overlap:
-            raise ValueError("ReplicaSyncConfig.overlap=True is not implemented yet; use overlap=False (a blocking sync).")
-        if self.precision != "fp32":
+        if self.precision != "fp32" and self.rows != "touched":
             raise ValueError(
-                f"ReplicaSyncConfig.precision={self.precision!r} (compressed deltas) is not implemented yet; use precision='fp32'."
+                f"ReplicaSyncConfig.precision={self.precision!r} needs rows='touched' (got rows={self.rows!r}): the deltas are "
+                "taken against each touched row's value at the last sync, kept only for touched rows."
             )

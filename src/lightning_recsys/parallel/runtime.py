@@ -32,7 +32,7 @@ from lightning_recsys.parallel.comm_accounting import CommAccountant
 from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats
+from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats, SyncTotals
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.sharded_model import ShardedModel
 from lightning_recsys.parallel.topology import ParallelTopology
@@ -157,12 +157,13 @@ class ShardedRuntime:
 
     # ----------------------------------------------------------------- replica sync
     def sync(self) -> None:
-        """Average the replicas now (a no-op in 1D). Every rank must call it."""
+        """Average the replicas now, after applying an overlapped sync in flight (a no-op in 1D). Every rank must call it."""
         if self.replica_sync is not None:
             self.replica_sync.sync()
 
     def sync_if_pending(self) -> None:
-        """Average the replicas if any step ran since the last sync (before evaluation, saves, the end)."""
+        """Apply an overlapped sync in flight, then average the replicas if any step ran since the last sync
+        (before evaluation, saves, the end)."""
         if self.replica_sync is not None:
             self.replica_sync.sync_if_pending()
 
@@ -174,6 +175,11 @@ class ShardedRuntime:
     @property
     def last_sync_stats(self) -> Optional[SyncStats]:
         return self.replica_sync.last_sync_stats if self.replica_sync is not None else None
+
+    @property
+    def sync_totals(self) -> Optional[SyncTotals]:
+        """Every replica sync so far on this rank: count, rows per sync, touched fraction, bytes (None in 1D)."""
+        return self.replica_sync.totals if self.replica_sync is not None else None
 
     def close(self) -> None:
         """Stop accounting and remove this runtime's hooks from the model (a later runtime may reuse it)."""

@@ -1,0 +1,198 @@
+"""Which rows of the fused embedding kernels' local shards were looked up since the last replica sync.
+
+``RowTracker`` marks them from a forward pre-hook on each fused kernel (1 byte per local row) and,
+for delta syncs, keeps each marked row's values as they were at its first touch: the rows' values
+as of the last sync (O(rows touched) memory; the fused update runs later, in backward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torchrec.distributed.batched_embedding_kernel import BatchedFusedEmbedding, BatchedFusedEmbeddingBag
+
+FUSED_KERNELS = (BatchedFusedEmbeddingBag, BatchedFusedEmbedding)
+_BITS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+@dataclass
+class Table:
+    """One local shard of one table inside a fused kernel: its rows in the kernel's mask."""
+
+    offset: int  # first row in the kernel's mask
+    rows: int
+    tensors: list[torch.Tensor]  # the weight [rows, dim] first, then the row-aligned optimizer state ([rows] or [rows, dim])
+    # Delta syncs: rows first touched since the last sync (table-local ids) and their values then, per tensor.
+    base_rows: list[torch.Tensor] = field(default_factory=list)
+    base_values: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def take_bases(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The captured rows (sorted) and their values per tensor; clears the store."""
+        rows, values = self.bases()
+        self.base_rows, self.base_values = [], []
+        return rows, values
+
+    def bases(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The captured rows (sorted) and their values per tensor, compacted into one piece each."""
+        device = self.tensors[0].device
+        if not self.base_rows:
+            return torch.empty(0, dtype=torch.long, device=device), [t.new_empty((0, *t.shape[1:])) for t in self.tensors]
+        rows = torch.cat(self.base_rows)
+        order = torch.argsort(rows)
+        values = [torch.cat([piece[j] for piece in self.base_values])[order] for j in range(len(self.tensors))]
+        rows = rows[order]
+        self.base_rows, self.base_values = [rows], [values]
+        return rows, values
+
+    def rebase(self, index: int, rows: torch.Tensor, synced: torch.Tensor) -> None:
+        """A sync of ``rows`` was applied late (overlap): tensor ``index``'s values captured meanwhile are pre-sync; make them ``synced``."""
+        captured, values = self.bases()
+        if captured.numel() == 0 or rows.numel() == 0:
+            return
+        where = torch.searchsorted(rows, captured).clamp_(max=rows.numel() - 1)
+        hit = rows[where] == captured
+        if bool(hit.any()):
+            values[index][hit] = synced[where[hit]].to(values[index].dtype)
+
+    def clear(self) -> None:
+        self.base_rows, self.base_values = [], []
+
+
+class RowTracker:
+    """Marks the local rows a fused kernel looks up, from a forward pre-hook.
+
+    The hook sees the ``KeyedJaggedTensor`` a kernel receives after TorchRec's input distribution:
+    its ids are row numbers of the kernel's local shards already (table_wise: the table's rows;
+    row_wise: bucketized to the shard's block, offset removed; column_wise / table_column_wise: every
+    column shard holds all rows and gets the full ids). Key ``i`` belongs to table
+    ``kernel._feature_table_map[i]``. Ids out of a table's range mark row 0, the row FBGEMM's bounds
+    check clamps them to. With ``capture_bases`` a row's values are copied at its first touch since
+    the last sync (before the fused update changes them in backward).
+    """
+
+    def __init__(self, module: nn.Module, tables: list[Table], row_counts: list[int], *, capture_bases: bool = False) -> None:
+        self.tables = tables
+        self.capture_bases = capture_bases
+        device = tables[0].tensors[0].device
+        offsets = [0]
+        for rows in row_counts:
+            offsets.append(offsets[-1] + rows)
+        feature_table = torch.tensor(list(module._feature_table_map), dtype=torch.long)  # type: ignore[attr-defined]
+        self._num_features = int(feature_table.numel())
+        self._feature_rows = torch.tensor(row_counts, dtype=torch.long)[feature_table].to(device)
+        self._feature_offsets = torch.tensor(offsets[:-1], dtype=torch.long)[feature_table].to(device)
+        self.mask = torch.zeros(offsets[-1], dtype=torch.bool, device=device)
+        self._handle = module.register_forward_pre_hook(self._record, with_kwargs=True)
+
+    def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not module.training or not torch.is_grad_enabled():
+            return  # evaluation updates nothing
+        features = args[0] if args else kwargs["features"]
+        ids = features.values()
+        if ids.numel() == 0:
+            return
+        if len(features.keys()) != self._num_features:
+            raise RuntimeError(
+                f"replica sync: a fused embedding kernel got {len(features.keys())} features, its config has "
+                f"{self._num_features}; touched rows cannot be told apart. Use ReplicaSyncConfig(rows='all')."
+            )
+        if features.variable_stride_per_key():
+            per_feature = torch.tensor(features.length_per_key(), dtype=torch.long, device=ids.device)
+        else:
+            per_feature = features.lengths().view(self._num_features, -1).sum(1)
+        feature = torch.repeat_interleave(
+            torch.arange(self._num_features, device=ids.device), per_feature, output_size=ids.numel()
+        )
+        ids = ids.long()
+        valid = (ids >= 0) & (ids < self._feature_rows[feature])
+        positions = self._feature_offsets[feature] + torch.where(valid, ids, torch.zeros_like(ids))
+        if self.capture_bases:
+            fresh = positions[~self.mask[positions]]
+            if fresh.numel():
+                self._capture(torch.unique(fresh))
+        self.mask[positions] = True
+
+    @torch.no_grad()
+    def _capture(self, fresh: torch.Tensor) -> None:
+        for table in self.tables:
+            rows = fresh[(fresh >= table.offset) & (fresh < table.offset + table.rows)] - table.offset
+            if rows.numel():
+                table.base_rows.append(rows)
+                table.base_values.append([t.index_select(0, rows) for t in table.tensors])
+
+    def clear(self) -> None:
+        """Forget the touched rows and captured values (a new interval starts)."""
+        self.mask.zero_()
+        for table in self.tables:
+            table.clear()
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    padded = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
+    padded[: mask.numel()] = mask
+    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+
+
+def unpack_bits(packed: torch.Tensor, total: int) -> torch.Tensor:
+    bits = packed.unsqueeze(1).bitwise_and(_BITS.to(packed.device)).ne(0)
+    return bits.reshape(-1)[:total]
+
+
+def fused_kernels(modules: list[nn.Module]) -> list[nn.Module]:
+    """The fused TBE kernels of sharded EBC/EC modules (their lookups sit in a plain list, ``_lookups``)."""
+    kernels: list[nn.Module] = []
+    for module in modules:
+        for sharded in module.modules():
+            for lookup in getattr(sharded, "_lookups", None) or []:
+                kernels += [m for m in lookup.modules() if isinstance(m, FUSED_KERNELS) and all(m is not k for k in kernels)]
+    return kernels
+
+
+def tensor_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
+    return (t.data_ptr(), t.numel(), t.dtype)
+
+
+def track(
+    tensors: list[torch.Tensor], kernels: list[nn.Module], *, capture_bases: bool = False
+) -> tuple[list[RowTracker], list[torch.Tensor]]:
+    """Row trackers for the fused kernels' tables among ``tensors``; the tensors no tracker covers."""
+    wanted = {tensor_key(t): t for t in tensors}
+    covered: set[tuple[int, int, torch.dtype]] = set()
+    trackers: list[RowTracker] = []
+    for kernel in kernels:
+        weights = kernel.split_embedding_weights()  # type: ignore[operator]
+        states = _optimizer_states(kernel)  # per table: FBGEMM's state views
+        tables: list[Table] = []
+        offset = 0
+        row_counts = []
+        for index, weight in enumerate(weights):
+            rows = int(weight.shape[0])
+            row_counts.append(rows)
+            table_tensors = [weight, *(states[index] if index < len(states) else [])]
+            synced = [t for t in table_tensors if tensor_key(t) in wanted and t.numel() and t.shape[0] == rows]
+            if synced and tensor_key(weight) in wanted:
+                tables.append(Table(offset, rows, [wanted[tensor_key(t)] for t in synced]))
+                covered.update(tensor_key(t) for t in synced)
+            offset += rows
+        if tables:
+            trackers.append(RowTracker(kernel, tables, row_counts, capture_bases=capture_bases))
+    return trackers, [t for t in tensors if tensor_key(t) not in covered]
+
+
+def _optimizer_states(kernel: nn.Module) -> list[list[torch.Tensor]]:
+    emb = getattr(kernel, "_emb_module", None)
+    if emb is None or not hasattr(emb, "split_optimizer_states"):
+        return []
+    try:
+        return [list(states) for states in emb.split_optimizer_states()]
+    except NotImplementedError:  # OptimType.NONE
+        return []
+
+
+__all__ = ["FUSED_KERNELS", "RowTracker", "Table", "fused_kernels", "pack_bits", "track", "unpack_bits"]
