@@ -66,6 +66,36 @@ def comm_purpose(name: str) -> Iterator[None]:
         _LABEL.purpose = previous
 
 
+@contextmanager
+def comm_for_batch(token: object | None) -> Iterator[None]:
+    """File the collectives issued inside this block under the batch ``token`` (None: as usual).
+
+    A pipelined batch's input distribution runs during earlier steps; its collectives are held
+    until ``release_batch_comm(token)`` (the batch's step is next), so they count for that step.
+    """
+    if token is None:
+        yield
+        return
+    previous = getattr(_LABEL, "batch", None)
+    _LABEL.batch = token
+    try:
+        yield
+    finally:
+        _LABEL.batch = previous
+
+
+def release_batch_comm(token: object) -> None:
+    """The batch ``token``'s step is next: its held collectives join that step."""
+    for accountant in list(_ACTIVE):
+        accountant.release(token)
+
+
+def discard_batch_comm(token: object) -> None:
+    """The batch ``token`` never runs: forget its held collectives (they stay in the totals)."""
+    for accountant in list(_ACTIVE):
+        accountant.discard(token)
+
+
 @dataclass(frozen=True)
 class TrafficKey:
     """One row of the accounting: why, which operation, which group, and whether the group spans nodes."""
@@ -105,6 +135,8 @@ class CommAccountant:
         self._group_info: dict[int, tuple[str, tuple[int, ...]]] = {}
         self._lock = threading.Lock()
         self._current: dict[TrafficKey, Traffic] = {}
+        self._held: dict[object, dict[TrafficKey, Traffic]] = {}  # by batch token (comm_for_batch)
+        self._carried: dict[TrafficKey, Traffic] = {}  # released, for the next step
         self.last_step: dict[TrafficKey, Traffic] = {}
         self.total: dict[TrafficKey, Traffic] = {}
         self.steps = 0
@@ -117,7 +149,19 @@ class CommAccountant:
         kept: they belong to this step. Anything else since then (setup, evaluation) is not step traffic.
         """
         with self._lock:
-            self._current = {k: t for k, t in self._current.items() if k.purpose == BATCH_HANDSHAKE}
+            current = {k: t for k, t in self._current.items() if k.purpose == BATCH_HANDSHAKE}
+            for key, traffic in self._carried.items():
+                current.setdefault(key, Traffic()).add(traffic)
+            self._current, self._carried = current, {}
+
+    def release(self, token: object) -> None:
+        with self._lock:
+            for key, traffic in self._held.pop(token, {}).items():
+                self._carried.setdefault(key, Traffic()).add(traffic)
+
+    def discard(self, token: object) -> None:
+        with self._lock:
+            self._held.pop(token, None)
 
     def end_step(self) -> None:
         with self._lock:
@@ -166,8 +210,10 @@ class CommAccountant:
         traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
         purpose = getattr(_LABEL, "purpose", None) or self._torchrec_purpose(group, payload)
         key = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
+        token = getattr(_LABEL, "batch", None)
         with self._lock:
-            self._current.setdefault(key, Traffic()).add(traffic)
+            step = self._current if token is None else self._held.setdefault(token, {})
+            step.setdefault(key, Traffic()).add(traffic)
             self.total.setdefault(key, Traffic()).add(traffic)
 
     def _torchrec_purpose(self, group: Any, payload: Any) -> str:

@@ -20,7 +20,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,6 +30,7 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
 from lightning_recsys.parallel.comm_accounting import comm_purpose
+from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,10 @@ class CoordinatedBatches:
       then clamps);
     * the check, or the rank's dataloader, raises: that becomes a fatal problem of the rank, so
       every rank raises together (the rank whose loader raised re-raises its own exception).
+
+    ``pipeline``: a ``SparseDistPipeline``; each agreed batch's input distribution then starts
+    (after its check and handshake) before the batch ahead of it is yielded. ``training()`` says
+    whether the batches feed training steps (their collectives are accounted to those steps).
     """
 
     def __init__(
@@ -261,8 +266,12 @@ class CoordinatedBatches:
         validator: InputValidator | None,
         validate: ValidateInputs,
         equal_sizes_required: bool,
+        pipeline: SparseDistPipeline | None = None,
+        training: Callable[[], bool] = lambda: False,
     ) -> None:
         self.loader = loader
+        self.pipeline = pipeline
+        self._training = training
         self._group = group
         self._validator = validator if validate != "off" else None
         self._validate = validate
@@ -280,9 +289,17 @@ class CoordinatedBatches:
         return getattr(self.loader, name)  # sampler, dataset, batch_size, ... for Lightning
 
     def __iter__(self) -> Iterator[Any]:
-        # Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
-        # before batch i is handed to the step, so the exchange overlaps step i's compute.
-        iterator = iter(self.loader)
+        agreed = self._agreed(iter(self.loader))
+        if self.pipeline is None or not self.pipeline.enabled:
+            return agreed
+        return pipelined(agreed, self.pipeline, account=self._training)
+
+    def _agreed(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """The batches every rank runs.
+
+        Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
+        before batch i is handed to the step, so the exchange overlaps step i's compute.
+        """
         pending = self._fetch(iterator, 0)
         in_flight: _Handshake | None = pending
         try:

@@ -56,6 +56,7 @@ from lightning_recsys.parallel.input_guard import (
     feature_tables,
     report_lost_ranks,
 )
+from lightning_recsys.parallel.input_pipeline import PIPELINE_MODES, PipelineMode, SparseDistPipeline
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsCodecs, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import SyncStats
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
@@ -161,6 +162,7 @@ class TwoDRecStrategy(ParallelStrategy):
         hash_partitions: Optional[dict[str, int]] = None,
         reshape_tables: bool = False,
         embedding_lr_follows_scheduler: bool = False,
+        pipeline: PipelineMode = "sparse_dist",
         accelerator: Optional[Accelerator] = None,
         parallel_devices: Optional[list[torch.device]] = None,
         cluster_environment: Optional[ClusterEnvironment] = None,
@@ -210,6 +212,12 @@ class TwoDRecStrategy(ParallelStrategy):
                 f"hash_partitions={hash_partitions!r} shards those tables row-wise, but sharding_types={sharding_types!r} "
                 "does not allow 'row_wise'."
             )
+        # --- input pipeline (issue 17) ---
+        if pipeline not in PIPELINE_MODES:
+            raise ValueError(f"pipeline={pipeline!r} is not one of {list(PIPELINE_MODES)}.")
+        self._pipeline_mode: PipelineMode = pipeline
+        self._input_pipeline: Optional[SparseDistPipeline] = None
+        # --- end input pipeline ---
         self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
         self._validate_inputs: ValidateInputs = validate_inputs
         self._planner: PlannerName = planner
@@ -573,12 +581,17 @@ class TwoDRecStrategy(ParallelStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         if self._coordination_group is None or self._sharded is None:
             return dataloader
+        dmp = self._sharded.dmp
+        if self._pipeline_mode == "sparse_dist" and self._input_pipeline is None:
+            self._input_pipeline = SparseDistPipeline(dmp, self.root_device)
         return CoordinatedBatches(
             dataloader,  # type: ignore[arg-type]
             group=self._coordination_group,
             validator=self._input_validator,
             validate=self._validate_inputs,
             equal_sizes_required=self._equal_batch_sizes_required,
+            pipeline=self._input_pipeline,
+            training=lambda: self.lightning_module is not None and self.lightning_module.training,
         )
 
     @override
@@ -693,6 +706,9 @@ class TwoDRecStrategy(ParallelStrategy):
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
+        if self._input_pipeline is not None:  # the model gets its own forwards back
+            self._input_pipeline.close()
+            self._input_pipeline = None
         if self._runtime is not None:
             self._runtime.comm.stop()
         assert self.cluster_environment is not None

@@ -1,0 +1,101 @@
+"""pipeline="sparse_dist" against pipeline="off", with real processes (gloo): bit-identical on CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from multiprocess import run_ranks
+from oracle import make_model, sgd_strategy, shards_of
+from torch.utils.data import DataLoader
+
+from lightning_recsys import ReplicaSyncConfig
+from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
+
+CONFIG = SyntheticClickLogConfig(
+    table_sizes=[40, 64, 24], num_dense_features=4, pooling_factors=[2.0, 3.0, 1.0],
+    global_batch_size=16, train_batches=4, val_batches=2, seed=7,
+)
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.sparse_ids_bytes: list[int] = []
+        self.pipelined: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.sparse_ids_bytes.append(trainer.strategy.comm_accounting.bytes_by(purpose="sparse_ids")[0])
+        pipeline = trainer.strategy._input_pipeline
+        self.pipelined |= set(pipeline.pipelined_modules if pipeline is not None else [])
+
+
+def _fit(rank: int, world_size: int, pipeline: str, sharding_type: str, **strategy_kwargs) -> dict:
+    record = _Record()
+    strategy = sgd_strategy(sharding_types=[sharding_type], pipeline=pipeline, **strategy_kwargs)
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=2, val_check_interval=2,
+        limit_val_batches=2, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        tested = trainer.test(model, datamodule=SyntheticClickLogDataModule(CONFIG), verbose=False)
+        predicted = trainer.predict(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    return {
+        "losses": record.losses,
+        "sparse_ids_bytes": record.sparse_ids_bytes,
+        "shards": shards_of(model),
+        "val": metrics,
+        "test": tested,
+        "predict": [p.clone() for p in predicted],
+        "pipeline_warnings": [str(w.message) for w in caught if "pipeline=" in str(w.message)],
+        "pipelined": record.pipelined,
+        "closed": strategy._input_pipeline is None,
+        "forwards_restored": all(
+            not type(m.forward).__name__.endswith("Forward") for m in model.modules() if hasattr(m, "_input_dists")
+        ),
+    }
+
+
+def _on_and_off(rank: int, world_size: int, sharding_types: list[str], strategy_kwargs: dict) -> dict:
+    return {
+        (sharding_type, pipeline): _fit(rank, world_size, pipeline, sharding_type, **strategy_kwargs)
+        for sharding_type in sharding_types for pipeline in ("off", "sparse_dist")
+    }
+
+
+def _assert_identical(off: dict, on: dict, rank: int) -> None:
+    assert len(on["losses"]) == len(off["losses"]) == 2 * CONFIG.train_batches
+    assert on["losses"] == off["losses"], rank  # bit for bit
+    assert on["sparse_ids_bytes"] == off["sparse_ids_bytes"], rank
+    for key, pieces in off["shards"].items():
+        for (offsets, expected), (on_offsets, actual) in zip(pieces, on["shards"][key]):
+            assert offsets == on_offsets and torch.equal(actual, expected), f"rank {rank}: {key}"
+    assert on["val"] == off["val"] and on["test"] == off["test"], rank
+    assert all(torch.equal(a, b) for a, b in zip(on["predict"], off["predict"])) and len(on["predict"]) == len(off["predict"])
+    assert on["pipeline_warnings"] == [] and on["forwards_restored"] and on["closed"], on["pipeline_warnings"]
+    assert on["pipelined"] == {"dlrm.sparse_arch.embedding_bag_collection"} and off["pipelined"] == set()
+
+
+def test_pipeline_matches_off_bit_for_bit_in_1d() -> None:
+    kinds = ["table_wise", "row_wise", "column_wise"]
+    results = run_ranks(_on_and_off, 2, kinds, {}, timeout=400)
+    for rank, result in enumerate(results):
+        for kind in kinds:
+            _assert_identical(result[(kind, "off")], result[(kind, "sparse_dist")], rank)
+
+
+@pytest.mark.slow
+def test_pipeline_matches_off_bit_for_bit_in_2d_with_replica_sync() -> None:
+    kwargs = {"sharding_group_size": 2, "replica_sync": ReplicaSyncConfig(every_n_steps=1)}
+    results = run_ranks(_on_and_off, 4, ["row_wise"], kwargs, timeout=400, ranks_per_node=2)
+    for rank, result in enumerate(results):
+        _assert_identical(result[("row_wise", "off")], result[("row_wise", "sparse_dist")], rank)
