@@ -36,9 +36,10 @@ class _Record(Callback):
 
 def _fit(rank: int, world_size: int, pipeline: str, sharding_type: str, **strategy_kwargs) -> dict:
     record = _Record()
+    per_node = min(world_size, 2)  # 4 ranks: 2 emulated nodes of 2
     strategy = sgd_strategy(sharding_types=[sharding_type], pipeline=pipeline, **strategy_kwargs)
     trainer = Trainer(
-        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=2, val_check_interval=2,
+        accelerator="cpu", devices=per_node, num_nodes=world_size // per_node, strategy=strategy, max_epochs=2, val_check_interval=2,
         limit_val_batches=2, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
     )
@@ -99,3 +100,84 @@ def test_pipeline_matches_off_bit_for_bit_in_2d_with_replica_sync() -> None:
     results = run_ranks(_on_and_off, 4, ["row_wise"], kwargs, timeout=400, ranks_per_node=2)
     for rank, result in enumerate(results):
         _assert_identical(result[("row_wise", "off")], result[("row_wise", "sparse_dist")], rank)
+
+
+# Rank 0's and rank 1's batch sizes: batch 2 is empty on rank 0 (every rank skips it), batch 4 has
+# unequal sizes (row-wise skips it, table-wise runs it), rank 1 runs out first (rank 0's batch 5 is dropped).
+_SIZES = {0: [8, 8, 0, 8, 6, 8], 1: [8, 8, 8, 8, 3]}
+
+
+class _Uneven(LightningDataModule):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        log = SyntheticClickLog(CONFIG)
+        self.batches = [slice_batch(log.global_batch("train", i % 4), 0, size) for i, size in enumerate(_SIZES[rank])]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.batches, batch_size=None)  # type: ignore[arg-type]
+
+    val_dataloader = train_dataloader
+
+
+class _Counters(Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        loader = trainer.train_dataloader
+        self.counts = (loader.skipped_steps, loader.dropped_batches)
+
+
+def _fit_uneven(rank: int, world_size: int, sharding_type: str) -> dict:
+    results = {}
+    for pipeline in ("off", "sparse_dist"):
+        record, counters = _Record(), _Counters()
+        trainer = Trainer(
+            accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=[sharding_type], pipeline=pipeline),
+            max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, callbacks=[record, counters],
+        )
+        model = make_model()
+        trainer.fit(model, datamodule=_Uneven(rank))
+        results[pipeline] = {
+            "losses": record.losses, "counts": counters.counts, "shards": shards_of(model), "steps": trainer.global_step,
+            "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
+        }
+    return results
+
+
+@pytest.mark.parametrize("sharding_type, steps_per_epoch", [("table_wise", 4), ("row_wise", 3)])
+def test_uneven_epochs_and_skipped_steps_behave_as_without_the_pipeline(sharding_type: str, steps_per_epoch: int) -> None:
+    for rank, result in enumerate(run_ranks(_fit_uneven, 2, sharding_type, timeout=300)):
+        off, on = result["off"], result["sparse_dist"]
+        assert off["steps"] == on["steps"] == 2 * steps_per_epoch
+        assert on["losses"] == off["losses"] and on["counts"] == off["counts"], rank
+        assert on["counts"][1] == (2 if rank == 0 else 0)  # rank 0's sixth batch, in each epoch
+        assert on["val"] == off["val"] and on["val"], rank
+        for key, pieces in off["shards"].items():
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
+
+
+def _checkpoint_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    results = {}
+    for pipeline in ("off", "sparse_dist"):
+        directory = f"{ckpt_dir}/{pipeline}"
+        losses = []
+        for run, (max_steps, ckpt_path) in enumerate([(3, None), (-1, "last")]):
+            record = _Record()
+            trainer = Trainer(
+                accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=["row_wise"], pipeline=pipeline),
+                max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                limit_val_batches=0, callbacks=[record, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3)],
+            )
+            model = make_model()
+            trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+            losses.append(record.losses)
+        results[pipeline] = {"losses": losses, "shards": shards_of(model), "steps": trainer.global_step}
+    return results
+
+
+def test_mid_epoch_checkpoint_and_resume_through_the_pipeline_match_off(tmp_path) -> None:
+    for rank, result in enumerate(run_ranks(_checkpoint_and_resume, 2, str(tmp_path), timeout=400)):
+        off, on = result["off"], result["sparse_dist"]
+        assert len(on["losses"][0]) == 3 and on["steps"] == off["steps"] == 2 * CONFIG.train_batches  # stopped mid-epoch 0
+        assert on["losses"] == off["losses"], rank
+        for key, pieces in off["shards"].items():
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
