@@ -87,7 +87,7 @@ def test_same_inputs_accepts_a_new_wrapper_of_the_same_tensors_only() -> None:
 def test_held_batch_traffic_counts_for_the_step_that_releases_it() -> None:
     accountant = CommAccountant.__new__(CommAccountant)  # no process group: only the step bookkeeping
     CommAccountant.__init__(accountant, topology=None, sharding_group=None, replica_group=None)  # type: ignore[arg-type]
-    accountant._describe = lambda group: ("world", (0,))  # type: ignore[method-assign]
+    accountant._describe = lambda group: ("world", (0,), False)  # type: ignore[method-assign]
     accountant.topology = type("T", (), {"spans_nodes": staticmethod(lambda ranks: False)})()
     from lightning_recsys.parallel import comm_accounting
 

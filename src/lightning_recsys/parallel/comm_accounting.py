@@ -132,7 +132,8 @@ class CommAccountant:
         self.topology = topology
         self._sharding_group = sharding_group
         self._named_groups = {"shard": sharding_group, "replicate": replica_group}
-        self._group_info: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._group_info: dict[int, tuple[str, tuple[int, ...], bool]] = {}
+        self._keys: dict[tuple[str, str, str], TrafficKey] = {}
         self._lock = threading.Lock()
         self._current: dict[TrafficKey, Traffic] = {}
         self._held: dict[object, dict[TrafficKey, Traffic]] = {}  # by batch token (comm_for_batch)
@@ -205,16 +206,25 @@ class CommAccountant:
     # ----------------------------------------------------------------- recording
     def record(self, op: str, group: Any, payload: Any, input_splits: list[int] | None = None) -> None:
         group = group if group is not None else dist.group.WORLD
-        name, ranks = self._describe(group)
-        payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
-        traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
+        name, ranks, spans = self._describe(group)
+        if spans:
+            payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
+        else:  # the common case, per collective per step: no node crossing to work out
+            payload_bytes, inter = _tensor_bytes(payload), 0
         purpose = getattr(_LABEL, "purpose", None) or self._torchrec_purpose(group, payload)
-        key = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
+        key = self._keys.get((purpose, op, name))
+        if key is None:
+            key = self._keys[(purpose, op, name)] = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=spans)
         token = getattr(_LABEL, "batch", None)
         with self._lock:
             step = self._current if token is None else self._held.setdefault(token, {})
-            step.setdefault(key, Traffic()).add(traffic)
-            self.total.setdefault(key, Traffic()).add(traffic)
+            for table in (step, self.total):
+                traffic = table.get(key)
+                if traffic is None:
+                    traffic = table[key] = Traffic()
+                traffic.calls += 1
+                traffic.payload_bytes += payload_bytes
+                traffic.inter_node_bytes += inter
 
     def _torchrec_purpose(self, group: Any, payload: Any) -> str:
         if group is not self._sharding_group:
@@ -223,14 +233,14 @@ class CommAccountant:
         is_ids = isinstance(first, torch.Tensor) and first.dtype in (torch.int32, torch.int64)
         return "sparse_ids" if is_ids else "embeddings"
 
-    def _describe(self, group: Any) -> tuple[str, tuple[int, ...]]:
+    def _describe(self, group: Any) -> tuple[str, tuple[int, ...], bool]:
         cached = self._group_info.get(id(group))
         if cached is None:
             ranks = tuple(dist.get_process_group_ranks(group))
             name = next((n for n, g in self._named_groups.items() if g is group), "ranks" + ",".join(map(str, ranks)))
             if len(ranks) == dist.get_world_size():
                 name = "world"
-            cached = self._group_info[id(group)] = (name, ranks)
+            cached = self._group_info[id(group)] = (name, ranks, self.topology.spans_nodes(ranks))
         return cached
 
     def start(self) -> None:
@@ -298,13 +308,15 @@ def _uninstall() -> None:
 
 
 def _recording(original: Callable[..., Any], op: str, position: int, keyword: str, group_position: int) -> Callable[..., Any]:
+    has_splits = original.__name__ == "all_to_all_single"
+
     @functools.wraps(original)
     def recording_collective(*args: Any, **kwargs: Any) -> Any:
         if _ACTIVE:
             payload = args[position] if len(args) > position else kwargs.get(keyword)
             group = args[group_position] if len(args) > group_position else kwargs.get("group")
             splits = None
-            if original.__name__ == "all_to_all_single":
+            if has_splits:
                 splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
             for accountant in list(_ACTIVE):
                 accountant.record(op, group, payload, splits)

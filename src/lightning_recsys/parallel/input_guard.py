@@ -409,7 +409,7 @@ class _Handshake:
 
     def result(self) -> list[RankBatch]:
         self.work.wait()
-        return [RankBatch(bool(t[0]), int(t[1]), int(t[2]), int(t[3])) for t in self.gathered]
+        return [RankBatch(bool(has), size, problems, fatal) for has, size, problems, fatal in (t.tolist() for t in self.gathered)]
 
     def drain(self) -> None:
         """Wait for the exchange without using it; a failure here (a peer gone) is left to the caller's error."""
