@@ -76,13 +76,25 @@ def _raw(rank: int, steps: int, pipelined: bool) -> list[float]:
     stamps = []
     if pipelined:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
+        from torchrec.streamable import Pipelineable
+
+        class Batch(Pipelineable):  # TrainPipelineSparseDist moves and records batches through this interface
+            def __init__(self, dense: torch.Tensor, sparse: Any, labels: torch.Tensor) -> None:
+                self.dense, self.sparse, self.labels = dense, sparse, labels
+
+            def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
+                return Batch(self.dense.to(device, non_blocking=non_blocking), self.sparse.to(device, non_blocking=non_blocking),
+                             self.labels.to(device, non_blocking=non_blocking))
+
+            def record_stream(self, stream: Any) -> None:
+                self.dense.record_stream(stream), self.sparse.record_stream(stream), self.labels.record_stream(stream)
 
         def forward(batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
             logits = dmp(batch)
             return F.binary_cross_entropy_with_logits(logits, batch.labels), logits
 
         pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"), custom_model_fwd=forward)
-        iterator = iter(_batches(rank, steps))
+        iterator = iter([Batch(b.dense, b.sparse, b.labels) for b in _batches(rank, steps)])
         while True:
             try:
                 pipeline.progress(iterator)
