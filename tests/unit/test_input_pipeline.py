@@ -33,7 +33,7 @@ class _FakePipeline:
 def test_the_next_batch_starts_before_the_current_one_is_yielded() -> None:
     fake = _FakePipeline()
     seen = []
-    for batch in pipelined(iter([0, 1, 2]), fake, account=lambda: True):  # type: ignore[arg-type]
+    for batch in pipelined(iter([(0, None), (1, None), (2, None)]), fake, account=lambda: True):  # type: ignore[arg-type]
         seen.append(batch)
         fake.calls.append(("step", batch))
     assert seen == [0, 1, 2]
@@ -46,7 +46,7 @@ def test_the_next_batch_starts_before_the_current_one_is_yielded() -> None:
 
 def test_an_error_about_the_next_batch_surfaces_after_the_current_step() -> None:
     def agreed():
-        yield "a"
+        yield "a", None
         raise ValueError("batch 1 is invalid")
 
     fake = _FakePipeline()
@@ -61,7 +61,7 @@ def test_closing_early_finishes_the_started_batch_and_closes_the_source() -> Non
 
     def agreed():
         try:
-            yield from range(10)
+            yield from ((i, None) for i in range(10))
         finally:
             closed.append(True)
 

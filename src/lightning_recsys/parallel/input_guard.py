@@ -29,7 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
-from lightning_recsys.parallel.comm_accounting import comm_purpose
+from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose
 from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
 
 log = logging.getLogger(__name__)
@@ -289,18 +289,20 @@ class CoordinatedBatches:
         return getattr(self.loader, name)  # sampler, dataset, batch_size, ... for Lightning
 
     def __iter__(self) -> Iterator[Any]:
-        agreed = self._agreed(iter(self.loader))
         if self.pipeline is None or not self.pipeline.enabled:
-            return agreed
-        return pipelined(agreed, self.pipeline, account=self._training)
+            return self._agreed(iter(self.loader), tagged=False)
+        return pipelined(self._agreed(iter(self.loader), tagged=True), self.pipeline, account=self._training)
 
-    def _agreed(self, iterator: Iterator[Any]) -> Iterator[Any]:
+    def _agreed(self, iterator: Iterator[Any], *, tagged: bool) -> Iterator[Any]:
         """The batches every rank runs.
 
         Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
         before batch i is handed to the step, so the exchange overlaps step i's compute.
+        ``tagged``: yield ``(batch, token)``; the handshakes issued up to that yield are held under
+        ``token`` in the accounting (the pipeline yields a batch later than this, and releases it then).
         """
-        pending = self._fetch(iterator, 0)
+        token = object() if tagged else None
+        pending = self._fetch(iterator, 0, token)
         in_flight: _Handshake | None = pending
         try:
             for index in itertools.count():
@@ -311,13 +313,14 @@ class CoordinatedBatches:
                 if not all(r.has_batch for r in others):
                     self._note_dropped(others)
                     return
-                upcoming = in_flight = self._fetch(iterator, index + 1)
+                upcoming = in_flight = self._fetch(iterator, index + 1, token)
                 sizes = {r.size for r in others if r.size >= 0}
                 if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
                     self.skipped_steps += 1
                     self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
                 else:
-                    yield pending.batch
+                    yield (pending.batch, token) if tagged else pending.batch
+                    token = object() if tagged else None
                 pending = upcoming
         finally:
             # The loop stopped early (max_steps, limit_*_batches) with the next handshake in flight.
@@ -326,7 +329,7 @@ class CoordinatedBatches:
             if in_flight is not None:
                 in_flight.drain()
 
-    def _fetch(self, iterator: Iterator[Any], index: int) -> _Handshake:
+    def _fetch(self, iterator: Iterator[Any], index: int, token: object | None = None) -> _Handshake:
         # Nothing here may raise before the all-gather: a rank that raised alone would leave the
         # others waiting in the handshake until the process group's timeout.
         error: Exception | None = None
@@ -342,7 +345,7 @@ class CoordinatedBatches:
         fatal = sum(p.fatal for p in problems)
         mine = torch.tensor([int(batch is not _END), size, len(problems), fatal], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
-        with comm_purpose("batch_handshake"):
+        with comm_purpose("batch_handshake"), comm_for_batch(token):
             work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         return _Handshake(batch, problems, work, gathered, error)
 

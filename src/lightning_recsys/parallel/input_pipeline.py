@@ -340,30 +340,34 @@ def _record_stream(batch: Any, stream: torch.cuda.Stream) -> None:
 
 
 def pipelined(
-    agreed: Iterator[Any], pipeline: SparseDistPipeline, *, account: Callable[[], bool]
+    agreed: Iterator[tuple[Any, object]], pipeline: SparseDistPipeline, *, account: Callable[[], bool]
 ) -> Iterator[Any]:
     """Yield ``agreed``'s batches with the next one's input distribution started before each is yielded.
 
-    ``agreed`` yields only batches every rank runs (the handshake's decisions); an error it raises
-    for the next batch surfaces after the current batch's step, as without the pipeline.
-    ``account()``: whether the batches are a training loop's (their collectives count for its steps).
+    ``agreed`` yields ``(batch, token)`` for the batches every rank runs (the handshake's decisions);
+    ``token`` holds the accounting of the handshakes issued up to it, released with its batch. An
+    error ``agreed`` raises about the next batch surfaces after the current batch's step, as
+    without the pipeline. ``account()``: whether the batches are a training loop's (their
+    collectives then count for its steps).
     """
-    current: Optional[StartedBatch] = None
-    upcoming: Optional[StartedBatch] = None
+    current: Optional[tuple[StartedBatch, object]] = None
+    upcoming: Optional[tuple[StartedBatch, object]] = None
     try:
         first = next(agreed, _END)
         if first is _END:
             return
-        current = pipeline.start(first, account=account())
+        current = (pipeline.start(first[0], account=account()), first[1])
         while current is not None:
             error: Optional[BaseException] = None
             try:
                 following = next(agreed, _END)
             except Exception as raised:  # noqa: BLE001 - re-raised after the current step, as without the pipeline
                 following, error = _END, raised
-            upcoming = pipeline.start(following, account=account()) if following is not _END else None
-            pipeline.activate(current)
-            batch, current = current.batch, None
+            if following is not _END:
+                upcoming = (pipeline.start(following[0], account=account()), following[1])
+            (release_batch_comm if account() else discard_batch_comm)(current[1])
+            pipeline.activate(current[0])
+            batch, current = current[0].batch, None
             yield batch
             if error is not None:
                 raise error
@@ -371,7 +375,8 @@ def pipelined(
     finally:
         for started in (current, upcoming):
             if started is not None:
-                pipeline.drop(started)
+                pipeline.drop(started[0])
+                discard_batch_comm(started[1])
         close = getattr(agreed, "close", None)
         if close is not None:
             close()
