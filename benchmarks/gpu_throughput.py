@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_throughput.py --out results/gpu_throughput.json          # one CUDA device, nccl
     python benchmarks/gpu_throughput.py --accelerator cpu --tiny                   # a smoke run anywhere
+    python benchmarks/gpu_throughput.py --pipeline off --out results/gpu_throughput_off.json   # pipeline on vs off
 
 DLRM with 26 tables (Criteo-like widths), row-wise Adagrad embeddings, synthetic click logs.
 Prints examples/s and the step time split from lightning_recsys.callbacks.RunSummary.
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=200_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--qcomms", default="fp32")
+    parser.add_argument("--pipeline", default="sparse_dist", choices=["sparse_dist", "off"], help="TwoDRecStrategy(pipeline=...)")
     parser.add_argument("--tiny", action="store_true", help="a few small steps, for a smoke test")
     parser.add_argument("--out", default=None, help="write the summary JSON here")
     args = parser.parse_args(argv)
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=1, max_steps=args.steps, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[summary],
-        strategy=TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05), qcomms=args.qcomms),
+        strategy=TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.05), qcomms=args.qcomms,
+                                pipeline=args.pipeline),
     )
     trainer.fit(model, datamodule=data)
     result = {"args": vars(args), **summary.summary}

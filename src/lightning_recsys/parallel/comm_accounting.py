@@ -66,6 +66,36 @@ def comm_purpose(name: str) -> Iterator[None]:
         _LABEL.purpose = previous
 
 
+@contextmanager
+def comm_for_batch(token: object | None) -> Iterator[None]:
+    """File the collectives issued inside this block under the batch ``token`` (None: as usual).
+
+    A pipelined batch's input distribution runs during earlier steps; its collectives are held
+    until ``release_batch_comm(token)`` (the batch's step is next), so they count for that step.
+    """
+    if token is None:
+        yield
+        return
+    previous = getattr(_LABEL, "batch", None)
+    _LABEL.batch = token
+    try:
+        yield
+    finally:
+        _LABEL.batch = previous
+
+
+def release_batch_comm(token: object) -> None:
+    """The batch ``token``'s step is next: its held collectives join that step."""
+    for accountant in list(_ACTIVE):
+        accountant.release(token)
+
+
+def discard_batch_comm(token: object) -> None:
+    """The batch ``token`` never runs: forget its held collectives (they stay in the totals)."""
+    for accountant in list(_ACTIVE):
+        accountant.discard(token)
+
+
 @dataclass(frozen=True)
 class TrafficKey:
     """One row of the accounting: why, which operation, which group, and whether the group spans nodes."""
@@ -102,9 +132,12 @@ class CommAccountant:
         self.topology = topology
         self._sharding_group = sharding_group
         self._named_groups = {"shard": sharding_group, "replicate": replica_group}
-        self._group_info: dict[int, tuple[str, tuple[int, ...]]] = {}
+        self._group_info: dict[int, tuple[str, tuple[int, ...], bool]] = {}
+        self._keys: dict[tuple[str, str, str], TrafficKey] = {}
         self._lock = threading.Lock()
         self._current: dict[TrafficKey, Traffic] = {}
+        self._held: dict[object, dict[TrafficKey, Traffic]] = {}  # by batch token (comm_for_batch)
+        self._carried: dict[TrafficKey, Traffic] = {}  # released, for the next step
         self.last_step: dict[TrafficKey, Traffic] = {}
         self.total: dict[TrafficKey, Traffic] = {}
         self.steps = 0
@@ -117,7 +150,19 @@ class CommAccountant:
         kept: they belong to this step. Anything else since then (setup, evaluation) is not step traffic.
         """
         with self._lock:
-            self._current = {k: t for k, t in self._current.items() if k.purpose == BATCH_HANDSHAKE}
+            current = {k: t for k, t in self._current.items() if k.purpose == BATCH_HANDSHAKE}
+            for key, traffic in self._carried.items():
+                current.setdefault(key, Traffic()).add(traffic)
+            self._current, self._carried = current, {}
+
+    def release(self, token: object) -> None:
+        with self._lock:
+            for key, traffic in self._held.pop(token, {}).items():
+                self._carried.setdefault(key, Traffic()).add(traffic)
+
+    def discard(self, token: object) -> None:
+        with self._lock:
+            self._held.pop(token, None)
 
     def end_step(self) -> None:
         with self._lock:
@@ -161,14 +206,25 @@ class CommAccountant:
     # ----------------------------------------------------------------- recording
     def record(self, op: str, group: Any, payload: Any, input_splits: list[int] | None = None) -> None:
         group = group if group is not None else dist.group.WORLD
-        name, ranks = self._describe(group)
-        payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
-        traffic = Traffic(calls=1, payload_bytes=payload_bytes, inter_node_bytes=inter)
+        name, ranks, spans = self._describe(group)
+        if spans:
+            payload_bytes, inter = _payload_and_inter_node_bytes(op, payload, input_splits, ranks, self.topology)
+        else:  # the common case, per collective per step: no node crossing to work out
+            payload_bytes, inter = _tensor_bytes(payload), 0
         purpose = getattr(_LABEL, "purpose", None) or self._torchrec_purpose(group, payload)
-        key = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=self.topology.spans_nodes(ranks))
+        key = self._keys.get((purpose, op, name))
+        if key is None:
+            key = self._keys[(purpose, op, name)] = TrafficKey(purpose=purpose, op=op, group=name, spans_nodes=spans)
+        token = getattr(_LABEL, "batch", None)
         with self._lock:
-            self._current.setdefault(key, Traffic()).add(traffic)
-            self.total.setdefault(key, Traffic()).add(traffic)
+            step = self._current if token is None else self._held.setdefault(token, {})
+            for table in (step, self.total):
+                traffic = table.get(key)
+                if traffic is None:
+                    traffic = table[key] = Traffic()
+                traffic.calls += 1
+                traffic.payload_bytes += payload_bytes
+                traffic.inter_node_bytes += inter
 
     def _torchrec_purpose(self, group: Any, payload: Any) -> str:
         if group is not self._sharding_group:
@@ -177,14 +233,14 @@ class CommAccountant:
         is_ids = isinstance(first, torch.Tensor) and first.dtype in (torch.int32, torch.int64)
         return "sparse_ids" if is_ids else "embeddings"
 
-    def _describe(self, group: Any) -> tuple[str, tuple[int, ...]]:
+    def _describe(self, group: Any) -> tuple[str, tuple[int, ...], bool]:
         cached = self._group_info.get(id(group))
         if cached is None:
             ranks = tuple(dist.get_process_group_ranks(group))
             name = next((n for n, g in self._named_groups.items() if g is group), "ranks" + ",".join(map(str, ranks)))
             if len(ranks) == dist.get_world_size():
                 name = "world"
-            cached = self._group_info[id(group)] = (name, ranks)
+            cached = self._group_info[id(group)] = (name, ranks, self.topology.spans_nodes(ranks))
         return cached
 
     def start(self) -> None:
@@ -252,13 +308,15 @@ def _uninstall() -> None:
 
 
 def _recording(original: Callable[..., Any], op: str, position: int, keyword: str, group_position: int) -> Callable[..., Any]:
+    has_splits = original.__name__ == "all_to_all_single"
+
     @functools.wraps(original)
     def recording_collective(*args: Any, **kwargs: Any) -> Any:
         if _ACTIVE:
             payload = args[position] if len(args) > position else kwargs.get(keyword)
             group = args[group_position] if len(args) > group_position else kwargs.get("group")
             splits = None
-            if original.__name__ == "all_to_all_single":
+            if has_splits:
                 splits = args[3] if len(args) > 3 else kwargs.get("input_split_sizes")
             for accountant in list(_ACTIVE):
                 accountant.record(op, group, payload, splits)

@@ -19,7 +19,7 @@ import dataclasses
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
-from lightning_recsys.parallel.comm_accounting import comm_purpose
+from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose
+from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
 
 log = logging.getLogger(__name__)
 
@@ -250,6 +251,10 @@ class CoordinatedBatches:
       then clamps);
     * the check, or the rank's dataloader, raises: that becomes a fatal problem of the rank, so
       every rank raises together (the rank whose loader raised re-raises its own exception).
+
+    ``pipeline``: a ``SparseDistPipeline``; each agreed batch's input distribution then starts
+    (after its check and handshake) before the batch ahead of it is yielded. ``training()`` says
+    whether the batches feed training steps (their collectives are accounted to those steps).
     """
 
     def __init__(
@@ -260,8 +265,12 @@ class CoordinatedBatches:
         validator: InputValidator | None,
         validate: ValidateInputs,
         equal_sizes_required: bool,
+        pipeline: SparseDistPipeline | None = None,
+        training: Callable[[], bool] = lambda: False,
     ) -> None:
         self.loader = loader
+        self.pipeline = pipeline
+        self._training = training
         self._group = group
         self._validator = validator if validate != "off" else None
         self._validate = validate
@@ -279,10 +288,20 @@ class CoordinatedBatches:
         return getattr(self.loader, name)  # sampler, dataset, batch_size, ... for Lightning
 
     def __iter__(self) -> Iterator[Any]:
-        # Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
-        # before batch i is handed to the step, so the exchange overlaps step i's compute.
-        iterator = iter(self.loader)
-        pending = self._fetch(iterator, 0)
+        if self.pipeline is None or not self.pipeline.enabled:
+            return self._agreed(iter(self.loader), tagged=False)
+        return pipelined(self._agreed(iter(self.loader), tagged=True), self.pipeline, account=self._training)
+
+    def _agreed(self, iterator: Iterator[Any], *, tagged: bool) -> Iterator[Any]:
+        """The batches every rank runs.
+
+        Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
+        before batch i is handed to the step, so the exchange overlaps step i's compute.
+        ``tagged``: yield ``(batch, token)``; the handshakes issued up to that yield are held under
+        ``token`` in the accounting (the pipeline yields a batch later than this, and releases it then).
+        """
+        token = object() if tagged else None
+        pending = self._fetch(iterator, 0, token)
         in_flight: _Handshake | None = pending
         try:
             for index in itertools.count():
@@ -293,13 +312,14 @@ class CoordinatedBatches:
                 if not all(r.has_batch for r in others):
                     self._note_dropped(others)
                     return
-                upcoming = in_flight = self._fetch(iterator, index + 1)
+                upcoming = in_flight = self._fetch(iterator, index + 1, token)
                 sizes = {r.size for r in others if r.size >= 0}
                 if 0 in sizes or (self._equal_sizes_required and len(sizes) > 1):
                     self.skipped_steps += 1
                     self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
                 else:
-                    yield pending.batch
+                    yield (pending.batch, token) if tagged else pending.batch
+                    token = object() if tagged else None
                 pending = upcoming
         finally:
             # The loop stopped early (max_steps, limit_*_batches) with the next handshake in flight.
@@ -308,7 +328,7 @@ class CoordinatedBatches:
             if in_flight is not None:
                 in_flight.drain()
 
-    def _fetch(self, iterator: Iterator[Any], index: int) -> _Handshake:
+    def _fetch(self, iterator: Iterator[Any], index: int, token: object | None = None) -> _Handshake:
         # Nothing here may raise before the all-gather: a rank that raised alone would leave the
         # others waiting in the handshake until the process group's timeout.
         error: Exception | None = None
@@ -324,7 +344,7 @@ class CoordinatedBatches:
         fatal = sum(p.fatal for p in problems)
         mine = torch.tensor([int(batch is not _END), size, len(problems), fatal], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
-        with comm_purpose("batch_handshake"):
+        with comm_purpose("batch_handshake"), comm_for_batch(token):
             work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         return _Handshake(batch, problems, work, gathered, error)
 
@@ -391,7 +411,7 @@ class _Handshake:
 
     def result(self) -> list[RankBatch]:
         self.work.wait()
-        return [RankBatch(bool(t[0]), int(t[1]), int(t[2]), int(t[3])) for t in self.gathered]
+        return [RankBatch(bool(has), size, problems, fatal) for has, size, problems, fatal in (t.tolist() for t in self.gathered)]
 
     def drain(self) -> None:
         """Wait for the exchange without using it; a failure here (a peer gone) is left to the caller's error."""

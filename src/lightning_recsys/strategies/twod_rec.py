@@ -36,6 +36,7 @@ from lightning_recsys.parallel.comm_accounting import CommAccountant
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.guard_config import GuardConfig
 from lightning_recsys.parallel.input_guard import CoordinatedBatches
+from lightning_recsys.parallel.input_pipeline import PIPELINE_MODES, PipelineMode, SparseDistPipeline
 from lightning_recsys.parallel.process_group import destroy_process_group_at_exit, looks_like_lost_peer, report_lost_ranks
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import SyncStats
@@ -90,6 +91,10 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         planning: how the sharding plan is made, a ``PlanningConfig`` (default: TorchRec's planner,
             every sharding type that runs on the device).
         guard: the per-step input and non-finite checks, a ``GuardConfig``.
+        pipeline: ``"sparse_dist"`` (default): each training and evaluation batch's sparse input
+            distribution (on CUDA also its host-to-device copy) starts during the step before it,
+            as in TorchRec's ``TrainPipelineSparseDist``; same results as ``"off"`` (inside the step).
+            A model the pipeline cannot serve falls back to ``"off"`` with one warning.
         process_group_backend: ``gloo`` or ``nccl``; default: nccl on CUDA, gloo on CPU.
         process_group_timeout: seconds a collective may wait before the job fails (default 1800,
             which leaves room for planning large models).
@@ -107,6 +112,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         embedding_optimizer: Optional[EmbeddingOptimizerConfig] = None,
         planning: Optional[PlanningConfig] = None,
         guard: Optional[GuardConfig] = None,
+        pipeline: PipelineMode = "sparse_dist",
         process_group_backend: Optional[str] = None,
         process_group_timeout: float = 1800.0,
         accelerator: Optional[Accelerator] = None,
@@ -132,6 +138,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
             if value is not None and not isinstance(value, kind):
                 article = "an" if kind.__name__[0] in "AEIOU" else "a"
                 raise TypeError(f"TwoDRecStrategy({name}={value!r}): expected {article} {kind.__name__}, or None for the defaults.")
+        if pipeline not in PIPELINE_MODES:
+            raise ValueError(f"pipeline={pipeline!r} is not one of {list(PIPELINE_MODES)}.")
         if not process_group_timeout > 0:
             raise ValueError(f"process_group_timeout={process_group_timeout} must be > 0 seconds.")
         if process_group_backend not in (None, "gloo", "nccl"):
@@ -143,6 +151,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         self.embedding_optimizer_config = embedding_optimizer or EmbeddingOptimizerConfig()
         self.planning = planning or PlanningConfig()
         self.guard = guard or GuardConfig()
+        self.pipeline: PipelineMode = pipeline
+        self._input_pipeline: Optional[SparseDistPipeline] = None
         self._process_group_backend = process_group_backend
         self._timeout = timedelta(seconds=process_group_timeout)
         self._num_nodes = 1
@@ -366,12 +376,17 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
     def process_dataloader(self, dataloader: object) -> object:
         if self._coordination_group is None or self._setup is None:
             return dataloader
+        dmp = self.sharded_model.dmp
+        if self.pipeline == "sparse_dist" and self._input_pipeline is None:
+            self._input_pipeline = SparseDistPipeline(dmp, self.root_device)
         return CoordinatedBatches(
             dataloader,  # type: ignore[arg-type]
             group=self._coordination_group,
             validator=self._setup.input_validator,
             validate=self.guard.validate_inputs,
             equal_sizes_required=self._setup.equal_batch_sizes_required,
+            pipeline=self._input_pipeline,
+            training=lambda: self.lightning_module is not None and self.lightning_module.training,
         )
 
     @override
@@ -406,6 +421,9 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
     @override
     def teardown(self) -> None:
         # The sharded module stays where it is (Strategy.teardown would move FBGEMM's tables to CPU).
+        if self._input_pipeline is not None:  # the model gets its own forwards back
+            self._input_pipeline.close()
+            self._input_pipeline = None
         if self._runtime is not None:
             self._runtime.comm.stop()
         assert self.cluster_environment is not None

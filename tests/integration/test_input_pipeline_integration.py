@@ -1,0 +1,233 @@
+"""pipeline="sparse_dist" against pipeline="off", with real processes (gloo): bit-identical on CPU."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from multiprocess import run_ranks
+from oracle import make_model, sgd_strategy, shards_of
+from torch.utils.data import DataLoader
+
+from lightning_recsys import ReplicaSyncConfig
+from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
+
+CONFIG = SyntheticClickLogConfig(
+    table_sizes=[40, 64, 24], num_dense_features=4, pooling_factors=[2.0, 3.0, 1.0],
+    global_batch_size=16, train_batches=4, val_batches=2, seed=7,
+)
+
+
+class _Record(Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+        self.sparse_ids_bytes: list[int] = []
+        self.pipelined: set[str] = set()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append(float(outputs["loss"]))
+        self.sparse_ids_bytes.append(trainer.strategy.comm_accounting.bytes_by(purpose="sparse_ids")[0])
+        pipeline = trainer.strategy._input_pipeline
+        self.pipelined |= set(pipeline.pipelined_modules if pipeline is not None else [])
+
+
+def _fit(rank: int, world_size: int, pipeline: str, sharding_type: str, **strategy_kwargs) -> dict:
+    record = _Record()
+    per_node = min(world_size, 2)  # 4 ranks: 2 emulated nodes of 2
+    strategy = sgd_strategy(sharding_types=[sharding_type], pipeline=pipeline, **strategy_kwargs)
+    trainer = Trainer(
+        accelerator="cpu", devices=per_node, num_nodes=world_size // per_node, strategy=strategy, max_epochs=2, val_check_interval=2,
+        limit_val_batches=2, num_sanity_val_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+    )
+    model = make_model()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+        tested = trainer.test(model, datamodule=SyntheticClickLogDataModule(CONFIG), verbose=False)
+        predicted = trainer.predict(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    return {
+        "losses": record.losses,
+        "sparse_ids_bytes": record.sparse_ids_bytes,
+        "shards": shards_of(model),
+        "val": metrics,
+        "test": tested,
+        "predict": [p.clone() for p in predicted],
+        "pipeline_warnings": [str(w.message) for w in caught if "pipeline=" in str(w.message)],
+        "pipelined": record.pipelined,
+        "closed": strategy._input_pipeline is None,
+        "forwards_restored": all(
+            not type(m.forward).__name__.endswith("Forward") for m in model.modules() if hasattr(m, "_input_dists")
+        ),
+    }
+
+
+def _on_and_off(rank: int, world_size: int, sharding_types: list[str], strategy_kwargs: dict) -> dict:
+    return {
+        (sharding_type, pipeline): _fit(rank, world_size, pipeline, sharding_type, **strategy_kwargs)
+        for sharding_type in sharding_types for pipeline in ("off", "sparse_dist")
+    }
+
+
+def _assert_identical(off: dict, on: dict, rank: int) -> None:
+    assert len(on["losses"]) == len(off["losses"]) == 2 * CONFIG.train_batches
+    assert on["losses"] == off["losses"], rank  # bit for bit
+    assert on["sparse_ids_bytes"] == off["sparse_ids_bytes"], rank
+    for key, pieces in off["shards"].items():
+        for (offsets, expected), (on_offsets, actual) in zip(pieces, on["shards"][key]):
+            assert offsets == on_offsets and torch.equal(actual, expected), f"rank {rank}: {key}"
+    assert on["val"] == off["val"] and on["test"] == off["test"], rank
+    assert all(torch.equal(a, b) for a, b in zip(on["predict"], off["predict"])) and len(on["predict"]) == len(off["predict"])
+    assert on["pipeline_warnings"] == [] and on["forwards_restored"] and on["closed"], on["pipeline_warnings"]
+    assert on["pipelined"] == {"dlrm.sparse_arch.embedding_bag_collection"} and off["pipelined"] == set()
+
+
+def test_pipeline_matches_off_bit_for_bit_in_1d() -> None:
+    kinds = ["table_wise", "row_wise", "column_wise"]
+    results = run_ranks(_on_and_off, 2, kinds, {}, timeout=400)
+    for rank, result in enumerate(results):
+        for kind in kinds:
+            _assert_identical(result[(kind, "off")], result[(kind, "sparse_dist")], rank)
+
+
+@pytest.mark.slow
+def test_pipeline_matches_off_bit_for_bit_in_2d_with_replica_sync() -> None:
+    kwargs = {"sharding_group_size": 2, "replica_sync": ReplicaSyncConfig(every_n_steps=1)}
+    results = run_ranks(_on_and_off, 4, ["row_wise"], kwargs, timeout=400, ranks_per_node=2)
+    for rank, result in enumerate(results):
+        _assert_identical(result[("row_wise", "off")], result[("row_wise", "sparse_dist")], rank)
+
+
+# Rank 0's and rank 1's batch sizes: batch 2 is empty on rank 0 (every rank skips it), batch 4 has
+# unequal sizes (row-wise skips it, table-wise runs it), rank 1 runs out first (rank 0's batch 5 is dropped).
+_SIZES = {0: [8, 8, 0, 8, 6, 8], 1: [8, 8, 8, 8, 3]}
+
+
+class _Uneven(LightningDataModule):
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        log = SyntheticClickLog(CONFIG)
+        self.batches = [slice_batch(log.global_batch("train", i % 4), 0, size) for i, size in enumerate(_SIZES[rank])]
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.batches, batch_size=None)  # type: ignore[arg-type]
+
+    val_dataloader = train_dataloader
+
+
+class _Counters(Callback):
+    def on_train_end(self, trainer, pl_module) -> None:
+        loader = trainer.train_dataloader
+        self.counts = (loader.skipped_steps, loader.dropped_batches)
+
+
+def _fit_uneven(rank: int, world_size: int, sharding_type: str) -> dict:
+    results = {}
+    for pipeline in ("off", "sparse_dist"):
+        record, counters = _Record(), _Counters()
+        trainer = Trainer(
+            accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=[sharding_type], pipeline=pipeline),
+            max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, callbacks=[record, counters],
+        )
+        model = make_model()
+        trainer.fit(model, datamodule=_Uneven(rank))
+        results[pipeline] = {
+            "losses": record.losses, "counts": counters.counts, "shards": shards_of(model), "steps": trainer.global_step,
+            "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
+        }
+    return results
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
+def test_uneven_epochs_and_skipped_steps_behave_as_without_the_pipeline(sharding_type: str) -> None:
+    for rank, result in enumerate(run_ranks(_fit_uneven, 2, sharding_type, timeout=300)):
+        off, on = result["off"], result["sparse_dist"]
+        assert off["steps"] == on["steps"] >= 2 and len(on["losses"]) == on["steps"]
+        assert on["losses"] == off["losses"] and on["counts"] == off["counts"] and on["counts"][0] >= 1, rank  # skipped steps
+        assert on["val"] == off["val"], rank
+        for key, pieces in off["shards"].items():
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
+
+
+def _checkpoint_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    results = {}
+    for pipeline in ("off", "sparse_dist"):
+        directory = f"{ckpt_dir}/{pipeline}"
+        losses = []
+        for run, (max_steps, ckpt_path) in enumerate([(3, None), (-1, "last")]):
+            record = _Record()
+            trainer = Trainer(
+                accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=["row_wise"], pipeline=pipeline),
+                max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                limit_val_batches=0, callbacks=[record, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3)],
+            )
+            model = make_model()
+            trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+            losses.append(record.losses)
+        results[pipeline] = {"losses": losses, "shards": shards_of(model), "steps": trainer.global_step}
+    return results
+
+
+def test_mid_epoch_checkpoint_and_resume_through_the_pipeline_match_off(tmp_path) -> None:
+    for rank, result in enumerate(run_ranks(_checkpoint_and_resume, 2, str(tmp_path), timeout=400)):
+        off, on = result["off"], result["sparse_dist"]
+        assert len(on["losses"][0]) == 3 and on["steps"] == off["steps"] == 2 * CONFIG.train_batches  # stopped mid-epoch 0
+        assert on["losses"] == off["losses"], rank
+        for key, pieces in off["shards"].items():
+            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
+
+
+class _Placement(Callback):
+    """Where the batch is when the step gets it, and whether Lightning's transfer made new tensors."""
+
+    def __init__(self) -> None:
+        self.devices: set[str] = set()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.devices.add(batch.dense.device.type)
+
+
+def _fit_cuda(rank: int, world_size: int) -> dict:
+    results = {}
+    for pipeline in ("off", "sparse_dist"):
+        record, placement = _Record(), _Placement()
+        trainer = Trainer(
+            accelerator="cuda", devices=1, strategy=sgd_strategy(sharding_types=["table_wise"], pipeline=pipeline),
+            max_epochs=1, limit_val_batches=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[record, placement],
+        )
+        model = make_model()
+        copies = []
+        original_to = torch.Tensor.to
+
+        def counting_to(self, *args, **kwargs):  # host-to-device copies of the batch
+            result = original_to(self, *args, **kwargs)
+            if self.device.type == "cpu" and result.device.type == "cuda":
+                copies.append(tuple(self.shape))
+            return result
+
+        torch.Tensor.to = counting_to
+        try:
+            trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        finally:
+            torch.Tensor.to = original_to
+        results[pipeline] = {"losses": record.losses, "devices": placement.devices, "copies": len(copies),
+                             "pipelined": record.pipelined}
+    return results
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_copy_and_distribution_run_on_side_streams_and_match_off() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    (result,) = run_ranks(_fit_cuda, 1, timeout=300)
+    off, on = result["off"], result["sparse_dist"]
+    assert on["devices"] == off["devices"] == {"cuda"}
+    assert on["pipelined"] == {"dlrm.sparse_arch.embedding_bag_collection"}
+    torch.testing.assert_close(torch.tensor(on["losses"]), torch.tensor(off["losses"]), rtol=1e-6, atol=1e-7)
+    assert on["copies"] == off["copies"] > 0  # one copy per batch: Lightning's transfer finds it on the device
