@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_recsys.data.criteo import CriteoConfig, CriteoDataModule, CriteoDataset
-from lightning_recsys.data.criteo_arrow import CriteoArrowDataset, LineIndex, count_chunk_lines, file_chunks
+from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
+from lightning_recsys.data.criteo_ranges import LineIndex, count_chunk_lines, file_chunks
 from lightning_recsys.data.readers import MalformedLineError
 
 
