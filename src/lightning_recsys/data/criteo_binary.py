@@ -330,7 +330,7 @@ def convert_tsv_to_npy(
         )
         try:
             for line_number, data, lines in file_windows(str(in_path), compressed, 0, 1, 0, None, window_bytes):
-                raw = arrow_raw_columns(data, lines)
+                raw = arrow_raw_columns(data, lines, use_threads=True)  # one window at a time: pyarrow's pool parses it
                 if raw is None:
                     labels, integers, values = _python_raw(data, line_number, tally)
                 else:
