@@ -211,12 +211,16 @@ def main(argv: list[str] | None = None) -> int:
         config = args.config or CONFIGS / "movielens_dlrm.yaml"
         result = {"dataset": "movielens-100k", "path": args.path, "split": args.split, "config": str(config)}
         val_fraction = MovieLens100KConfig.val_fraction
+        start = time.perf_counter()
         result["baselines"] = _baselines_movielens(args.path, args.split, val_fraction)
+        result["baselines"]["seconds"] = round(time.perf_counter() - start, 1)
         overrides = ["--data.path", args.path, "--data.split", args.split, *args.override]
     else:
         config_in = args.config or CONFIGS / "criteo_dlrm.yaml"
         result = {"dataset": "criteo-npy", "path": args.criteo_path, "days": [args.train_days, args.val_days, args.test_days]}
+        start = time.perf_counter()
         result["baselines"] = _baselines_criteo(args.criteo_path, args.train_days, args.val_days, args.test_days)
+        result["baselines"]["seconds"] = round(time.perf_counter() - start, 1)
         config = config_in
         result["config"] = f"{config_in} (data: CriteoBinaryDataModule)"
         overrides = [
@@ -248,6 +252,13 @@ def _print(result: dict) -> None:
         rows.insert(0, ("model", m["test"].get("test/auc", math.nan), m["test"].get("test/ne", math.nan),
                         f"{m['epochs_run']} epochs, fit {m['fit_seconds']} s, {m['world_size']} processes"))
     print(f"\n{result['dataset']} ({result['path']}), config {result['config']}")
+    if result["dataset"] == "movielens-100k":
+        sizes = result["baselines"]["ratings"]
+        split = f"split {result['split']}: train {sizes['train']}, val {sizes['val']} (newest of the base file), test {sizes['test']} ratings"
+    else:
+        sizes = result["baselines"]["examples"]
+        split = f"days train/val/test {result['days']}: {sizes['train']} / {sizes['val']} / {sizes['test']} examples"
+    print(f"{split}; baselines fit and scored in {result['baselines']['seconds']} s")
     print(f"{'':<16}{'test AUC':>10}{'test NE':>10}  notes")
     for name, test_auc, test_ne, notes in rows:
         print(f"{name:<16}{test_auc:>10.4f}{test_ne:>10.4f}  {notes}")

@@ -110,6 +110,49 @@ def _time_loader(datamodule, lines: int) -> dict:
     }
 
 
+def profile_stages(path: Path, window_bytes: int) -> dict:
+    """CPU-seconds per 10^6 lines of each stage of the arrow reader's fast path, in one thread, on ``path``.
+
+    The stages run one after another on each window (no overlap), so they add up to one thread's
+    cost of a line; the reader spreads them over ``parse_threads`` threads.
+    """
+    from lightning_recsys.data.criteo_arrow import whole_batches
+    from lightning_recsys.data.criteo_parse import _ALLOWED, _CONVERT_FIXED, Parsed, _fixed_width_columns, _integers, _read, dense_values
+
+    stages = dict.fromkeys(["allowed_bytes_check", "pyarrow_read_csv", "integers_to_numpy", "checks_and_hex_decode",
+                            "modulo_table_size", "dense_log_transform", "batches_to_kjt"], 0.0)
+    sizes = np.full(26, TABLE_ROWS, dtype=np.uint64)
+    total = 0
+    dense_values(np.zeros((1, 13), dtype=np.int64))  # builds its lookup table once
+
+    def timed(name: str, fn, *args):
+        start = time.thread_time()
+        out = fn(*args)
+        stages[name] += time.thread_time() - start
+        return out
+
+    with open(path, "rb") as f:
+        carry = b""
+        while block := f.read(window_bytes):
+            data = carry + block
+            cut = data.rfind(b"\n") + 1
+            data, carry = data[:cut], data[cut:]
+            lines = data.count(b"\n")
+            total += lines
+            assert not timed("allowed_bytes_check", data.translate, None, _ALLOWED)
+            table = timed("pyarrow_read_csv", _read, data, lines, _CONVERT_FIXED, False)
+            timed("integers_to_numpy", _integers, table, lines)  # done again inside the next stage, subtracted there
+            raw = timed("checks_and_hex_decode", _fixed_width_columns, table, lines, data.count(b"-"))
+            ids = timed("modulo_table_size", lambda: (raw.hex_values % sizes[:, None]).view(np.int64))
+            dense = timed("dense_log_transform", dense_values, raw.integers)
+            parsed = Parsed(labels=raw.positive.astype(np.float32), dense=dense, ids=ids, present=raw.present)
+            timed("batches_to_kjt", whole_batches, parsed, 0, lines // GLOBAL_BATCH, GLOBAL_BATCH)
+    stages["checks_and_hex_decode"] -= stages["integers_to_numpy"]
+    per_million = {name: round(seconds / total * 1e6, 3) for name, seconds in stages.items()}
+    per_million["total"] = round(sum(per_million.values()), 3)
+    return {"lines": total, "window_bytes": window_bytes, "cpu_seconds_per_1e6_lines": per_million}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lines", type=int, default=1_000_000, help="lines of the generated file")
@@ -118,6 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--readers", nargs="+", default=["python", "arrow", "arrow_gzip", "npy"])
     parser.add_argument("--dir", type=Path, default=None, help="where to write the files (default: a temporary directory)")
     parser.add_argument("--json", type=Path, default=RESULTS / "readers.json")
+    parser.add_argument("--no-profile", action="store_true", help="skip the per-stage CPU profile of the arrow reader")
     args = parser.parse_args(argv)
 
     from lightning_recsys.data import CriteoBinaryDataModule, CriteoDataModule
@@ -146,6 +190,12 @@ def main(argv: list[str] | None = None) -> dict:
             conversion = {"lines": rows, "seconds": round(seconds, 3), "lines_per_s": round(rows / seconds)}
             print(f"converted to npy: {rows} lines in {seconds:.1f} s ({rows / seconds:,.0f} lines/s)", flush=True)
 
+        profile = None
+        if not args.no_profile:
+            from lightning_recsys.data.criteo_arrow import DEFAULT_WINDOW_BYTES
+
+            profile = profile_stages(tsv, DEFAULT_WINDOW_BYTES)
+            print("arrow reader, CPU-s per 10^6 lines by stage (one thread):", json.dumps(profile["cpu_seconds_per_1e6_lines"]), flush=True)
         sizes = TABLE_ROWS
         runs = []
         for reader in args.readers:
@@ -193,6 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         "table_rows": TABLE_ROWS,
         "terabyte_lines": TERABYTE_LINES,
         "npy_conversion": conversion,
+        "arrow_stage_profile": profile,
         "runs": runs,
         "summary": summary,
     }

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -23,4 +25,7 @@ def test_readers_benchmark_runs_on_a_tiny_file(tmp_path):
     assert runs[("arrow", 0)]["examples"] == runs[("npy", 1)]["examples"] == 4096
     assert runs[("python", 0)]["examples"] == 2048 and runs[("arrow_gzip", 1)]["examples"] == 4096
     assert all(r["lines_per_s"] > 0 and r["terabyte_epoch_hours"] > 0 for r in runs.values())
+    stages = result["arrow_stage_profile"]["cpu_seconds_per_1e6_lines"]
+    assert result["arrow_stage_profile"]["lines"] == 5000 and stages["pyarrow_read_csv"] > 0
+    assert stages["total"] == pytest.approx(sum(v for k, v in stages.items() if k != "total"), abs=0.01)
     assert result["npy_conversion"]["lines"] == 5000 and result["summary"]["arrow_over_python_default"] > 0

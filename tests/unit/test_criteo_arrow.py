@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_recsys.data.criteo import CriteoConfig, CriteoDataModule, CriteoDataset
-from lightning_recsys.data.criteo_arrow import CriteoArrowDataset, LineIndex, count_chunk_lines, file_chunks
+from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
+from lightning_recsys.data.criteo_ranges import LineIndex, count_chunk_lines, file_chunks
 from lightning_recsys.data.readers import MalformedLineError
 
 
@@ -24,9 +25,29 @@ def _line(rng: random.Random, i: int) -> str:
     return "\t".join([str(rng.randrange(2))] + ints + cats)
 
 
-def _lines(n: int, seed: int = 0) -> list[str]:
+def _released_line(rng: random.Random, i: int) -> str:
+    """A line as the released files write them (8-digit hex or empty): pyarrow's fixed-width path reads it."""
+    ints = [str(i)] + [rng.choice(["", "0", "-1", "-3", "7", "0042", str(rng.randrange(10**12))]) for _ in range(12)]
+    cats = [rng.choice(["", f"{rng.randrange(2**32):08x}", f"{rng.randrange(2**32):08X}", "00000000"]) for _ in range(26)]
+    return "\t".join([str(rng.randrange(2))] + ints + cats)
+
+
+def _lines(n: int, seed: int = 0, released: bool = False) -> list[str]:
     rng = random.Random(seed)
-    return [_line(rng, i) for i in range(n)]
+    return [(_released_line if released else _line)(rng, i) for i in range(n)]
+
+
+@pytest.fixture
+def fixed_width_only(monkeypatch):
+    """Fail a test whose valid lines would leave the fixed-width path (the any-width path or the exact one)."""
+    import lightning_recsys.data.criteo_arrow as arrow_module
+    import lightning_recsys.data.criteo_parse as parse_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a window left the fixed-width path")
+
+    monkeypatch.setattr(parse_module, "_any_width_columns", refuse)
+    monkeypatch.setattr(arrow_module, "python_parse", refuse)
 
 
 def _write(path, lines, compress=False, newline_at_end=True) -> str:
@@ -74,6 +95,44 @@ def test_same_batches_as_the_line_by_line_reader(tmp_path, window_bytes, compres
     assert new[7].sparse.values().dtype == torch.int64 and new[7].dense.dtype == torch.float32
 
 
+@pytest.mark.parametrize("parse_threads", [1, 3])
+@pytest.mark.parametrize("compress", [False, True])
+def test_released_layout_takes_the_fixed_width_path_with_the_same_batches(tmp_path, fixed_width_only, compress, parse_threads):
+    lines = _lines(230, seed=1, released=True)
+    first = _write(tmp_path / "a", lines[:101], compress)
+    second = _write(tmp_path / "b", lines[101:], compress, newline_at_end=False)
+    config = _config([first, second])
+    old = list(CriteoDataset(config, "train"))
+    new = list(CriteoArrowDataset(config, "train", window_bytes=1500, parse_threads=parse_threads))
+    assert len(new) == len(old) == 230 // 8 and all(_same(a, b) for a, b in zip(old, new))
+
+
+def test_hex8_words_is_int_base_16():
+    import numpy as np
+
+    from lightning_recsys.data.criteo_parse import hex8_words
+
+    rng = random.Random(3)
+    texts = ["00000000", "ffffffff", "FFFFFFFF", "0000000a", "A0000000", "12345678", "9abcdefA", "deadBEEF"]
+    texts += [f"{rng.randrange(2**32):08{rng.choice('xX')}}" for _ in range(500)]
+    words = np.frombuffer("".join(texts).encode(), dtype="<u8").copy()
+    words[3] = 0  # a missing value: pyarrow's zero-filled slot
+    out, scratch = np.empty_like(words), np.empty_like(words)
+    hex8_words(words, out, scratch)
+    assert out.tolist() == [0 if i == 3 else int(t, 16) for i, t in enumerate(texts)]
+
+
+def test_a_negative_zero_or_dash_in_a_categorical_leaves_the_fixed_width_path_correctly(tmp_path):
+    """The fixed-width path's hex check counts "-" signs; "-0" (no sign in the value) must not fool it."""
+    lines = _lines(40, seed=2, released=True)
+    fields = lines[9].split("\t")
+    fields[3] = "-0"
+    lines[9] = "\t".join(fields)
+    config = _config([_write(tmp_path / "z.tsv", lines)])
+    old, new = list(CriteoDataset(config, "train")), list(CriteoArrowDataset(config, "train", window_bytes=4000))
+    assert len(new) == len(old) == 5 and all(_same(a, b) for a, b in zip(old, new))
+
+
 def test_values_outside_the_fast_path_still_match(tmp_path):
     """Hex longer than 16 digits, integers past int64, CRLF line ends: the exact path reads them the same."""
     lines = _lines(24)
@@ -110,6 +169,10 @@ _BAD = [
     _GOOD + "\t",  # 41 fields
     "",  # an empty line
     '"1"' + _GOOD[1:],  # quotes are not special
+    _GOOD.replace("\t5\t", "\t1e3\t", 1),  # hex letters in an integer
+    _GOOD.replace("0000000a", "000000-a", 1),  # 8 bytes with a dash: the fixed-width path's count check
+    _GOOD.replace("0000000a", "0000000g", 1),
+    _GOOD.replace("0000000a", "-", 1),
 ]
 
 
@@ -125,6 +188,28 @@ def test_malformed_line_error_is_the_line_by_line_readers(tmp_path, bad, compres
         list(CriteoArrowDataset(config, "train", window_bytes=700))
     assert str(new.value) == str(old.value)
     assert new.value.line_number == 31 and new.value.path == path
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_malformed_line_is_reported_by_the_rank_and_worker_that_parse_it(tmp_path, num_workers):
+    lines = _lines(96, seed=4, released=True)
+    lines[70] = _BAD[1]  # rank 1's range is lines 48..95 (0-based), its batch 5 of 6
+    plain = _write(tmp_path / "day_1.tsv", lines[:60])
+    packed = _write(tmp_path / "day_2.gz", lines[60:], compress=True)
+    config = _config([plain, packed], global_batch_size=8)
+    index = LineIndex.build([plain, packed], chunk_bytes=1000)
+    rank0 = CriteoArrowDataset(config, "train", 0, 2, line_index=index, window_bytes=900)
+    assert len(list(DataLoader(rank0, batch_size=None, num_workers=num_workers))) == 12
+    rank1 = CriteoArrowDataset(config, "train", 1, 2, line_index=index, window_bytes=900, parse_threads=3)
+    got = []
+    with pytest.raises(MalformedLineError, match=r"day_2.gz, line 11: label '2' \(field 1\) is not 0 or 1") as error:
+        for batch in DataLoader(rank1, batch_size=None, num_workers=num_workers):
+            got.append(batch)
+    if num_workers == 0:
+        assert error.value.line_number == 11 and error.value.path == packed
+        # The batches before the bad line's window came out first, in order (parse threads keep it).
+        expected = [list(range(48 + 4 * k, 52 + 4 * k)) for k in range(5)]
+        assert 3 <= len(got) <= 5 and [_first_ints(b) for b in got] == expected[: len(got)]
 
 
 def test_skip_counts_and_logs_like_the_line_by_line_reader_with_line_aligned_batches(tmp_path, caplog):
@@ -152,9 +237,10 @@ def _examples(batches) -> list[int]:
     return sum((_first_ints(b) for b in batches), [])
 
 
+@pytest.mark.parametrize("released", [False, True])
 @pytest.mark.parametrize(("world_size", "num_workers"), [(1, 2), (2, 0), (2, 2), (3, 0), (4, 3)])
-def test_ranks_and_workers_cover_every_example_once(tmp_path, world_size, num_workers):
-    lines = _lines(301)
+def test_ranks_and_workers_cover_every_example_once(tmp_path, world_size, num_workers, released):
+    lines = _lines(301, released=released)
     paths = [
         _write(tmp_path / "a.tsv", lines[:100]),
         _write(tmp_path / "b.gz", lines[100:170], compress=True),

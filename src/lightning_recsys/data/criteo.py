@@ -37,7 +37,7 @@ from lightning_recsys.data.readers import (
 )
 
 if TYPE_CHECKING:
-    from lightning_recsys.data.criteo_arrow import LineIndex
+    from lightning_recsys.data.criteo_ranges import LineIndex
 
 CriteoReader = Literal["arrow", "python"]
 CRITEO_READERS: tuple[str, ...] = ("arrow", "python")
@@ -259,7 +259,7 @@ class CriteoDataModule(CriteoFeatures, RankSlicedDataModule):
     def line_index(self, split: Split, rank: int = 0, world_size: int = 1) -> LineIndex:
         """The split's line counts, counted once; with a process group each rank counts 1/world of the chunks."""
         if split not in self._line_indexes:
-            from lightning_recsys.data.criteo_arrow import LineIndex, count_chunk_lines, file_chunks
+            from lightning_recsys.data.criteo_ranges import LineIndex, count_chunk_lines, file_chunks
 
             chunks = file_chunks(self.config.split_paths(split))
             strategy = getattr(self.trainer, "strategy", None)

@@ -313,7 +313,8 @@ def convert_tsv_to_npy(
     """
     from tqdm import tqdm
 
-    from lightning_recsys.data.criteo_arrow import _file_windows, arrow_raw_columns, is_gzip
+    from lightning_recsys.data.criteo_parse import arrow_raw_columns
+    from lightning_recsys.data.criteo_ranges import file_windows, is_gzip
 
     check_on_bad_line(on_bad_line)
     os.makedirs(out_dir, exist_ok=True)
@@ -328,8 +329,8 @@ def convert_tsv_to_npy(
             desc=f"{Path(in_path).name} -> day_{day}", file=sys.stderr,
         )
         try:
-            for line_number, data, lines in _file_windows(str(in_path), compressed, 0, 1, 0, None, window_bytes):
-                raw = arrow_raw_columns(data, lines)
+            for line_number, data, lines in file_windows(str(in_path), compressed, 0, 1, 0, None, window_bytes):
+                raw = arrow_raw_columns(data, lines, use_threads=True)  # one window at a time: pyarrow's pool parses it
                 if raw is None:
                     labels, integers, values = _python_raw(data, line_number, tally)
                 else:
