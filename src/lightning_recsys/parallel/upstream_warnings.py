@@ -54,6 +54,8 @@ KNOWN_LOG_MESSAGES: tuple[tuple[str, str, str], ...] = (
      "torchrec/distributed/planner/storage_reservations.py"),
     # data-parallel tables have no sharding spec; logged on the root logger by the plan validation
     ("", "Sharding spec not found for ", "torchrec/distributed/planner/planners.py"),
+    # the sparse-dist pipeline's fx trace (TorchRec's _rewrite_model) reaches torch's is_fx_tracing notice
+    ("torch.fx._symbolic_trace", "is_fx_tracing will return true", "torch/fx/_symbolic_trace.py"),
 )
 
 _installed = False
