@@ -235,11 +235,12 @@ class SparseDistPipeline:
         context.fused_splits_awaitables.clear()
         context.splits_waited = True
 
-    def _unexpected_input(self, module_name: str) -> None:
-        self._disable(
-            f"sharded module {module_name!r} was called with other inputs than the batch's own tensors that TorchRec "
-            "traced (its input is changed between the dataloader and the module, e.g. in training_step or a "
-            "batch-transfer hook); it ran unpipelined, and so will every module from now on"
+    @staticmethod
+    def unexpected_input_message(module_name: str) -> str:
+        return (
+            f"TwoDRecStrategy(pipeline='sparse_dist'): sharded module {module_name!r} was called with other inputs "
+            "than the batch's own tensors whose distribution started (its input is changed between the dataloader "
+            "and the module, e.g. in training_step or a batch-transfer hook). Use pipeline='off' for this model."
         )
 
     def _disable(self, reason: str) -> None:
@@ -275,9 +276,11 @@ class _CheckedForward(PipelinedForward):
         if expected is not None:
             request = context.input_dist_tensors_requests.pop(self._name, None)
             if request is not None:
-                request.wait()  # every rank started it; finish it, then run the module as if unpipelined
+                request.wait()  # every rank started it; finish it before failing
             context.module_contexts.pop(self._name, None)
-            self._pipeline._unexpected_input(self._name)
+            # The original forward cannot run here: TorchRec's pipeline replaced the input dist's
+            # KJTAllToAll forwards (_override_input_dist_forwards) for every module at once.
+            raise RuntimeError(self._pipeline.unexpected_input_message(self._name))
         return self._original(*inputs, **kwargs)
 
 

@@ -91,10 +91,12 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         planning: how the sharding plan is made, a ``PlanningConfig`` (default: TorchRec's planner,
             every sharding type that runs on the device).
         guard: the per-step input and non-finite checks, a ``GuardConfig``.
-        pipeline: ``"sparse_dist"`` (default): each training and evaluation batch's sparse input
+        pipeline: ``"off"`` (default): the sparse input distribution runs inside the step.
+            ``"sparse_dist"`` (opt-in): each training and evaluation batch's sparse input
             distribution (on CUDA also its host-to-device copy) starts during the step before it,
-            as in TorchRec's ``TrainPipelineSparseDist``; same results as ``"off"`` (inside the step).
-            A model the pipeline cannot serve falls back to ``"off"`` with one warning.
+            as in TorchRec's ``TrainPipelineSparseDist``; same results as ``"off"``. A model it cannot
+            trace falls back to ``"off"`` with one warning; a module whose input changes between
+            the dataloader and the module raises.
         process_group_backend: ``gloo`` or ``nccl``; default: nccl on CUDA, gloo on CPU.
         process_group_timeout: seconds a collective may wait before the job fails (default 1800,
             which leaves room for planning large models).
@@ -112,7 +114,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         embedding_optimizer: Optional[EmbeddingOptimizerConfig] = None,
         planning: Optional[PlanningConfig] = None,
         guard: Optional[GuardConfig] = None,
-        pipeline: PipelineMode = "sparse_dist",
+        pipeline: PipelineMode = "off",
         process_group_backend: Optional[str] = None,
         process_group_timeout: float = 1800.0,
         accelerator: Optional[Accelerator] = None,
