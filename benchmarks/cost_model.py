@@ -46,11 +46,11 @@ from lightning_recsys.parallel.layout_advice import (
     compute_for_scaling,
     project,
 )
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.traffic_model import (
     Feature,
     Layout,
     ModelShape,
-    SyncMode,
     expected_distinct,
     overlapped_purposes,
     workload_traffic,
@@ -130,7 +130,7 @@ def measured_shape(data: dict[str, Any], entry: dict[str, Any], tables: list[str
 def layout_of(entry: dict[str, Any], world: int) -> Layout:
     forward, backward = QCOMMS_PRECISIONS[entry["qcomms"]]
     group = entry["sharding_group_size"] if entry["sharding_group_size"] < world else None
-    sync = SyncMode(rows=entry.get("sync_rows", "all"), every_n_steps=entry["sync_every_n_steps"],
+    sync = ReplicaSyncConfig(rows=entry.get("sync_rows", "all"), every_n_steps=entry["sync_every_n_steps"],
                     overlap=entry.get("sync_overlap", False), precision=entry.get("sync_precision", "fp32"))  # fmt: skip
     return Layout(sharding_group_size=group, layout=entry["layout"], forward=forward, backward=backward, sync=sync)
 

@@ -5,11 +5,11 @@ import torch
 
 from lightning_recsys.parallel.cost_model import Cluster, Link, topology_for
 from lightning_recsys.parallel.layout_advice import Hardware, parse_cluster, recommend, shape_from_tables
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.traffic_model import (
     Feature,
     Layout,
     ModelShape,
-    SyncMode,
     expected_distinct,
     hot_row_share,
     overlapped_purposes,
@@ -88,18 +88,18 @@ def test_touched_sync_bytes_by_hand():
     f = Feature(name="t", tables=2, rows=1000, dim=16, ids_per_example=1, touched_fraction=0.1)
     shape = ModelShape(name="x", batch_per_rank=8, features=(f,), dense_param_bytes=0, optimizer_state_per_row=1)
     two_d = topology_for(EMULATED, 2)
-    sync = SyncMode(rows="touched", every_n_steps=4)
+    sync = ReplicaSyncConfig(rows="touched", every_n_steps=4)
     t = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=sync), two_d))
     rows_per_rank = 2 * 100 / 2
     assert t[("replica_sync", "all_reduce")].payload_bytes == pytest.approx((rows_per_rank * 17 * 4 + 8) / 4)
     assert t[("replica_sync", "all_reduce")].calls == pytest.approx(0.5)  # the count and the rows, every 4 steps
     # The union agreement: 100 ids x 4 bytes per rank against a 1000-bit mask (125 bytes): the mask wins.
     assert t[("replica_sync", "all_gather")].payload_bytes == pytest.approx(1000 / 8 / 4)
-    bf16 = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=SyncMode(every_n_steps=4, precision="bf16")), two_d))
+    bf16 = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=ReplicaSyncConfig(every_n_steps=4, precision="bf16")), two_d))
     assert bf16[("replica_sync", "all_reduce")].payload_bytes == pytest.approx((rows_per_rank * 17 * 2 + 8) / 4)
-    whole = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=SyncMode(rows="all", every_n_steps=4)), two_d))
+    whole = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=ReplicaSyncConfig(rows="all", every_n_steps=4)), two_d))
     assert whole[("replica_sync", "all_reduce")].payload_bytes == pytest.approx(2 * 1000 * 17 * 4 / 2 / 4)
-    assert overlapped_purposes(Layout(sharding_group_size=2, sync=SyncMode(overlap=True))) == ("dense_grads", "replica_sync")
+    assert overlapped_purposes(Layout(sharding_group_size=2, sync=ReplicaSyncConfig(overlap=True))) == ("dense_grads", "replica_sync")
     assert overlapped_purposes(Layout()) == ("dense_grads",)
 
 

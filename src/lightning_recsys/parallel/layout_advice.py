@@ -22,7 +22,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from lightning_recsys.parallel.cost_model import Cluster, Link, StepEstimate, step_time, topology_for
-from lightning_recsys.parallel.traffic_model import Feature, Layout, ModelShape, SyncMode, overlapped_purposes, workload_traffic
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.traffic_model import Feature, Layout, ModelShape, overlapped_purposes, workload_traffic
 
 MODEL_TOLERANCE = 0.25  # the cost model's validated error on the emulated cluster
 TARGET_SCALING = 7.5
@@ -72,10 +73,10 @@ def candidate_layouts(intervals: Iterable[int] = INTERVALS) -> list[Layout]:
     """1D at three all-to-all precisions; 2D all-to-all optimized with every sync mode and interval."""
     out = [Layout(), Layout(forward="bf16", backward="bf16"), Layout(forward="fp8", backward="bf16")]
     for k in intervals:
-        out.append(Layout(sharding_group_size=0, sync=SyncMode(rows="all", every_n_steps=k)))
+        out.append(Layout(sharding_group_size=0, sync=ReplicaSyncConfig(rows="all", every_n_steps=k)))
         for overlap in (False, True):
             for precision in ("fp32", "bf16"):
-                out.append(Layout(sharding_group_size=0, sync=SyncMode(rows="touched", every_n_steps=k, overlap=overlap, precision=precision)))  # type: ignore[arg-type]
+                out.append(Layout(sharding_group_size=0, sync=ReplicaSyncConfig(rows="touched", every_n_steps=k, overlap=overlap, precision=precision)))  # type: ignore[arg-type]
     return out  # sharding_group_size=0 stands for "one group per node", resolved per cluster
 
 

@@ -54,3 +54,12 @@ class ReplicaSyncConfig:
                 f"ReplicaSyncConfig.precision={self.precision!r} needs rows='touched' (got rows={self.rows!r}): the deltas are "
                 "taken against each touched row's value at the last sync, kept only for touched rows."
             )
+
+    def describe(self) -> str:
+        """A short label, e.g. ``touched rows, every 4, overlapped, bf16 deltas``."""
+        parts = [f"{self.rows} rows", f"every {self.every_n_steps}"]
+        if self.overlap:
+            parts.append("overlapped")
+        if self.precision != "fp32":
+            parts.append(f"{self.precision} deltas")
+        return ", ".join(parts)

@@ -45,9 +45,9 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Literal
 
 from lightning_recsys.parallel.cost_model import Collective, row_bytes
+from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.topology import LAYOUTS, ParallelTopology
 
 _HEAD = 4096  # rows summed exactly
@@ -191,33 +191,6 @@ class ModelShape:
 
 
 @dataclass(frozen=True, kw_only=True)
-class SyncMode:
-    """The replica sync as the model sees it (the fields of ``ReplicaSyncConfig`` that set its cost)."""
-
-    rows: Literal["touched", "all"] = "touched"
-    every_n_steps: int = 1
-    overlap: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
-    optimizer_state: bool = True
-
-    def __post_init__(self) -> None:
-        if self.rows not in ("touched", "all"):
-            raise ValueError(f"SyncMode.rows={self.rows!r} must be 'touched' or 'all'.")
-        if self.every_n_steps < 1:
-            raise ValueError(f"SyncMode.every_n_steps={self.every_n_steps} must be >= 1.")
-        if self.precision not in SYNC_VALUE_BYTES:
-            raise ValueError(f"SyncMode.precision={self.precision!r} must be one of {list(SYNC_VALUE_BYTES)}.")
-
-    def describe(self) -> str:
-        parts = [f"{self.rows} rows", f"every {self.every_n_steps}"]
-        if self.overlap:
-            parts.append("overlapped")
-        if self.precision != "fp32":
-            parts.append(f"{self.precision} deltas")
-        return ", ".join(parts)
-
-
-@dataclass(frozen=True, kw_only=True)
 class Layout:
     """1D (``sharding_group_size=None``) or 2D; QComms precisions of the embedding all-to-all; the sync."""
 
@@ -225,7 +198,7 @@ class Layout:
     layout: str = "all_to_all_optimized"
     forward: str = "fp32"
     backward: str = "fp32"
-    sync: SyncMode = field(default_factory=SyncMode)
+    sync: ReplicaSyncConfig = field(default_factory=ReplicaSyncConfig)
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
@@ -269,7 +242,7 @@ def workload_traffic(shape: ModelShape, layout: Layout, topology: ParallelTopolo
     return out
 
 
-def replica_sync_traffic(shape: ModelShape, sync: SyncMode, topology: ParallelTopology) -> list[Collective]:
+def replica_sync_traffic(shape: ModelShape, sync: ReplicaSyncConfig, topology: ParallelTopology) -> list[Collective]:
     """The replica sync's collectives per rank and step (amortized over ``every_n_steps``)."""
     k, g = sync.every_n_steps, topology.sharding_group_size
     state = shape.optimizer_state_per_row if sync.optimizer_state else 0.0
