@@ -21,7 +21,7 @@ from torchrec import KeyedJaggedTensor
 from lightning_recsys import TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, slice_batch
 from lightning_recsys.parallel.input_guard import InputValidator
-from lightning_recsys.strategies import twod_rec
+from lightning_recsys.strategies import sharding as strategy_sharding
 
 PG_TIMEOUT = 20
 
@@ -117,7 +117,7 @@ def _loader_raises_on_rank_1(r: int, i: int, batch: RecBatch) -> RecBatch:
 
 def _guarded_fit(rank: int, world_size: int, case: str) -> None:
     if case == "check raises":
-        twod_rec.InputValidator = _CheckRaisesOnRank1  # the strategy builds its validator from this name
+        strategy_sharding.InputValidator = _CheckRaisesOnRank1  # the strategy builds its validator from this name
     edit = {"duplicate keys": _duplicate_keys_on_rank_1, "loader raises": _loader_raises_on_rank_1}.get(case, lambda r, i, b: b)
     # validate_inputs="warn" would go on after an out-of-range id, but not after these.
     strategy = sgd_strategy(sharding_types=["table_wise"], process_group_timeout=PG_TIMEOUT, validate_inputs="warn")
