@@ -23,7 +23,7 @@ from multiprocess import run_ranks
 from oracle import CONFIG, make_model, shards_of
 from test_replica_sync_integration import PER_NODE, WORLD, batch, build
 
-from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
+from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogDataModule
 
 pytestmark = pytest.mark.slow
@@ -142,7 +142,7 @@ class _Losses(Callback):
 
 def _strategy(sync: ReplicaSyncConfig, **kwargs) -> TwoDRecStrategy:
     return TwoDRecStrategy(
-        embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1), sharding_types=["row_wise", "table_wise"],
+        embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1), planning=PlanningConfig(sharding_types=["row_wise", "table_wise"]),
         sharding_group_size=PER_NODE, replica_sync=sync, **kwargs,
     )
 
