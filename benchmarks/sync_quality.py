@@ -107,7 +107,7 @@ def _train_one(rank: int, name: str, every: int, data: dict[str, Any], batches: 
     config = EmbeddingOptimizerConfig(name=args.embedding_optimizer, lr=args.embedding_lr)
     sharders = make_sharders(config.fused_params(), [args.sharding_type])
     constraints = {f"t_{f}": TableConstraints(sharding_types=[args.sharding_type]) for f in data["feature_names"]}
-    plan = make_sharding_plan(model, sharders, sharding_group_size=group_size, local_world_size=group_size, compute_device="cpu",
+    plan = make_sharding_plan(model, sharders, sharding_group_size=group_size, group_ranks_per_node=group_size, compute_device="cpu",
                               constraints=constraints)
     sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=plan)
     dense = torch.optim.Adagrad([p for p in sharded.dmp.parameters() if not sharded.is_embedding_param(p)], lr=args.dense_lr)
