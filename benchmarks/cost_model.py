@@ -49,8 +49,8 @@ from lightning_recsys.parallel.layout_advice import (
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.traffic_model import (
     Feature,
-    Layout,
     ModelShape,
+    StrategyChoice,
     expected_distinct,
     overlapped_purposes,
     workload_traffic,
@@ -127,12 +127,12 @@ def measured_shape(data: dict[str, Any], entry: dict[str, Any], tables: list[str
                       dense_param_bytes=dense, optimizer_state_per_row=0.0)  # fmt: skip
 
 
-def layout_of(entry: dict[str, Any], world: int) -> Layout:
+def layout_of(entry: dict[str, Any], world: int) -> StrategyChoice:
     forward, backward = QCOMMS_PRECISIONS[entry["qcomms"]]
     group = entry["sharding_group_size"] if entry["sharding_group_size"] < world else None
     sync = ReplicaSyncConfig(rows=entry.get("sync_rows", "all"), every_n_steps=entry["sync_every_n_steps"],
                     overlap=entry.get("sync_overlap", False), precision=entry.get("sync_precision", "fp32"))  # fmt: skip
-    return Layout(sharding_group_size=group, layout=entry["layout"], forward=forward, backward=backward, sync=sync)
+    return StrategyChoice(sharding_group_size=group, layout=entry["layout"], forward=forward, backward=backward, sync=sync)
 
 
 def bytes_check(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -232,7 +232,7 @@ def project_workload(shape: ModelShape, hardware: Hardware, max_interval: int) -
 
 def fit_today_compute(shape: ModelShape, hardware: Hardware) -> float:
     """The compute time at which 1D FP32 scales 1.21x on 4 nodes (the published 'before' point)."""
-    fitted = compute_for_scaling(shape, Layout(), hardware, 4, PUBLISHED["before"][4], [Layout()])
+    fitted = compute_for_scaling(shape, StrategyChoice(), hardware, 4, PUBLISHED["before"][4], [StrategyChoice()])
     if fitted is None:
         raise ValueError("no compute time <= 10 s gives 1D FP32 1.21x on 4 nodes for today's workload")
     return fitted

@@ -8,8 +8,8 @@ from lightning_recsys.parallel.layout_advice import Hardware, parse_cluster, rec
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.traffic_model import (
     Feature,
-    Layout,
     ModelShape,
+    StrategyChoice,
     expected_distinct,
     hot_row_share,
     overlapped_purposes,
@@ -76,7 +76,7 @@ def test_pooled_and_sequence_all_to_all_bytes_by_hand():
     one_d = topology_for(EMULATED, None)
     for feature, vectors in ((pooled, 1), (seq, 4)):
         shape = ModelShape(name="x", batch_per_rank=10, features=(feature,), dense_param_bytes=100)
-        t = _by_purpose(workload_traffic(shape, Layout(), one_d))
+        t = _by_purpose(workload_traffic(shape, StrategyChoice(), one_d))
         assert t[("embeddings", "all_to_all")].payload_bytes == 10 * vectors * 16 * 4 * 2  # forward + backward, fp32
         assert t[("sparse_ids", "all_to_all")].payload_bytes == 10 * (4 * 8 + 8)
         assert t[("dense_grads", "all_reduce")].payload_bytes == 100
@@ -89,25 +89,25 @@ def test_touched_sync_bytes_by_hand():
     shape = ModelShape(name="x", batch_per_rank=8, features=(f,), dense_param_bytes=0, optimizer_state_per_row=1)
     two_d = topology_for(EMULATED, 2)
     sync = ReplicaSyncConfig(rows="touched", every_n_steps=4)
-    t = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=sync), two_d))
+    t = _by_purpose(workload_traffic(shape, StrategyChoice(sharding_group_size=2, sync=sync), two_d))
     rows_per_rank = 2 * 100 / 2
     assert t[("replica_sync", "all_reduce")].payload_bytes == pytest.approx((rows_per_rank * 17 * 4 + 8) / 4)
     assert t[("replica_sync", "all_reduce")].calls == pytest.approx(0.5)  # the count and the rows, every 4 steps
     # The union agreement: 100 ids x 4 bytes per rank against a 1000-bit mask (125 bytes): the mask wins.
     assert t[("replica_sync", "all_gather")].payload_bytes == pytest.approx(1000 / 8 / 4)
-    bf16 = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=ReplicaSyncConfig(every_n_steps=4, precision="bf16")), two_d))
+    bf16 = _by_purpose(workload_traffic(shape, StrategyChoice(sharding_group_size=2, sync=ReplicaSyncConfig(every_n_steps=4, precision="bf16")), two_d))
     assert bf16[("replica_sync", "all_reduce")].payload_bytes == pytest.approx((rows_per_rank * 17 * 2 + 8) / 4)
-    whole = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2, sync=ReplicaSyncConfig(rows="all", every_n_steps=4)), two_d))
+    whole = _by_purpose(workload_traffic(shape, StrategyChoice(sharding_group_size=2, sync=ReplicaSyncConfig(rows="all", every_n_steps=4)), two_d))
     assert whole[("replica_sync", "all_reduce")].payload_bytes == pytest.approx(2 * 1000 * 17 * 4 / 2 / 4)
-    assert overlapped_purposes(Layout(sharding_group_size=2, sync=ReplicaSyncConfig(overlap=True))) == ("dense_grads", "replica_sync")
-    assert overlapped_purposes(Layout()) == ("dense_grads",)
+    assert overlapped_purposes(StrategyChoice(sharding_group_size=2, sync=ReplicaSyncConfig(overlap=True))) == ("dense_grads", "replica_sync")
+    assert overlapped_purposes(StrategyChoice()) == ("dense_grads",)
 
 
 def test_touched_sync_union_comes_from_the_whole_worlds_examples():
     # Without a stated fraction: the union over the replica group is the Zipf union of every rank's ids.
     f = Feature(name="t", rows=10**6, dim=16, ids_per_example=2)
     shape = ModelShape(name="x", batch_per_rank=1024, features=(f,), dense_param_bytes=0, optimizer_state_per_row=0)
-    t = _by_purpose(workload_traffic(shape, Layout(sharding_group_size=2), topology_for(EMULATED, 2)))
+    t = _by_purpose(workload_traffic(shape, StrategyChoice(sharding_group_size=2), topology_for(EMULATED, 2)))
     union = expected_distinct(10**6, 1024 * 4 * 2, 1.05)
     assert t[("replica_sync", "all_reduce")].payload_bytes == pytest.approx(union * 16 * 4 / 2 + 8)
 

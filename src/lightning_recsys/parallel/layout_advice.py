@@ -1,7 +1,7 @@
 """Which layout to train with: the cost model's projection of every candidate, the best one, and how sure it is.
 
 Trainer-free (no Lightning imports). For a ``ModelShape`` (``traffic_model``) on ``nodes`` nodes of
-``Hardware``, every candidate ``Layout`` (1D with FP32 / BF16 / FP8 all-to-all; 2D all-to-all
+``Hardware``, every candidate ``StrategyChoice`` (1D with FP32 / BF16 / FP8 all-to-all; 2D all-to-all
 optimized with touched-row or whole-shard sync every 1-16 steps, blocking or overlapped, fp32 or
 bf16 deltas) gets a step time from ``cost_model.step_time``. Scaling is weak scaling against **one**
 common baseline, the fastest one-node step of any candidate (on one node 2D is 1D: the sharding
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 from lightning_recsys.parallel.cost_model import Cluster, Link, StepEstimate, step_time, topology_for
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.traffic_model import Feature, Layout, ModelShape, overlapped_purposes, workload_traffic
+from lightning_recsys.parallel.traffic_model import Feature, ModelShape, StrategyChoice, overlapped_purposes, workload_traffic
 
 MODEL_TOLERANCE = 0.25  # the cost model's validated error on the emulated cluster
 TARGET_SCALING = 7.5
@@ -69,20 +69,20 @@ def parse_cluster(text: str) -> tuple[int, int, float | None]:
     return n, g, bandwidth
 
 
-def candidate_layouts(intervals: Iterable[int] = INTERVALS) -> list[Layout]:
+def candidate_layouts(intervals: Iterable[int] = INTERVALS) -> list[StrategyChoice]:
     """1D at three all-to-all precisions; 2D all-to-all optimized with every sync mode and interval."""
-    out = [Layout(), Layout(forward="bf16", backward="bf16"), Layout(forward="fp8", backward="bf16")]
+    out = [StrategyChoice(), StrategyChoice(forward="bf16", backward="bf16"), StrategyChoice(forward="fp8", backward="bf16")]
     for k in intervals:
-        out.append(Layout(sharding_group_size=0, sync=ReplicaSyncConfig(rows="all", every_n_steps=k)))
+        out.append(StrategyChoice(sharding_group_size=0, sync=ReplicaSyncConfig(rows="all", every_n_steps=k)))
         for overlap in (False, True):
             for precision in ("fp32", "bf16"):
-                out.append(Layout(sharding_group_size=0, sync=ReplicaSyncConfig(rows="touched", every_n_steps=k, overlap=overlap, precision=precision)))  # type: ignore[arg-type]
+                out.append(StrategyChoice(sharding_group_size=0, sync=ReplicaSyncConfig(rows="touched", every_n_steps=k, overlap=overlap, precision=precision)))  # type: ignore[arg-type]
     return out  # sharding_group_size=0 stands for "one group per node", resolved per cluster
 
 
 @dataclass(frozen=True)
 class Projection:
-    layout: Layout
+    layout: StrategyChoice
     nodes: int
     step_s: float
     baseline_step_s: float  # the fastest one-node step of any candidate
@@ -93,7 +93,7 @@ class Projection:
         return self.nodes * self.baseline_step_s / self.step_s
 
 
-def _estimate(shape: ModelShape, layout: Layout, hardware: Hardware, nodes: int, compute_s: float) -> StepEstimate:
+def _estimate(shape: ModelShape, layout: StrategyChoice, hardware: Hardware, nodes: int, compute_s: float) -> StepEstimate:
     cluster = hardware.cluster(nodes)
     two_d = layout.is_2d and nodes > 1  # one node: the sharding group is the node, i.e. 1D
     topology = topology_for(cluster, hardware.gpus_per_node if two_d else None, layout.layout)
@@ -109,19 +109,19 @@ def _compute(shape: ModelShape, compute_s: float | None) -> float:
     return value
 
 
-def baseline_step(shape: ModelShape, layouts: Sequence[Layout], hardware: Hardware, compute_s: float) -> float:
+def baseline_step(shape: ModelShape, layouts: Sequence[StrategyChoice], hardware: Hardware, compute_s: float) -> float:
     """The fastest one-node step of any of ``layouts``: the one baseline scaling is measured against."""
     return min(_estimate(shape, layout, hardware, 1, compute_s).step_s for layout in layouts)
 
 
 def project(
     shape: ModelShape,
-    layouts: Sequence[Layout],
+    layouts: Sequence[StrategyChoice],
     hardware: Hardware,
     nodes: int,
     compute_s: float | None = None,
     *,
-    baseline_layouts: Sequence[Layout] | None = None,
+    baseline_layouts: Sequence[StrategyChoice] | None = None,
 ) -> list[Projection]:
     """Every layout's step and scaling on ``nodes`` nodes, best first; the baseline is the fastest one-node
     step of ``baseline_layouts`` (default: ``layouts``)."""
@@ -131,7 +131,7 @@ def project(
     return sorted(out, key=lambda p: (p.step_s, _complexity(p.layout)))
 
 
-def _complexity(layout: Layout) -> tuple[int, ...]:
+def _complexity(layout: StrategyChoice) -> tuple[int, ...]:
     """Among equal steps prefer the simpler setting: 1D, then fewer features on, then the shorter interval."""
     if not layout.is_2d:
         return (0, layout.forward != "fp32")
@@ -140,7 +140,7 @@ def _complexity(layout: Layout) -> tuple[int, ...]:
 
 
 def compute_for_scaling(
-    shape: ModelShape, layout: Layout, hardware: Hardware, nodes: int, target: float, layouts: Sequence[Layout]
+    shape: ModelShape, layout: StrategyChoice, hardware: Hardware, nodes: int, target: float, layouts: Sequence[StrategyChoice]
 ) -> float | None:
     """The compute time per step at which ``layout`` reaches ``target`` scaling (None: not below 10 s)."""
     def scaling(c: float) -> float:

@@ -191,7 +191,7 @@ class ModelShape:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
+class StrategyChoice:
     """1D (``sharding_group_size=None``) or 2D; QComms precisions of the embedding all-to-all; the sync."""
 
     sharding_group_size: int | None = None
@@ -202,7 +202,7 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
-            raise ValueError(f"Layout.layout={self.layout!r} is not one of {list(LAYOUTS)}.")
+            raise ValueError(f"StrategyChoice.layout={self.layout!r} is not one of {list(LAYOUTS)}.")
         row_bytes(1, self.forward), row_bytes(1, self.backward)  # validates both
 
     @property
@@ -224,7 +224,7 @@ def sync_rows_per_rank(shape: ModelShape, topology: ParallelTopology, every_n_st
     return sum(f.tables * f.distinct(draws_per_id * f.ids_per_example) for f in shape.features) / topology.sharding_group_size
 
 
-def workload_traffic(shape: ModelShape, layout: Layout, topology: ParallelTopology) -> list[Collective]:
+def workload_traffic(shape: ModelShape, layout: StrategyChoice, topology: ParallelTopology) -> list[Collective]:
     """Per-rank, per-step collectives of ``shape`` trained with ``layout`` on ``topology`` (module docstring)."""
     if layout.is_2d == topology.is_1d:
         raise ValueError(f"layout {layout.describe()!r} does not match the topology (1D: {topology.is_1d}).")
@@ -262,7 +262,7 @@ def replica_sync_traffic(shape: ModelShape, sync: ReplicaSyncConfig, topology: P
     ]
 
 
-def overlapped_purposes(layout: Layout, *, dense_grads: bool = True) -> tuple[str, ...]:
+def overlapped_purposes(layout: StrategyChoice, *, dense_grads: bool = True) -> tuple[str, ...]:
     """Purposes hidden behind compute: DDP's all-reduce (GPUs overlap it with backward), an overlapped sync."""
     out = ("dense_grads",) if dense_grads else ()
     if layout.is_2d and layout.sync.overlap:
