@@ -25,7 +25,7 @@ from __future__ import annotations
 import functools
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,32 +56,27 @@ BATCH_HANDSHAKE = "batch_handshake"  # the purpose input_guard's per-batch all_g
 
 
 @contextmanager
-def comm_purpose(name: str) -> Iterator[None]:
-    """File the collectives issued inside this block (on this thread) under ``name``."""
-    previous = getattr(_LABEL, "purpose", None)
-    _LABEL.purpose = name
+def _labelled(attribute: str, value: object) -> Iterator[None]:
+    previous = getattr(_LABEL, attribute, None)
+    setattr(_LABEL, attribute, value)
     try:
         yield
     finally:
-        _LABEL.purpose = previous
+        setattr(_LABEL, attribute, previous)
 
 
-@contextmanager
-def comm_for_batch(token: object | None) -> Iterator[None]:
+def comm_purpose(name: str) -> AbstractContextManager[None]:
+    """File the collectives issued inside this block (on this thread) under ``name``."""
+    return _labelled("purpose", name)
+
+
+def comm_for_batch(token: object | None) -> AbstractContextManager[None]:
     """File the collectives issued inside this block under the batch ``token`` (None: as usual).
 
     A pipelined batch's input distribution runs during earlier steps; its collectives are held
     until ``release_batch_comm(token)`` (the batch's step is next), so they count for that step.
     """
-    if token is None:
-        yield
-        return
-    previous = getattr(_LABEL, "batch", None)
-    _LABEL.batch = token
-    try:
-        yield
-    finally:
-        _LABEL.batch = previous
+    return nullcontext() if token is None else _labelled("batch", token)
 
 
 def release_batch_comm(token: object) -> None:
