@@ -10,7 +10,7 @@ from lightning.pytorch import Callback, LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_ranks
 from oracle import make_model, sgd_strategy, shards_of
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_recsys import ReplicaSyncConfig
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
@@ -107,14 +107,25 @@ def test_pipeline_matches_off_bit_for_bit_in_2d_with_replica_sync() -> None:
 _SIZES = {0: [8, 8, 0, 8, 6, 8], 1: [8, 8, 8, 8, 3]}
 
 
+class _Unsized(IterableDataset):
+    """No ``__len__``: Lightning then fetches a batch ahead of the step that runs it."""
+
+    def __init__(self, batches: list) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
 class _Uneven(LightningDataModule):
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, sized: bool = True) -> None:
         super().__init__()
         log = SyntheticClickLog(CONFIG)
         self.batches = [slice_batch(log.global_batch("train", i % 4), 0, size) for i, size in enumerate(_SIZES[rank])]
+        self.sized = sized
 
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.batches, batch_size=None)  # type: ignore[arg-type]
+        return DataLoader(self.batches if self.sized else _Unsized(self.batches), batch_size=None)  # type: ignore[arg-type]
 
     val_dataloader = train_dataloader
 
@@ -127,7 +138,8 @@ class _Counters(Callback):
 
 def _fit_uneven(rank: int, world_size: int, sharding_type: str) -> dict:
     results = {}
-    for pipeline in ("off", "sparse_dist"):
+    for run in ("off", "sparse_dist", "off unsized", "sparse_dist unsized"):
+        pipeline = run.split()[0]
         record, counters = _Record(), _Counters()
         trainer = Trainer(
             accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=[sharding_type], pipeline=pipeline),
@@ -135,8 +147,8 @@ def _fit_uneven(rank: int, world_size: int, sharding_type: str) -> dict:
             num_sanity_val_steps=0, callbacks=[record, counters],
         )
         model = make_model()
-        trainer.fit(model, datamodule=_Uneven(rank))
-        results[pipeline] = {
+        trainer.fit(model, datamodule=_Uneven(rank, sized="unsized" not in run))
+        results[run] = {
             "losses": record.losses, "counts": counters.counts, "shards": shards_of(model), "steps": trainer.global_step,
             "val": {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")},
         }
@@ -146,12 +158,13 @@ def _fit_uneven(rank: int, world_size: int, sharding_type: str) -> dict:
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
 def test_uneven_epochs_and_skipped_steps_behave_as_without_the_pipeline(sharding_type: str) -> None:
     for rank, result in enumerate(run_ranks(_fit_uneven, 2, sharding_type, timeout=300)):
-        off, on = result["off"], result["sparse_dist"]
-        assert off["steps"] == on["steps"] >= 2 and len(on["losses"]) == on["steps"]
-        assert on["losses"] == off["losses"] and on["counts"] == off["counts"] and on["counts"][0] >= 1, rank  # skipped steps
-        assert on["val"] == off["val"], rank
-        for key, pieces in off["shards"].items():
-            assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
+        for suffix in ("", " unsized"):  # unsized: Lightning fetches a batch ahead of its step
+            off, on = result["off" + suffix], result["sparse_dist" + suffix]
+            assert off["steps"] == on["steps"] >= 2 and len(on["losses"]) == on["steps"]
+            assert on["losses"] == off["losses"] and on["counts"] == off["counts"] and on["counts"][0] >= 1, rank  # skipped steps
+            assert on["val"] == off["val"], rank
+            for key, pieces in off["shards"].items():
+                assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
 
 
 def _checkpoint_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:

@@ -9,7 +9,9 @@ waited after the forward of the step before, sends the ids. Per batch, in order:
 
 1. ``start(batch)`` (after every rank agreed on the batch): copy to the device on a side stream
    (CUDA), then start its input distribution, on another stream;
-2. ``activate(started)`` just before the step of that batch: the sharded modules' forwards read it;
+2. when a pipelined module is called with that batch's tensors, it reads their distribution; the
+   batch is found by its tensors, not by when it left the iterator, because a loop may fetch ahead
+   (Lightning prefetches a batch from loaders without ``__len__``) or take turns between iterators;
 3. after that step's forward (a forward hook on the model), the ids of the batch started next are sent.
 
 ``StagedTrainPipeline`` and ``SparseDataDistUtil`` do not fit here: the stage pipeline owns the
@@ -62,6 +64,9 @@ class _BatchContext(TrainPipelineContext):
     splits_waited: bool = True
     account: bool = False  # its collectives count for the training step that consumes the batch
     token: object = field(default_factory=object)  # the accounting's key for this batch (contexts are unhashable)
+    handshake_token: object = None  # the accounting's key for the batch handshakes issued up to this batch
+    batch: Any = None
+    consumed: bool = False  # a module has read it: its accounting is released and its copy waited for
 
 
 @dataclass
@@ -95,6 +100,7 @@ class SparseDistPipeline:
         self._attached = False
         self._hook: Any = None
         self._next: Optional[_BatchContext] = None  # started, its ids not sent yet
+        self._pending: list[_BatchContext] = []  # started, some module has not read it yet; oldest first
         self._index = 0
         self.disabled_reason: Optional[str] = None
 
@@ -107,16 +113,18 @@ class SparseDistPipeline:
         return [m.forward.name for m in self._modules]  # type: ignore[union-attr]
 
     # ----------------------------------------------------------------- per batch
-    def start(self, batch: Any, *, account: bool = False) -> StartedBatch:
+    def start(self, batch: Any, *, account: bool = False, handshake_token: object = None) -> StartedBatch:
         """Copy ``batch`` to the device and start its input distribution (unless the pipeline is off).
 
-        ``account``: its collectives are filed under the training step that runs the batch.
+        ``account``: its collectives are filed under the training step that runs the batch, and so
+        are those held under ``handshake_token`` (released when a module reads the batch).
         """
         batch = self._to_device(batch)
         if not self.enabled or (not self._attached and not self._attach(batch)):
+            _settle(handshake_token, account)
             return StartedBatch(batch, None)
         self._send_pending()  # an earlier batch whose step never ran a forward (another loop took over)
-        context = _BatchContext(index=self._index, version=1, account=account)
+        context = _BatchContext(index=self._index, version=1, account=account, handshake_token=handshake_token, batch=batch)
         self._index += 1
         for module in self._modules:
             forward: PipelinedForward = module.forward  # type: ignore[assignment]
@@ -129,35 +137,59 @@ class SparseDistPipeline:
             if first:  # TorchRec's input dists exist only after their first call; then fuse their splits
                 self._original_kjt_dist_forwards = _override_input_dist_forwards(self._modules)
         context.splits_waited = False
+        self._pending.append(context)
         if first:
             self._send_ids(context)
         else:
             self._next = context
         return StartedBatch(batch, context)
 
-    def activate(self, started: StartedBatch) -> None:
-        """``started``'s step runs next: the pipelined forwards read its distributed ids."""
-        context = started.context
-        if context is not None and context.account:
+    def consume(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> Optional[_BatchContext]:
+        """The started batch whose inputs for module ``name`` are these tensors, ready to read; None if none is."""
+        for context in self._pending:
+            expected = context.expected_inputs.get(name)
+            if expected is not None and _same_inputs(expected, (args, kwargs)):
+                self._ready(context)
+                del context.expected_inputs[name]
+                if not context.expected_inputs:
+                    self._pending.remove(context)
+
+                return context
+        return None
+
+    def abandon(self, name: str) -> None:
+        """Module ``name`` got unknown inputs and the step fails: finish its started collectives first."""
+        for context in self._pending:
+            request = context.input_dist_tensors_requests.pop(name, None)
+            if request is not None:
+                request.wait()  # every rank started it
+
+    def _ready(self, context: _BatchContext) -> None:
+        if context.consumed:
+            return
+        context.consumed = True
+        _settle(context.handshake_token, context.account)
+        if context.account:
             release_batch_comm(context.token)
         if self._memcpy_stream is not None:
             current = torch.cuda.current_stream(self._device)
             current.wait_stream(self._memcpy_stream)
-            _record_stream(started.batch, current)
-        if self._attached:
-            context = context or _BatchContext()
-            if not context.splits_waited:  # no forward ran since it started: send its ids now
-                if context is self._next:
-                    self._next = None
-                self._send_ids(context)
-            for module in self._modules:
-                module.forward.set_context(context)  # type: ignore[union-attr]
+            _record_stream(context.batch, current)
+        if not context.splits_waited:  # no forward ran since it started: send its ids now
+            if context is self._next:
+                self._next = None
+            self._send_ids(context)
 
     def drop(self, started: StartedBatch) -> None:
         """A started batch whose step will not run (the loop stopped): finish its collectives."""
         context = started.context
-        if context is None:
+        if context is None or context not in self._pending:
             return
+        self._pending.remove(context)
+        if context is self._next:
+            self._next = None
+        if not context.consumed:
+            discard_batch_comm(context.handshake_token)
         if not context.splits_waited:
             self._send_ids(context)
         for request in list(context.input_dist_tensors_requests.values()):
@@ -171,7 +203,9 @@ class SparseDistPipeline:
         discard_batch_comm(context.token)
 
     def close(self) -> None:
-        """Give the sharded modules their own forwards back."""
+        """Finish the started batches no step read, and give the sharded modules their own forwards back."""
+        for context in list(self._pending):
+            self.drop(StartedBatch(context.batch, context))
         if self._hook is not None:
             self._hook.remove()
             self._hook = None
@@ -183,6 +217,7 @@ class SparseDistPipeline:
         self._attached = False
         self._modules, self._original_forwards, self._original_kjt_dist_forwards = [], [], []
         self._next = None
+        self._pending = []
 
     # ----------------------------------------------------------------- internals
     def _attach(self, batch: Any) -> bool:
@@ -269,19 +304,14 @@ class _CheckedForward(PipelinedForward):
     _pipeline: SparseDistPipeline
 
     def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
-        context: _BatchContext = self._context  # type: ignore[assignment]
-        expected = context.expected_inputs.pop(self._name, None) if isinstance(context, _BatchContext) else None
-        if expected is not None and _same_inputs(expected, (list(inputs), kwargs)):
-            return super().__call__(*inputs, **kwargs)
-        if expected is not None:
-            request = context.input_dist_tensors_requests.pop(self._name, None)
-            if request is not None:
-                request.wait()  # every rank started it; finish it before failing
-            context.module_contexts.pop(self._name, None)
+        context = self._pipeline.consume(self._name, list(inputs), kwargs)
+        if context is None:
+            self._pipeline.abandon(self._name)
             # The original forward cannot run here: TorchRec's pipeline replaced the input dist's
             # KJTAllToAll forwards (_override_input_dist_forwards) for every module at once.
             raise RuntimeError(self._pipeline.unexpected_input_message(self._name))
-        return self._original(*inputs, **kwargs)
+        self.set_context(context)
+        return super().__call__(*inputs, **kwargs)
 
 
 def _same_inputs(expected: Any, actual: Any) -> bool:
@@ -353,13 +383,14 @@ def pipelined(
     without the pipeline. ``account()``: whether the batches are a training loop's (their
     collectives then count for its steps).
     """
-    current: Optional[tuple[StartedBatch, object]] = None
-    upcoming: Optional[tuple[StartedBatch, object]] = None
+    current: Optional[StartedBatch] = None
+    upcoming: Optional[StartedBatch] = None
+    handed: list[StartedBatch] = []  # yielded; a loop that fetches ahead may not have run them yet
     try:
         first = next(agreed, _END)
         if first is _END:
             return
-        current = (pipeline.start(first[0], account=account()), first[1])
+        current = pipeline.start(first[0], account=account(), handshake_token=first[1])
         while current is not None:
             error: Optional[BaseException] = None
             try:
@@ -367,22 +398,34 @@ def pipelined(
             except Exception as raised:  # noqa: BLE001 - re-raised after the current step, as without the pipeline
                 following, error = _END, raised
             if following is not _END:
-                upcoming = (pipeline.start(following[0], account=account()), following[1])
-            (release_batch_comm if account() else discard_batch_comm)(current[1])
-            pipeline.activate(current[0])
-            batch, current = current[0].batch, None
+                upcoming = pipeline.start(following[0], account=account(), handshake_token=following[1])
+            handed.append(current)
+            del handed[:-_HANDED_KEPT]
+            batch, current = current.batch, None
             yield batch
             if error is not None:
                 raise error
             current, upcoming = upcoming, None
+    except GeneratorExit:  # the loop stopped early: the batches it had fetched ahead never run
+        for started in handed:
+            pipeline.drop(started)
+        raise
     finally:
+        # Yielded batches stay startable when the source simply ends: a loop that fetches ahead
+        # runs them after this generator is done (the pipeline drops leftovers when it closes).
         for started in (current, upcoming):
             if started is not None:
-                pipeline.drop(started[0])
-                discard_batch_comm(started[1])
+                pipeline.drop(started)
         close = getattr(agreed, "close", None)
         if close is not None:
             close()
 
 
+def _settle(handshake_token: object, account: bool) -> None:
+    """File the handshakes held under ``handshake_token`` under the current step, or drop them."""
+    if handshake_token is not None:
+        (release_batch_comm if account else discard_batch_comm)(handshake_token)
+
+
 _END = object()
+_HANDED_KEPT = 4  # yielded batches remembered for dropping; more than any loop fetches ahead
