@@ -187,12 +187,14 @@ class _StepTimer(pl.Callback):
     def __init__(self, strategy: Any, *, warmup: int, steps: int, phases: _PhaseTimer | None = None) -> None:
         self.strategy, self.warmup, self.steps, self.phases = strategy, warmup, steps, phases
         self.starts: list[float] = []
+        self.wall_starts: list[float] = []  # time.time() of each start, to match other processes' samples
         self.traffic: list[dict[Any, Any]] = []
         self.syncs: list[tuple[int, Any]] = []  # (step index, SyncStats) of every replica sync after a step
         self._last_stats: Any = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
+        self.wall_starts.append(time.time())
         if self.phases is not None:
             self.phases.new_step(self.starts[-1])
 
@@ -246,6 +248,7 @@ class _StepTimer(pl.Callback):
             "step_time_mean_s": statistics.fmean(step_times),
             "step_time_min_s": min(step_times),
             "step_times_s": step_times,
+            "timed_window_unix_s": [self.wall_starts[w], self.wall_starts[w + n]],
             "examples_per_s": args.global_batch_size / step,
             "bytes_per_step_rank0": {"intra_node": payload - inter, "inter_node": inter, "total": payload},
             "traffic_per_step_rank0": traffic,
