@@ -1,5 +1,6 @@
 """RowTracker's bookkeeping (a stand-in kernel module) and the bitmap helpers the union agreement uses."""
 
+import pytest
 import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
@@ -35,8 +36,10 @@ def _tracker(capture: bool) -> tuple[_Kernel, RowTracker, list[torch.Tensor]]:
     return kernel, tracker, weights
 
 
-def test_touched_rows_are_the_sorted_distinct_lookups_since_the_last_clear():
+@pytest.mark.parametrize("keep_positions", [True, False], ids=["positions", "mask-scan"])
+def test_touched_rows_are_the_sorted_distinct_lookups_since_the_last_clear(keep_positions):
     kernel, tracker, _ = _tracker(capture=False)
+    tracker._keep_positions = keep_positions  # False is what accelerators use (no host sync per lookup)
     kernel(_kjt([[4, 4, 1], [6, 0], [1, 9]]))  # 9 is out of table 0's range: FBGEMM clamps it to row 0
     kernel(_kjt([[], [0, 2], [3]]))
     assert tracker.touched().tolist() == [0, 1, 3, 4, 5, 7, 11]

@@ -73,9 +73,11 @@ class RowTracker:
     check clamps them to. With ``capture_bases`` a row's values are copied at its first touch since
     the last sync (before the fused update changes them in backward).
 
-    Per lookup the work is O(ids): a gather from the 1-byte mask finds the rows not marked yet, an
-    ``index_fill_`` marks them and their positions are kept; ``touched()`` sorts those once per
-    sync. Nothing per step scans the whole mask or waits for the device.
+    On the CPU (and with ``capture_bases``) a lookup costs O(ids): a gather from the 1-byte mask
+    finds the rows not marked yet, an ``index_fill_`` marks them and their positions are kept;
+    ``touched()`` sorts those once per sync, and nothing scans the whole mask. On an accelerator the
+    hook only marks the mask (keeping positions would need a host sync per lookup) and ``touched()``
+    scans it once per sync, which is cheap there.
     """
 
     def __init__(self, module: nn.Module, tables: list[Table], row_counts: list[int], *, capture_bases: bool = False) -> None:
@@ -94,6 +96,7 @@ class RowTracker:
         self.mask = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
         self._fresh: list[torch.Tensor] = []  # positions first marked since the last sync (one piece per lookup)
         self._sorted = False  # _fresh is one sorted piece without repeats
+        self._keep_positions = device.type == "cpu" or capture_bases
         self._handle = module.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -118,6 +121,10 @@ class RowTracker:
         ids = ids.long()
         valid = (ids >= 0) & (ids < self._feature_rows[feature])
         positions = self._feature_offsets[feature] + torch.where(valid, ids, torch.zeros_like(ids))
+        if not self._keep_positions:
+            self.mask.index_fill_(0, positions, 1)
+            self._sorted = False
+            return
         fresh = positions[self.mask.index_select(0, positions) == 0]  # may repeat a row looked up twice in this batch
         if fresh.numel():
             self.mask.index_fill_(0, fresh, 1)
@@ -130,8 +137,12 @@ class RowTracker:
     def touched(self) -> torch.Tensor:
         """The sorted positions (in the mask) of the rows looked up since the last sync."""
         if not self._sorted:
-            pieces = self._fresh or [torch.empty(0, dtype=torch.long, device=self.mask.device)]
-            self._fresh, self._sorted = [torch.unique(torch.cat(pieces))], True
+            if self._keep_positions:
+                pieces = self._fresh or [torch.empty(0, dtype=torch.long, device=self.mask.device)]
+                self._fresh = [torch.unique(torch.cat(pieces))]
+            else:
+                self._fresh = [self.mask.nonzero().squeeze(1)]
+            self._sorted = True
         return self._fresh[0]
 
     @torch.no_grad()
@@ -150,7 +161,9 @@ class RowTracker:
 
     def clear(self) -> None:
         """Forget the touched rows and captured values (a new interval starts)."""
-        if self._fresh:
+        if not self._keep_positions:
+            self.mask.zero_()
+        elif self._fresh:
             self.mask.index_fill_(0, self.touched(), 0)  # O(rows touched), not O(rows)
         self._fresh, self._sorted = [], False
         for table in self.tables:
