@@ -53,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
     parser.add_argument("--unique-batches", type=int, default=8, help="distinct pre-generated batches, cycled")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--phase-times", action="store_true", help="also time the replica sync's phases and forward/backward per step (rank 0)"
+    )
     return parser.parse_args(argv)
 
 
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         qcomms=qcomms_setting(args.qcomms),
         process_group_timeout=120.0,  # a stuck peer fails the run instead of hanging it
     )
-    timer = _StepTimer(strategy, warmup=args.warmup_steps, steps=args.steps)
+    phases = _PhaseTimer() if args.phase_times else None
+    timer = _StepTimer(strategy, warmup=args.warmup_steps, steps=args.steps, phases=phases)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -172,21 +176,35 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"[bench_job] step {result['step_time_s'] * 1e3:.1f} ms, {result['examples_per_s']:.0f} examples/s -> {args.out}")
     print(strategy.comm_accounting.summary())
+    if "phase_ms_per_step" in result:
+        print("[bench_job] ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in result["phase_ms_per_step"].items()))
     return result
 
 
 class _StepTimer(pl.Callback):
     """Step start times and per-step traffic on this rank."""
 
-    def __init__(self, strategy: Any, *, warmup: int, steps: int) -> None:
-        self.strategy, self.warmup, self.steps = strategy, warmup, steps
+    def __init__(self, strategy: Any, *, warmup: int, steps: int, phases: _PhaseTimer | None = None) -> None:
+        self.strategy, self.warmup, self.steps, self.phases = strategy, warmup, steps, phases
         self.starts: list[float] = []
+        self.wall_starts: list[float] = []  # time.time() of each start, to match other processes' samples
         self.traffic: list[dict[Any, Any]] = []
         self.syncs: list[tuple[int, Any]] = []  # (step index, SyncStats) of every replica sync after a step
         self._last_stats: Any = None
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
         self.starts.append(time.perf_counter())
+        self.wall_starts.append(time.time())
+        if self.phases is not None:
+            self.phases.new_step(self.starts[-1])
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        if self.phases is not None:
+            self.phases.mark("forward")
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        if self.phases is not None:
+            self.phases.mark("backward")
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The strategy closes the step's accounting in optimizer_step, before this hook.
@@ -230,12 +248,14 @@ class _StepTimer(pl.Callback):
             "step_time_mean_s": statistics.fmean(step_times),
             "step_time_min_s": min(step_times),
             "step_times_s": step_times,
+            "timed_window_unix_s": [self.wall_starts[w], self.wall_starts[w + n]],
             "examples_per_s": args.global_batch_size / step,
             "bytes_per_step_rank0": {"intra_node": payload - inter, "inter_node": inter, "total": payload},
             "traffic_per_step_rank0": traffic,
             "table_sizes": table_sizes(args.table_rows, args.tables),
             "rank0_tables": _rank0_tables(strategy),
             "replica_sync": self._sync_summary(),
+            **({"phase_ms_per_step": self.phases.summary(w, n)} if self.phases is not None else {}),
         }
 
     def _sync_summary(self) -> dict[str, Any] | None:
@@ -251,6 +271,59 @@ class _StepTimer(pl.Callback):
             "payload_bytes_per_sync": statistics.fmean(s.payload_bytes for s in timed),
             "union": sorted({s.union for s in timed}),
         }
+
+
+class _PhaseTimer:
+    """Per step on this rank: time in the replica sync's phases (wrapped methods) and in forward / backward.
+
+    ``forward``: batch start to ``on_before_backward``; ``backward``: to ``on_after_backward`` (the
+    fused embedding update runs in it); the sync's phases nest in the optimizer step that follows.
+    """
+
+    WRAPPED = (
+        ("track", "lightning_recsys.parallel.touched_rows", "RowTracker", "_record"),
+        ("agree", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "_union"),
+        ("gather", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "_table_items"),
+        ("launch", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "__init__"),
+        ("apply", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "apply"),
+        ("sync_total", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "step_ended"),
+    )
+
+    def __init__(self) -> None:
+        import importlib
+
+        self.steps: list[dict[str, float]] = []
+        self._last = 0.0
+        for phase, module, cls_name, method in self.WRAPPED:
+            cls = getattr(importlib.import_module(module), cls_name, None)
+            if cls is not None and hasattr(cls, method):  # phases a version lacks are not timed
+                setattr(cls, method, self._timed(phase, getattr(cls, method)))
+
+    def _timed(self, phase: str, fn: Any) -> Any:
+        def timed(*a: Any, **k: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                if self.steps:
+                    self.steps[-1][phase] = self.steps[-1].get(phase, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    def new_step(self, now: float) -> None:
+        self.steps.append({})
+        self._last = now
+
+    def mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        if self.steps:
+            self.steps[-1][phase] = now - self._last
+        self._last = now
+
+    def summary(self, warmup: int, steps: int) -> dict[str, float]:
+        timed = self.steps[warmup : warmup + steps]
+        names = sorted({k for s in timed for k in s})
+        return {k: 1e3 * sum(s.get(k, 0.0) for s in timed) / max(1, len(timed)) for k in names}
 
 
 def _group_size(topology: Any, group: str, world: int) -> int:

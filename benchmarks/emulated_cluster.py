@@ -52,6 +52,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -383,13 +384,59 @@ def build_reference(sandbox: Sandbox) -> Environment:
     return Environment(name="reference (unshaped)", node_namespaces=(ns, ns), master_addr="127.0.0.1", ifnames=("lo", "lo"))
 
 
-def _cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process, from /proc (0 when it is gone)."""
+def _cpu_times(pid: int) -> tuple[float, float]:
+    """User and system CPU time of a process, from /proc (0 when it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, from /proc (0 when it is gone)."""
+    return sum(_cpu_times(pid))
+
+
+class _CpuSampler:
+    """Samples the helpers' CPU times every ``period`` s (wall clock), to charge them to a time window.
+
+    The delay line forwards start-up traffic too (2D broadcasts every shard across nodes once); a
+    window from the job's first to last timed step leaves that out.
+    """
+
+    def __init__(self, pids: tuple[int, ...], period: float = 0.05) -> None:
+        self.pids, self.period = pids, period
+        self.samples: list[tuple[float, float, float]] = []  # (unix time, user s, system s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        if pids:
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            times = [_cpu_times(pid) for pid in self.pids]
+            self.samples.append((time.time(), sum(u for u, _ in times), sum(s for _, s in times)))
+            self._stop.wait(self.period)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def between(self, start: float, end: float) -> tuple[float, float] | None:
+        """User and system CPU seconds spent between two unix times (linear between samples)."""
+        if len(self.samples) < 2 or not self.samples[0][0] <= start < end <= self.samples[-1][0]:
+            return None
+
+        def at(t: float, k: int) -> float:
+            for (t0, *a), (t1, *b) in zip(self.samples, self.samples[1:]):
+                if t0 <= t <= t1:
+                    return a[k] + (b[k] - a[k]) * ((t - t0) / (t1 - t0) if t1 > t0 else 0.0)
+            return self.samples[-1][k + 1]
+
+        return at(end, 0) - at(start, 0), at(end, 1) - at(start, 1)
 
 
 def _tbf_counters(env: Environment) -> dict[str, dict[str, int]]:
@@ -418,6 +465,7 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
     logs = []
     before = _tbf_counters(env)
     helper_cpu = sum(_cpu_seconds(pid) for pid in env.helper_pids)
+    sampler = _CpuSampler(env.helper_pids)
     started = time.monotonic()
     try:
         for node in range(NODES):
@@ -440,6 +488,7 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
                 break
     finally:
         timed_out = any(p.poll() is None for p in procs)
+        sampler.stop()
         _stop(procs, env)
         for log, _ in logs:
             log.close()
@@ -455,6 +504,10 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
     result["tbf"] = {k: {m: after[k][m] - before.get(k, {}).get(m, 0) for m in after[k]} for k in after}
     if env.helper_pids:
         result["delay_line_cpu_s"] = sum(_cpu_seconds(pid) for pid in env.helper_pids) - helper_cpu
+        window = result.get("timed_window_unix_s")
+        timed = sampler.between(*window) if window else None
+        if timed is not None:  # the timed steps only (1/CLK_TCK resolution, 10 ms here)
+            result["delay_line_timed_cpu_s"] = {"user": timed[0], "system": timed[1], "steps": args.steps}
     return result
 
 
@@ -746,6 +799,12 @@ def main(argv: list[str] | None = None) -> int:
                 if "delay_line_cpu_s" in r.cluster
             }
             print("\nDelay line CPU per step (ms, start-up traffic included): " + ", ".join(f"{k} {v:.1f}" for k, v in per_step.items()))
+        timed_cpu = {r.cfg.name: r.cluster["delay_line_timed_cpu_s"] for r in rows if "delay_line_timed_cpu_s" in r.cluster}
+        if timed_cpu:
+            print(
+                "Delay line CPU per timed step (ms, user + system): "
+                + ", ".join(f"{k} {1e3 * c['user'] / c['steps']:.1f} + {1e3 * c['system'] / c['steps']:.1f}" for k, c in timed_cpu.items())
+            )
         print(
             f"\nTBF drops over all cluster runs: {drops}.  Total time {elapsed:.0f} s; load average before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}."
         )

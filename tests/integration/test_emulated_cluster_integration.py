@@ -82,6 +82,10 @@ def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
     assert all(r["inter_node_bytes"] == 0 for r in rows if r["purpose"] in ("embeddings", "sparse_ids"))
     assert any(r["purpose"] == "replica_sync" and r["inter_node_bytes"] > 0 for r in rows)
     assert sum(link["bytes"] for link in entry["cluster"]["tbf"].values()) > 0  # traffic went through the shaped links
+    if result["shaping"]["delay_method"] == "tun":  # its CPU over the timed steps, apart from start-up
+        timed = entry["cluster"]["delay_line_timed_cpu_s"]
+        assert timed["steps"] == 3 and timed["user"] >= 0 and timed["system"] >= 0
+        assert timed["user"] + timed["system"] <= entry["cluster"]["delay_line_cpu_s"] + 0.02
     assert not _namespaces_of(proc.pid)
     assert not _processes_mentioning(str(tmp_path))
 

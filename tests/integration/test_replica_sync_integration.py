@@ -143,8 +143,8 @@ def _compare(rank: int, world: int, combos: list[tuple[str, str, int, int]], bro
     if broken:  # drop the last row of the union: the equality check must catch it
         original = ReplicaSynchronizer._union
 
-        def _union_missing_a_row(self, mask, **kwargs):  # type: ignore[no-untyped-def]
-            union, how, sent, counts = original(self, mask, **kwargs)
+        def _union_missing_a_row(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+            union, how, sent, counts = original(self, *args, **kwargs)
             return union[:-1], how, sent, counts
 
         ReplicaSynchronizer._union = _union_missing_a_row  # type: ignore[method-assign]

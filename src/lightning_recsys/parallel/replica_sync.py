@@ -14,7 +14,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from lightning_recsys.parallel.comm_accounting import comm_purpose
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.sync_deltas import InFlightSync, SyncItem, table_items, whole_tensor_items
-from lightning_recsys.parallel.touched_rows import RowTracker, fused_kernels, pack_bits, track, unpack_bits
+from lightning_recsys.parallel.touched_rows import RowTracker, bits_at, fused_kernels, pack_positions, track, unpack_positions
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 
@@ -132,6 +132,7 @@ class ReplicaSynchronizer:
             self._trackers, self._untracked = track(self._tensors, kernels or [], capture_bases=self._deltas)
         self._untracked_buckets = _buckets(self._untracked, bucket_bytes)
         self._rows_untracked = self._rows_total - sum(table.rows for tracker in self._trackers for table in tracker.tables)
+        self._tracked_rows = sum(int(tracker.mask.numel()) for tracker in self._trackers)  # the masks end to end
         self._in_flight: Optional[InFlightSync] = None
         self.steps_since_sync = 0
         self.last_sync_stats: Optional[SyncStats] = None
@@ -262,8 +263,7 @@ class ReplicaSynchronizer:
         rows_synced = self._rows_total if self.config.rows == "all" else self._rows_untracked
         how = "all"
         if self._trackers:
-            mask = torch.cat([tracker.mask for tracker in self._trackers])
-            union, how, union_bytes, counts = self._union(mask, with_counts=self.count_aware)
+            union, how, union_bytes, counts = self._union(self._touched(), self._tracked_rows, with_counts=self.count_aware)
             payload += union_bytes
             rows_synced += int(union.numel())
             items += self._table_items(union, counts, overlap)
@@ -277,53 +277,62 @@ class ReplicaSynchronizer:
             in_flight.apply()
         return SyncStats(rows_synced, self._rows_total, how, payload, overlapped=overlap)
 
+    def _touched(self) -> torch.Tensor:
+        """This rank's touched rows as sorted positions in the trackers' masks laid end to end."""
+        pieces, start = [], 0
+        for tracker in self._trackers:
+            pieces.append(tracker.touched() + start)
+            start += tracker.mask.numel()
+        return torch.cat(pieces)
+
     def _table_items(self, union: torch.Tensor, counts: Optional[torch.Tensor], overlap: bool) -> list[SyncItem]:
         items: list[SyncItem] = []
         start = 0
         for tracker in self._trackers:
-            for table in tracker.tables:
-                first, last = start + table.offset, start + table.offset + table.rows
-                lo, hi = torch.searchsorted(union, torch.tensor([first, last], device=union.device)).tolist()
-                if hi > lo:
-                    items += table_items(
-                        table, union[lo:hi] - first, deltas=self._deltas, weight_dtype=self._weight_dtype, overlap=overlap,
-                        counts=counts[lo:hi] if counts is not None else None,
-                    )
+            for table, lo, hi in tracker.split(union, start):
+                items += table_items(
+                    table, union[lo:hi] - (start + table.offset), deltas=self._deltas, weight_dtype=self._weight_dtype,
+                    overlap=overlap, counts=counts[lo:hi] if counts is not None else None,
+                )
             start += tracker.mask.numel()
         return items
 
-    def _union(self, mask: torch.Tensor, *, with_counts: bool = False) -> tuple[torch.Tensor, str, int, Optional[torch.Tensor]]:
-        """The sorted union over the replica group of the rows set in ``mask``; how; bytes sent; per row,
-        how many replicas touched it (``with_counts``)."""
-        total = mask.numel()
-        count = mask.sum().reshape(1).to(torch.int64)
+    def _union(
+        self, local: torch.Tensor, total: int, *, with_counts: bool = False
+    ) -> tuple[torch.Tensor, str, int, Optional[torch.Tensor]]:
+        """The sorted union over the replica group of the sorted positions ``local`` (all < ``total``); how; bytes
+        sent; per row, how many replicas touched it (``with_counts``). The work is O(rows touched) but for the
+        bitmap's bytes (total / 8), which it only uses when they are fewer than the touched rows' ids."""
+        count = torch.tensor([local.numel()], dtype=torch.int64, device=local.device)
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self._group)
         sent = count.numel() * count.element_size()
         most = int(count.item())
         if most == 0:
-            empty = torch.empty(0, dtype=torch.long, device=mask.device)
+            empty = torch.empty(0, dtype=torch.long, device=local.device)
             return empty, "none", sent, empty if with_counts else None
         index_dtype = torch.int32 if total < 2**31 else torch.int64
         index_bytes = most * index_dtype.itemsize
         bitmap_bytes = (total + 7) // 8
         if index_bytes < bitmap_bytes:  # few rows: gather their ids, padded to the longest list with `total`
-            local = mask.nonzero().squeeze(1).to(index_dtype)
-            padded = torch.full((most,), total, dtype=index_dtype, device=mask.device)
+            padded = torch.full((most,), total, dtype=index_dtype, device=local.device)
             padded[: local.numel()] = local
             gathered = [torch.empty_like(padded) for _ in range(self._num_replicas)]
             dist.all_gather(gathered, padded, group=self._group)
-            touches = torch.bincount(torch.cat(gathered).long(), minlength=total + 1)[:total]
-            how, sent = "indices", sent + index_bytes
-        else:
-            packed = pack_bits(mask)
-            gathered = [torch.empty_like(packed) for _ in range(self._num_replicas)]
-            dist.all_gather(gathered, packed, group=self._group)
-            touches = torch.zeros(total, dtype=torch.int64, device=mask.device)
-            for bits in gathered:
-                touches += unpack_bits(bits, total)
-            how, sent = "bitmap", sent + packed.numel()
-        union = touches.nonzero().squeeze(1)
-        return union, how, sent, touches[union] if with_counts else None
+            ids = torch.cat(gathered)
+            ids = ids[ids < total]  # sorted in index_dtype: int32 sorts faster than int64
+            if with_counts:
+                union, counts = torch.unique(ids, return_counts=True)
+                return union.long(), "indices", sent + index_bytes, counts
+            return torch.unique(ids).long(), "indices", sent + index_bytes, None
+        packed = pack_positions(local, total)
+        gathered = [torch.empty_like(packed) for _ in range(self._num_replicas)]
+        dist.all_gather(gathered, packed, group=self._group)
+        merged = gathered[0].clone()
+        for bits in gathered[1:]:
+            merged.bitwise_or_(bits)
+        union = unpack_positions(merged)
+        counts = torch.stack([bits_at(bits, union) for bits in gathered]).sum(0) if with_counts else None
+        return union, "bitmap", sent + packed.numel(), counts
 
     @torch.no_grad()
     def broadcast_from_first_replica(self) -> None:

@@ -28,7 +28,7 @@ class SyncItem:
 
     tensor: torch.Tensor
     rows: Optional[torch.Tensor]  # sorted table-local rows; None: the whole tensor
-    send: torch.Tensor  # what goes into the all-reduce (values or deltas, maybe bf16)
+    send: Optional[torch.Tensor]  # what goes into the all-reduce (values or deltas, maybe bf16); None: tensor[rows], gathered there
     base: Optional[torch.Tensor] = None  # deltas: the rows' values as of the last sync
     sent: Optional[torch.Tensor] = None  # overlap: the rows' values when the sync was launched
     counts: Optional[torch.Tensor] = None  # count-aware: how many replicas touched each row
@@ -48,11 +48,17 @@ class InFlightSync:
         self._works: list[Any] = []
         by_dtype: dict[torch.dtype, list[SyncItem]] = {}
         for item in items:
-            by_dtype.setdefault(item.send.dtype, []).append(item)
-        for dtype_items in by_dtype.values():
-            flat = torch.cat([item.send.reshape(-1) for item in dtype_items])
-            for item in dtype_items:
-                item.send = flat[:0]  # the flat buffer holds it now; drop the extra copy
+            by_dtype.setdefault(item.tensor.dtype if item.send is None else item.send.dtype, []).append(item)
+        for dtype, dtype_items in by_dtype.items():
+            sizes = [_numel(item) for item in dtype_items]
+            flat = torch.empty(sum(sizes), dtype=dtype, device=dtype_items[0].tensor.device)
+            for item, piece in zip(dtype_items, flat.split(sizes)):
+                if item.send is None:
+                    assert item.rows is not None
+                    torch.index_select(item.tensor, 0, item.rows, out=piece.view(-1, *item.tensor.shape[1:]))
+                else:
+                    piece.copy_(item.send.reshape(-1))
+                item.send = None  # the flat buffer holds it now; drop the extra copy
             chunk = max(1, bucket_bytes // flat.element_size())
             for piece in flat.split(chunk):
                 work = dist.all_reduce(piece, group=group, async_op=async_op)
@@ -77,16 +83,17 @@ class InFlightSync:
                 t = item.tensor
                 shape = t.shape if item.rows is None else torch.Size((item.rows.numel(), *t.shape[1:]))
                 n = shape.numel()
-                summed = flat[offset : offset + n].view(shape).to(t.dtype)
+                summed = flat[offset : offset + n].view(shape)
                 offset += n
+                average = summed.to(t.dtype)  # the flat buffer (or its upcast copy) is ours: work on it in place
                 if item.counts is not None:
-                    average = summed / item.counts.to(t.dtype).view(-1, *([1] * (t.dim() - 1)))
+                    average.div_(item.counts.to(t.dtype).view(-1, *([1] * (t.dim() - 1))))
                 else:
-                    average = summed / self._num_replicas
-                synced = average if item.base is None else item.base + average
+                    average.div_(self._num_replicas)
+                synced = average if item.base is None else average.add_(item.base)
                 if item.sent is not None:
-                    current = t if item.rows is None else t.index_select(0, item.rows)
-                    new = synced + (current - item.sent)
+                    current = t.clone() if item.rows is None else t.index_select(0, item.rows)
+                    new = current.sub_(item.sent).add_(synced)
                     if item.table is not None and item.rows is not None:
                         item.table.rebase(item.index, item.rows, synced)
                 else:
@@ -96,6 +103,12 @@ class InFlightSync:
                 else:
                     t.index_copy_(0, item.rows, new)
         self._groups = []
+
+
+def _numel(item: SyncItem) -> int:
+    if item.send is not None:
+        return item.send.numel()
+    return item.tensor.numel() if item.rows is None else item.rows.numel() * item.tensor[0].numel()
 
 
 def table_items(
@@ -111,6 +124,9 @@ def table_items(
     captured, captured_values = table.take_bases() if deltas else (None, None)
     items = []
     for index, t in enumerate(table.tensors):
+        if not deltas and not overlap:  # the values go straight from the table into the send buffer
+            items.append(SyncItem(t, rows, None, counts=counts, index=index))
+            continue
         current = t.index_select(0, rows)
         base = None
         send = current

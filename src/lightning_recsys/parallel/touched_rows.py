@@ -1,6 +1,7 @@
 """Which rows of the fused embedding kernels' local shards were looked up since the last replica sync.
 
-``RowTracker`` marks them from a forward pre-hook on each fused kernel (1 byte per local row) and,
+``RowTracker`` marks them from a forward pre-hook on each fused kernel (1 byte per local row, plus
+the positions of the rows marked since the last sync) and,
 for delta syncs, keeps each marked row's values as they were at its first touch: the rows' values
 as of the last sync (O(rows touched) memory; the fused update runs later, in backward).
 """
@@ -71,6 +72,12 @@ class RowTracker:
     ``kernel._feature_table_map[i]``. Ids out of a table's range mark row 0, the row FBGEMM's bounds
     check clamps them to. With ``capture_bases`` a row's values are copied at its first touch since
     the last sync (before the fused update changes them in backward).
+
+    On the CPU (and with ``capture_bases``) a lookup costs O(ids): a gather from the 1-byte mask
+    finds the rows not marked yet, an ``index_fill_`` marks them and their positions are kept;
+    ``touched()`` sorts those once per sync, and nothing scans the whole mask. On an accelerator the
+    hook only marks the mask (keeping positions would need a host sync per lookup) and ``touched()``
+    scans it once per sync, which is cheap there.
     """
 
     def __init__(self, module: nn.Module, tables: list[Table], row_counts: list[int], *, capture_bases: bool = False) -> None:
@@ -84,7 +91,12 @@ class RowTracker:
         self._num_features = int(feature_table.numel())
         self._feature_rows = torch.tensor(row_counts, dtype=torch.long)[feature_table].to(device)
         self._feature_offsets = torch.tensor(offsets[:-1], dtype=torch.long)[feature_table].to(device)
-        self.mask = torch.zeros(offsets[-1], dtype=torch.bool, device=device)
+        # The synced tables' [first, end) in the mask, for splitting sorted positions by table.
+        self._table_bounds = torch.tensor([b for t in tables for b in (t.offset, t.offset + t.rows)], dtype=torch.long, device=device)
+        self.mask = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
+        self._fresh: list[torch.Tensor] = []  # positions first marked since the last sync (one piece per lookup)
+        self._sorted = False  # _fresh is one sorted piece without repeats
+        self._keep_positions = device.type == "cpu" or capture_bases
         self._handle = module.register_forward_pre_hook(self._record, with_kwargs=True)
 
     def _record(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -109,23 +121,51 @@ class RowTracker:
         ids = ids.long()
         valid = (ids >= 0) & (ids < self._feature_rows[feature])
         positions = self._feature_offsets[feature] + torch.where(valid, ids, torch.zeros_like(ids))
-        if self.capture_bases:
-            fresh = positions[~self.mask[positions]]
-            if fresh.numel():
-                self._capture(torch.unique(fresh))
-        self.mask[positions] = True
+        if not self._keep_positions:
+            self.mask.index_fill_(0, positions, 1)
+            self._sorted = False
+            return
+        fresh = positions[self.mask.index_select(0, positions) == 0]  # may repeat a row looked up twice in this batch
+        if fresh.numel():
+            self.mask.index_fill_(0, fresh, 1)
+            if self.capture_bases:
+                fresh = torch.unique(fresh)  # sorted; the kernel has not updated these rows yet
+                self._capture(fresh)
+            self._fresh.append(fresh)
+            self._sorted = False
+
+    def touched(self) -> torch.Tensor:
+        """The sorted positions (in the mask) of the rows looked up since the last sync."""
+        if not self._sorted:
+            if self._keep_positions:
+                pieces = self._fresh or [torch.empty(0, dtype=torch.long, device=self.mask.device)]
+                self._fresh = [torch.unique(torch.cat(pieces))]
+            else:
+                self._fresh = [self.mask.nonzero().squeeze(1)]
+            self._sorted = True
+        return self._fresh[0]
 
     @torch.no_grad()
     def _capture(self, fresh: torch.Tensor) -> None:
-        for table in self.tables:
-            rows = fresh[(fresh >= table.offset) & (fresh < table.offset + table.rows)] - table.offset
-            if rows.numel():
+        bounds = torch.searchsorted(fresh, self._table_bounds).tolist()
+        for table, lo, hi in zip(self.tables, bounds[0::2], bounds[1::2]):
+            if hi > lo:
+                rows = fresh[lo:hi] - table.offset
                 table.base_rows.append(rows)
                 table.base_values.append([t.index_select(0, rows) for t in table.tensors])
 
+    def split(self, positions: torch.Tensor, start: int = 0) -> list[tuple[Table, int, int]]:
+        """For sorted ``positions`` (this tracker's mask shifted by ``start``): each table with rows there, and their slice."""
+        bounds = torch.searchsorted(positions, self._table_bounds + start).tolist()
+        return [(table, lo, hi) for table, lo, hi in zip(self.tables, bounds[0::2], bounds[1::2]) if hi > lo]
+
     def clear(self) -> None:
         """Forget the touched rows and captured values (a new interval starts)."""
-        self.mask.zero_()
+        if not self._keep_positions:
+            self.mask.zero_()
+        elif self._fresh:
+            self.mask.index_fill_(0, self.touched(), 0)  # O(rows touched), not O(rows)
+        self._fresh, self._sorted = [], False
         for table in self.tables:
             table.clear()
 
@@ -134,14 +174,39 @@ class RowTracker:
 
 
 def pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A 0/1 byte (or bool) mask packed 8 rows per byte, row ``8k + j`` in bit ``j`` of byte ``k``."""
     padded = torch.zeros((mask.numel() + 7) // 8 * 8, dtype=torch.uint8, device=mask.device)
     padded[: mask.numel()] = mask
-    return (padded.view(-1, 8) * _BITS.to(mask.device)).sum(1, dtype=torch.uint8)
+    # 8 bytes of 0/1 as one int64 (little-endian hosts: byte j at bit 8j), shifted together into its low byte.
+    x = padded.view(torch.int64)
+    x = x | (x >> 7)
+    x = x | (x >> 14)
+    x = x | (x >> 28)
+    return (x & 0xFF).to(torch.uint8)[: (mask.numel() + 7) // 8]
 
 
 def unpack_bits(packed: torch.Tensor, total: int) -> torch.Tensor:
     bits = packed.unsqueeze(1).bitwise_and(_BITS.to(packed.device)).ne(0)
     return bits.reshape(-1)[:total]
+
+
+def pack_positions(positions: torch.Tensor, total: int) -> torch.Tensor:
+    """``pack_bits`` of the mask of ``total`` rows set at the distinct ``positions``, in O(positions) work."""
+    packed = torch.zeros((total + 7) // 8, dtype=torch.uint8, device=positions.device)
+    bits = torch.ones_like(positions, dtype=torch.uint8).bitwise_left_shift_((positions & 7).to(torch.uint8))
+    return packed.index_put_((positions >> 3,), bits, accumulate=True)  # distinct bits of a byte: their sum is their OR
+
+
+def unpack_positions(packed: torch.Tensor) -> torch.Tensor:
+    """The sorted positions of the bits set in ``packed``: a scan of its bytes, then only the non-zero ones."""
+    nonzero = packed.nonzero().squeeze(1)
+    bits = packed.index_select(0, nonzero).unsqueeze(1).bitwise_and(_BITS.to(packed.device)).ne(0)
+    return (nonzero.unsqueeze(1) * 8 + torch.arange(8, device=packed.device)).masked_select(bits)
+
+
+def bits_at(packed: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The bits of ``packed`` at ``positions`` (0/1, int64)."""
+    return packed.index_select(0, positions >> 3).long().bitwise_right_shift(positions & 7).bitwise_and_(1)
 
 
 def fused_kernels(modules: list[nn.Module]) -> list[nn.Module]:
@@ -195,4 +260,4 @@ def _optimizer_states(kernel: nn.Module) -> list[list[torch.Tensor]]:
         return []
 
 
-__all__ = ["FUSED_KERNELS", "RowTracker", "Table", "fused_kernels", "pack_bits", "track", "unpack_bits"]
+__all__ = ["FUSED_KERNELS", "RowTracker", "Table", "bits_at", "fused_kernels", "pack_bits", "pack_positions", "track", "unpack_bits", "unpack_positions"]
