@@ -137,6 +137,7 @@ def _lightning(rank: int, steps: int, pipeline: str) -> list[float]:
     trainer = Trainer(
         accelerator="cpu", devices=WORLD_SIZE, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[stamps],
+        use_distributed_sampler=False,  # each rank's batches are its own already, as in the raw loops (no epoch boundary)
     )
     trainer.fit(_model(), datamodule=Prepared())
     return stamps.stamps

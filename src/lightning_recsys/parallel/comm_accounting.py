@@ -80,7 +80,7 @@ def comm_for_batch(token: object | None) -> AbstractContextManager[None]:
 
 
 def release_batch_comm(token: object) -> None:
-    """The batch ``token``'s step is next: its held collectives join that step."""
+    """The batch ``token``'s step runs (or is next): its held collectives join that step."""
     for accountant in list(_ACTIVE):
         accountant.release(token)
 
@@ -133,6 +133,7 @@ class CommAccountant:
         self._current: dict[TrafficKey, Traffic] = {}
         self._held: dict[object, dict[TrafficKey, Traffic]] = {}  # by batch token (comm_for_batch)
         self._carried: dict[TrafficKey, Traffic] = {}  # released, for the next step
+        self._in_step = False
         self.last_step: dict[TrafficKey, Traffic] = {}
         self.total: dict[TrafficKey, Traffic] = {}
         self.steps = 0
@@ -149,11 +150,14 @@ class CommAccountant:
             for key, traffic in self._carried.items():
                 current.setdefault(key, Traffic()).add(traffic)
             self._current, self._carried = current, {}
+            self._in_step = True
 
     def release(self, token: object) -> None:
+        """The batch ``token``'s collectives join the running step, or the next one if none runs."""
         with self._lock:
+            into = self._current if self._in_step else self._carried
             for key, traffic in self._held.pop(token, {}).items():
-                self._carried.setdefault(key, Traffic()).add(traffic)
+                into.setdefault(key, Traffic()).add(traffic)
 
     def discard(self, token: object) -> None:
         with self._lock:
@@ -163,6 +167,7 @@ class CommAccountant:
         with self._lock:
             self.last_step, self._current = self._current, {}
             self.steps += 1
+            self._in_step = False
 
     # ----------------------------------------------------------------- reading
     def bytes_by(
