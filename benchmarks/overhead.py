@@ -6,9 +6,9 @@ Same model, same data (pre-generated batches, so data generation does not count)
 * ``raw``: ``DistributedModelParallel`` and a plain loop (forward, BCE, backward, dense step);
 * ``raw_pipeline``: the same model and optimizer driven by TorchRec's ``TrainPipelineSparseDist``
   (the next batch's input distribution overlaps this batch's step);
-* ``lightning``: ``Trainer(strategy=TwoDRecStrategy(pipeline="sparse_dist"))`` (otherwise the defaults,
+* ``lightning``: ``Trainer(strategy=TwoDRecStrategy())`` with its defaults (``pipeline="sparse_dist"``,
   ``GuardConfig(validate_inputs="error")``: the per-step input check and the batch handshake between ranks);
-* ``lightning_off``: the same with ``pipeline="off"`` (the default).
+* ``lightning_off``: the same with ``pipeline="off"``.
 
     python benchmarks/overhead.py                      # batches 1024 and 8192; Markdown; JSON in benchmarks/results/
     python benchmarks/overhead.py --global-batch 1024 --steps 150

@@ -91,12 +91,11 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         planning: how the sharding plan is made, a ``PlanningConfig`` (default: TorchRec's planner,
             every sharding type that runs on the device).
         guard: the per-step input and non-finite checks, a ``GuardConfig``.
-        pipeline: ``"off"`` (default): the sparse input distribution runs inside the step.
-            ``"sparse_dist"`` (opt-in): each training and evaluation batch's sparse input
+        pipeline: ``"sparse_dist"`` (default): each training and evaluation batch's sparse input
             distribution (on CUDA also its host-to-device copy) starts during the step before it,
             as in TorchRec's ``TrainPipelineSparseDist``; same results as ``"off"``. A model it cannot
             trace falls back to ``"off"`` with one warning; a module whose input changes between
-            the dataloader and the module raises.
+            the dataloader and the module raises. ``"off"``: the distribution runs inside the step.
         process_group_backend: ``gloo`` or ``nccl``; default: nccl on CUDA, gloo on CPU.
         process_group_timeout: seconds a collective may wait before the job fails (default 1800,
             which leaves room for planning large models).
@@ -114,7 +113,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         embedding_optimizer: Optional[EmbeddingOptimizerConfig] = None,
         planning: Optional[PlanningConfig] = None,
         guard: Optional[GuardConfig] = None,
-        pipeline: PipelineMode = "off",
+        pipeline: PipelineMode = "sparse_dist",
         process_group_backend: Optional[str] = None,
         process_group_timeout: float = 1800.0,
         accelerator: Optional[Accelerator] = None,
