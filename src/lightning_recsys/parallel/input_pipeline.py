@@ -152,8 +152,7 @@ class SparseDistPipeline:
                 self._ready(context)
                 del context.expected_inputs[name]
                 if not context.expected_inputs:
-                    self._pending.remove(context)
-
+                    self._forget(context)
                 return context
         return None
 
@@ -183,9 +182,9 @@ class SparseDistPipeline:
     def drop(self, started: StartedBatch) -> None:
         """A started batch whose step will not run (the loop stopped): finish its collectives."""
         context = started.context
-        if context is None or context not in self._pending:
+        if context is None or not any(c is context for c in self._pending):
             return
-        self._pending.remove(context)
+        self._forget(context)
         if context is self._next:
             self._next = None
         if not context.consumed:
@@ -220,6 +219,10 @@ class SparseDistPipeline:
         self._pending = []
 
     # ----------------------------------------------------------------- internals
+    def _forget(self, context: _BatchContext) -> None:
+        # By identity: the dataclass's == (TrainPipelineContext's) would compare the contexts' fields.
+        self._pending = [c for c in self._pending if c is not context]
+
     def _attach(self, batch: Any) -> bool:
         model = getattr(self._dmp, "module", self._dmp)
         name = type(model).__name__
