@@ -1,10 +1,10 @@
 """Does a shipped example config beat the baselines without learning? Model AUC / NE next to theirs.
 
 MovieLens-100k (``--path``, the extracted ``ml-100k`` directory; not bundled, its licence forbids
-redistribution): trains ``examples/configs/movielens_dlrm.yaml`` on ``u1.base`` (its newest
-``val_fraction`` validates) and tests on ``u1.test``. The baselines (``lightning_recsys.models.
-baselines``) are fit on the same training ratings; their smoothing strength is picked on the
-validation ratings, then they score ``u1.test``.
+redistribution): trains ``examples/configs/movielens_dlrm.yaml`` on ``u1.base`` (a random
+``val_fraction`` of it validates: the DataModule's ``val_holdout``) and tests on ``u1.test``. The
+baselines (``lightning_recsys.models.baselines``) are fit on the DataModule's own training ratings;
+their smoothing strength is picked on its validation ratings, then they score ``u1.test``.
 
 Criteo (``--criteo-path``, a directory of TorchRec npy files, ``day_{i}_{dense,sparse,labels}.npy``):
 trains the model of ``examples/configs/criteo_dlrm.yaml`` on ``CriteoBinaryDataModule`` with the
@@ -32,8 +32,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_recsys.data.movielens import MovieLens100KConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -103,11 +109,11 @@ def make_synthetic_movielens(directory: Path, seed: int = 0, num_ratings: int = 
 # ----------------------------------------------------------------------------- baselines
 
 
-def _baselines_movielens(path: str, split: str, val_fraction: float) -> dict:
-    from lightning_recsys.data.movielens import MovieLens100K, MovieLens100KConfig
+def _baselines_movielens(config: MovieLens100KConfig) -> dict:
+    """Fit on ``config``'s train ratings, pick the strength on its val ratings: the model's own split."""
+    from lightning_recsys.data.movielens import MovieLens100K
     from lightning_recsys.models.baselines import PopularityBaseline, UserItemBiasBaseline, auc, normalized_entropy
 
-    config = MovieLens100KConfig(path=path, split=split, val_fraction=val_fraction)
     data = MovieLens100K(config, warn=False)
     arrays = {name: np.array(data.ratings[name]).reshape(-1, 3) for name in ("train", "val", "test")}
     users, items, labels = (arrays["train"][:, k] for k in range(3))
@@ -160,12 +166,16 @@ def _baselines_criteo(path: str, train_days: list[int], val_days: list[int], tes
 # ----------------------------------------------------------------------------- the model
 
 
-def _train(config: Path, overrides: list[str], workdir: Path) -> dict:
-    """fit then test a config through the CLI's own objects; metrics of rank 0."""
+def _build(config: Path, overrides: list[str], workdir: Path) -> LightningCLI:
+    """The config's Trainer, model and DataModule, built by the CLI's own parser (nothing runs yet)."""
     from lightning_recsys.cli import build_cli
 
     args = ["--config", str(config), "--trainer.default_root_dir", str(workdir), "--trainer.enable_progress_bar", "false", *overrides]
-    cli = build_cli(args, run=False)
+    return build_cli(args, run=False)
+
+
+def _train(cli: LightningCLI) -> dict:
+    """fit then test through the CLI's own objects; metrics of rank 0."""
     start = time.perf_counter()
     cli.trainer.fit(cli.model, datamodule=cli.datamodule)
     fit_seconds = time.perf_counter() - start
@@ -206,15 +216,14 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = Path(tempfile.mkdtemp(prefix="quality-"))
     if args.path:
-        from lightning_recsys.data.movielens import MovieLens100KConfig
-
         config = args.config or CONFIGS / "movielens_dlrm.yaml"
-        result = {"dataset": "movielens-100k", "path": args.path, "split": args.split, "config": str(config)}
-        val_fraction = MovieLens100KConfig.val_fraction
+        cli = _build(config, ["--data.path", args.path, "--data.split", args.split, *args.override, "--seed_everything", str(args.seed)], workdir)
+        data_config = cli.datamodule.config
+        result = {"dataset": "movielens-100k", "path": args.path, "split": args.split, "config": str(config),
+                  "val_holdout": data_config.effective_val_holdout}
         start = time.perf_counter()
-        result["baselines"] = _baselines_movielens(args.path, args.split, val_fraction)
+        result["baselines"] = _baselines_movielens(data_config)
         result["baselines"]["seconds"] = round(time.perf_counter() - start, 1)
-        overrides = ["--data.path", args.path, "--data.split", args.split, *args.override]
     else:
         config_in = args.config or CONFIGS / "criteo_dlrm.yaml"
         result = {"dataset": "criteo-npy", "path": args.criteo_path, "days": [args.train_days, args.val_days, args.test_days]}
@@ -231,9 +240,10 @@ def main(argv: list[str] | None = None) -> int:
             size = str(args.criteo_table_size)
             overrides += ["--data.table_sizes", size, "--model.init_args.table_sizes", json.dumps([int(size)] * 26)]
         overrides += args.override
+        cli = None if args.baselines_only else _build(config, [*overrides, "--seed_everything", str(args.seed)], workdir)
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     if not args.baselines_only:
-        result["model"] = _train(config, [*overrides, "--seed_everything", str(args.seed)], workdir)
+        result["model"] = _train(cli)
         rank = result["model"]["rank"]
     if rank != 0:
         return 0
@@ -254,7 +264,8 @@ def _print(result: dict) -> None:
     print(f"\n{result['dataset']} ({result['path']}), config {result['config']}")
     if result["dataset"] == "movielens-100k":
         sizes = result["baselines"]["ratings"]
-        split = f"split {result['split']}: train {sizes['train']}, val {sizes['val']} (newest of the base file), test {sizes['test']} ratings"
+        split = (f"split {result['split']}: train {sizes['train']}, val {sizes['val']} ({result['val_holdout']} of the base file), "
+                 f"test {sizes['test']} ratings")
     else:
         sizes = result["baselines"]["examples"]
         split = f"days train/val/test {result['days']}: {sizes['train']} / {sizes['val']} / {sizes['test']} examples"

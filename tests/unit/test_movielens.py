@@ -135,11 +135,30 @@ def test_u1_split_reads_base_and_test_with_a_time_tail_for_val(ml_dir):
     _write(ml_dir / "u1.base", ["1\t1\t5\t50", "1\t2\t1\t10", "2\t1\t4\t40", "3\t3\t2\t30", "4\t4\t5\t20"])
     _write(ml_dir / "u1.test", ["5\t1\t4\t5", "5\t2\t1\t1", "2\t4\t5\t3"])
     (ml_dir / "u.data").unlink()  # not needed for u1
-    data = MovieLens100K(_config(ml_dir, split="u1", val_fraction=0.2, global_batch_size=1))
+    data = MovieLens100K(_config(ml_dir, split="u1", val_fraction=0.2, global_batch_size=1, val_holdout="newest"))
     pairs = {s: _pairs(MovieLens100KDataset(data, s)) for s in ("train", "val", "test")}
     assert pairs["train"] == [(1, 2), (4, 4), (3, 3), (2, 1)]  # time order
     assert pairs["val"] == [(1, 1)]  # the latest rating of u1.base
     assert pairs["test"] == [(5, 2), (2, 4), (5, 1)]
+
+
+def test_u1_random_holdout_is_seeded_disjoint_and_keeps_time_order(ml_dir):
+    base = [f"{1 + k % 5}\t{1 + k // 5}\t{1 + k % 5}\t{1000 - k}" for k in range(20)]  # newest first in the file
+    _write(ml_dir / "u1.base", base)
+    _write(ml_dir / "u1.test", ["5\t1\t4\t5"])
+    config = _config(ml_dir, split="u1", val_fraction=0.25, global_batch_size=1)
+    assert config.effective_val_holdout == "random"  # the default for uN splits
+    data = MovieLens100K(config)
+    train, val = data.ratings["train"], data.ratings["val"]
+    assert (len(train), len(val)) == (15, 5)
+    timestamps = {(k % 5, k // 5, float(1 + k % 5 >= 4)): 1000 - k for k in range(20)}  # (user, item) is unique here
+    assert sorted(train + val) == sorted(timestamps)  # a partition of the base file
+    for split in (train, val):
+        assert [timestamps[r] for r in split] == sorted(timestamps[r] for r in split)  # time order kept
+    newest = MovieLens100K(_config(ml_dir, split="u1", val_fraction=0.25, global_batch_size=1, val_holdout="newest"))
+    assert val != newest.ratings["val"]  # not the time tail
+    assert MovieLens100K(config).ratings["val"] == val  # the same draw for the same seed: every rank agrees
+    assert MovieLens100K(_config(ml_dir, split="u1", val_fraction=0.25, global_batch_size=1, seed=1)).ratings["val"] != val
 
 
 def test_two_ranks_take_disjoint_halves_of_what_one_rank_gets(ml_dir):
@@ -222,6 +241,8 @@ def test_config_validation():
         ({"global_batch_size": 0}, r"global_batch_size=0 must be an integer >= 1"),
         ({"on_bad_line": "warn"}, r"on_bad_line='warn' is not one of \['error', 'skip'\]"),
         ({"path": ""}, r"path='' must be the MovieLens-100k directory"),
+        ({"val_holdout": "oldest"}, r"val_holdout='oldest' must be one of \['newest', 'random'\] or None"),
+        ({"val_holdout": "random"}, r"val_holdout='random' needs a uN/ua/ub split: split='time'"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -57,6 +57,8 @@ from lightning_recsys.data.readers import (
 )
 
 MovieLensSplit = Literal["time", "u1", "u2", "u3", "u4", "u5", "ua", "ub"]
+ValHoldout = Literal["newest", "random"]
+_VAL_HOLDOUTS: tuple[str, ...] = ("newest", "random")
 _MOVIELENS_SPLITS: tuple[str, ...] = ("time", "u1", "u2", "u3", "u4", "u5", "ua", "ub")
 
 OCCUPATIONS: list[str] = [
@@ -90,10 +92,15 @@ class MovieLens100KConfig:
         split: ``"time"``: ``u.data`` sorted by timestamp (stable); the first ``train_fraction``
             is train, the next ``val_fraction`` val, the rest test (with ``n`` ratings, train ends at
             ``round(n * train_fraction)`` and val at ``round(n * (train_fraction + val_fraction))``).
-            ``"u1"`` .. ``"u5"``, ``"ua"``, ``"ub"``: test is ``<split>.test``; val is the latest
-            ``round(n * val_fraction)`` ratings of ``<split>.base`` by timestamp and train the rest of
-            it, so val never overlaps test. ``train_fraction`` is not used.
+            ``"u1"`` .. ``"u5"``, ``"ua"``, ``"ub"``: test is ``<split>.test``; val is
+            ``round(n * val_fraction)`` ratings of ``<split>.base`` (see ``val_holdout``) and train the
+            rest of it, so val never overlaps test. ``train_fraction`` is not used.
         train_fraction, val_fraction: see ``split``.
+        val_holdout: which ratings of ``<split>.base`` validate. ``"random"`` (the default for
+            ``"u1"`` .. ``"ub"``): drawn from ``seed``, as the ``.test`` files were drawn from
+            ``u.data``, so validation measures what the test measures. ``"newest"``: the latest by
+            timestamp. ``None`` picks ``"newest"`` for ``split="time"`` (its only holdout) and
+            ``"random"`` for the others.
         num_users, num_items: rows of the user_id and item_id tables; ids must be in
             ``1 .. num_users`` / ``1 .. num_items`` (943 and 1682 in MovieLens-100k).
         zip_hash_buckets: rows for zip codes whose first 3 characters are not all digits.
@@ -105,7 +112,7 @@ class MovieLens100KConfig:
         shuffle: the train split in a new order every epoch (``val`` and ``test`` keep timestamp
             order). The order is drawn from ``seed`` and the epoch number, so every rank draws the
             same one and then takes its slice of each global batch, as without shuffling.
-        seed: see ``shuffle``.
+        seed: see ``shuffle`` and ``val_holdout``.
     """
 
     path: str
@@ -119,8 +126,16 @@ class MovieLens100KConfig:
     on_bad_line: OnBadLine = "error"
     shuffle: bool = False
     seed: int = 0
+    val_holdout: ValHoldout | None = None
 
     def __post_init__(self) -> None:
+        if self.val_holdout not in (None, *_VAL_HOLDOUTS):
+            raise ValueError(f"val_holdout={self.val_holdout!r} must be one of {list(_VAL_HOLDOUTS)} or None.")
+        if self.split == "time" and self.val_holdout == "random":
+            raise ValueError(
+                "val_holdout='random' needs a uN/ua/ub split: split='time' validates on the ratings after train "
+                "by timestamp; use val_holdout='newest' or None."
+            )
         if not isinstance(self.shuffle, bool):
             raise ValueError(f"shuffle={self.shuffle!r} must be true or false.")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
@@ -144,6 +159,13 @@ class MovieLens100KConfig:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1.")
         check_global_batch_size(self.global_batch_size)
         check_on_bad_line(self.on_bad_line)
+
+    @property
+    def effective_val_holdout(self) -> ValHoldout:
+        """``val_holdout``, with ``None`` resolved for the split."""
+        if self.val_holdout is not None:
+            return self.val_holdout
+        return "newest" if self.split == "time" else "random"
 
     @property
     def feature_names(self) -> list[str]:
@@ -228,8 +250,17 @@ class MovieLens100K:
         else:
             base, test = self._file(f"{config.split}.base"), self._file(f"{config.split}.test")
             ratings = self._read_ratings(base)
-            end_train = len(ratings) - round(len(ratings) * config.val_fraction)
-            self.ratings = {"train": ratings[:end_train], "val": ratings[end_train:], "test": self._read_ratings(test)}
+            held_out = round(len(ratings) * config.val_fraction)
+            if config.effective_val_holdout == "newest":
+                is_val = [position >= len(ratings) - held_out for position in range(len(ratings))]
+            else:
+                chosen = set(np.random.default_rng(config.seed).choice(len(ratings), size=held_out, replace=False).tolist())
+                is_val = [position in chosen for position in range(len(ratings))]
+            self.ratings = {
+                "train": [r for r, v in zip(ratings, is_val) if not v],
+                "val": [r for r, v in zip(ratings, is_val) if v],  # both stay in timestamp order
+                "test": self._read_ratings(test),
+            }
             self.split_files = {"train": [base], "val": [base], "test": [test]}
 
     def skipped_lines_for(self, split: Split) -> int:
@@ -412,12 +443,13 @@ class MovieLens100KDataModule(RankSlicedDataModule):
         on_bad_line: OnBadLine = MovieLens100KConfig.on_bad_line,
         shuffle: bool = MovieLens100KConfig.shuffle,
         seed: int = MovieLens100KConfig.seed,
+        val_holdout: ValHoldout | None = MovieLens100KConfig.val_holdout,
     ) -> None:
         super().__init__()
         self.config = MovieLens100KConfig(
             path=path, split=split, train_fraction=train_fraction, val_fraction=val_fraction, num_users=num_users,
             num_items=num_items, zip_hash_buckets=zip_hash_buckets, global_batch_size=global_batch_size,
-            on_bad_line=on_bad_line, shuffle=shuffle, seed=seed,
+            on_bad_line=on_bad_line, shuffle=shuffle, seed=seed, val_holdout=val_holdout,
         )
         self._data: MovieLens100K | None = None
 
