@@ -45,6 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
 RESULTS = Path(__file__).resolve().parent / "results"
 STRENGTHS = [0.0, 1.0, 3.0, 10.0, 30.0, 100.0]
+_HOLDOUT_WORDS = {"random": "a random draw", "newest": "the newest"}
 
 
 # ----------------------------------------------------------------------------- synthetic MovieLens
@@ -264,7 +265,7 @@ def _print(result: dict) -> None:
     print(f"\n{result['dataset']} ({result['path']}), config {result['config']}")
     if result["dataset"] == "movielens-100k":
         sizes = result["baselines"]["ratings"]
-        split = (f"split {result['split']}: train {sizes['train']}, val {sizes['val']} ({result['val_holdout']} of the base file), "
+        split = (f"split {result['split']}: train {sizes['train']}, val {sizes['val']} ({_HOLDOUT_WORDS[result['val_holdout']]} of the base file), "
                  f"test {sizes['test']} ratings")
     else:
         sizes = result["baselines"]["examples"]

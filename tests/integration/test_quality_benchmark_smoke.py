@@ -32,4 +32,4 @@ def test_quality_script_trains_the_movielens_config_and_scores_the_baselines(tmp
     model = result["model"]
     assert model["world_size"] == 2 and model["epochs_run"] == 1 and 0.0 <= model["test"]["test/auc"] <= 1.0
     assert "user_item_bias" in stdout and "model" in stdout
-    assert "split u1: train 2160, val 240 (newest of the base file), test 600 ratings" in stdout
+    assert "split u1: train 2160, val 240 (a random draw of the base file), test 600 ratings" in stdout
