@@ -45,8 +45,9 @@ def test_two_node_config_resolves_group_size_and_qcomms():
     assert strategy.guard == GuardConfig(validate_inputs="error")
 
 
-def test_movielens_config_model_matches_the_readers_features():
-    cli = _build("movielens_dlrm.yaml", "--data.path", "/nonexistent")
+@pytest.mark.parametrize("config", ["movielens_dlrm.yaml", "movielens_dcn.yaml"])
+def test_movielens_config_model_matches_the_readers_features(config):
+    cli = _build(config, "--data.path", "/nonexistent")
     assert isinstance(cli.datamodule, MovieLens100KDataModule) and cli.datamodule.config.path == "/nonexistent"
     assert cli.model.hparams.feature_names == cli.datamodule.feature_names
     assert cli.model.hparams.table_sizes == cli.datamodule.table_sizes
