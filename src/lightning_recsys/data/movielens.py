@@ -252,13 +252,12 @@ class MovieLens100K:
             ratings = self._read_ratings(base)
             held_out = round(len(ratings) * config.val_fraction)
             if config.effective_val_holdout == "newest":
-                is_val = [position >= len(ratings) - held_out for position in range(len(ratings))]
+                val_positions = set(range(len(ratings) - held_out, len(ratings)))
             else:
-                chosen = set(np.random.default_rng(config.seed).choice(len(ratings), size=held_out, replace=False).tolist())
-                is_val = [position in chosen for position in range(len(ratings))]
-            self.ratings = {
-                "train": [r for r, v in zip(ratings, is_val) if not v],
-                "val": [r for r, v in zip(ratings, is_val) if v],  # both stay in timestamp order
+                val_positions = set(np.random.default_rng(config.seed).choice(len(ratings), size=held_out, replace=False).tolist())
+            self.ratings = {  # both parts stay in timestamp order
+                "train": [r for i, r in enumerate(ratings) if i not in val_positions],
+                "val": [r for i, r in enumerate(ratings) if i in val_positions],
                 "test": self._read_ratings(test),
             }
             self.split_files = {"train": [base], "val": [base], "test": [test]}
