@@ -23,8 +23,9 @@ PRELOAD = ["torch", "torch.distributed", "torchrec", "torchrec.distributed", "li
 
 def _context() -> Any:
     """A fork server that has imported PRELOAD, on CPU-only machines; spawn where CUDA is available
-    (a fork of a process that loaded the CUDA libraries is not safe to use CUDA in)."""
-    if torch.cuda.is_available():
+    (a fork of a process that loaded the CUDA libraries is not safe to use CUDA in), or where the
+    environment says ``RECSYS_TEST_START_METHOD=spawn`` (every rank a fresh interpreter, as before)."""
+    if torch.cuda.is_available() or os.environ.get("RECSYS_TEST_START_METHOD") == "spawn":
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
