@@ -1,4 +1,4 @@
-"""One spawn harness for multi-process tests: gloo, a free port, bounded waits, no orphans."""
+"""One harness for multi-process tests: gloo, a free port, bounded waits, no orphans; ranks start from a fork server."""
 
 from __future__ import annotations
 
@@ -6,13 +6,55 @@ import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing import reduction
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+# What every rank imports: the fork server imports it once, and each rank starts as a fork of it
+# instead of a fresh interpreter that imports them again (measured: 24 s for these imports on 2 busy cores).
+PRELOAD = ["torch", "torch.distributed", "torchrec", "torchrec.distributed", "lightning.pytorch", "lightning_recsys"]
+
+
+def _context() -> Any:
+    """A fork server that has imported PRELOAD, on CPU-only machines; spawn where CUDA is available
+    (a fork of a process that loaded the CUDA libraries is not safe to use CUDA in), or where the
+    environment says ``RECSYS_TEST_START_METHOD=spawn`` (every rank a fresh interpreter, as before)."""
+    if torch.cuda.is_available() or os.environ.get("RECSYS_TEST_START_METHOD") == "spawn":
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+class _Inherit:
+    """What a spawned rank inherits from the parent at start and a fork server's child does not: the
+    environment of now (the server's is that of its own start) and stdout/stderr (pytest's capture of
+    the running test). Pickled by ``Process.start``, the fds go to the child with its process object."""
+
+    def __init__(self) -> None:
+        self.env = dict(os.environ)
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return _Inherited, (self.env, reduction.DupFd(1), reduction.DupFd(2))
+
+
+class _Inherited:
+    def __init__(self, env: dict[str, str], stdout: Any, stderr: Any) -> None:
+        self.env, self.stdout, self.stderr = env, stdout.detach(), stderr.detach()
+
+    def apply(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.env)
+        for stream, fd in ((sys.stdout, self.stdout), (sys.stderr, self.stderr)):
+            stream.flush()
+            os.dup2(fd, stream.fileno())
+            os.close(fd)
 
 
 def free_port() -> int:
@@ -22,8 +64,11 @@ def free_port() -> int:
 
 
 def _rank_entry(
-    fn: Callable[..., Any], rank: int, world_size: int, ranks_per_node: int, port: int, results: Any, args: tuple
+    fn: Callable[..., Any], rank: int, world_size: int, ranks_per_node: int, port: int, results: Any, args: tuple,
+    inherited: _Inherited | None = None,
 ) -> None:
+    if inherited is not None:
+        inherited.apply()
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -60,12 +105,13 @@ def run_ranks(
     Fails (never hangs) when a rank raises, dies, or the whole run exceeds ``timeout`` seconds; the
     error names the ranks. Every process is killed before this returns.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
     port = free_port()
     per_node = ranks_per_node or world_size
+    inherit = _Inherit() if ctx.get_start_method() == "forkserver" else None
     procs = [
-        ctx.Process(target=_rank_entry, args=(fn, r, world_size, per_node, port, results, args)) for r in range(world_size)
+        ctx.Process(target=_rank_entry, args=(fn, r, world_size, per_node, port, results, args, inherit)) for r in range(world_size)
     ]
     for p in procs:
         p.start()

@@ -12,6 +12,7 @@ Package downloads and installs are not run (no network in tests); placeholders (
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import shlex
@@ -58,6 +59,14 @@ def _example_parses(script: str, args: list[str]) -> None:
     module.parse_args(args)
 
 
+@functools.lru_cache(maxsize=None)
+def _help(args: tuple[str, ...]) -> tuple[int, str]:
+    """``python <args> --help`` from the repository root: its exit code and stderr. Cached: the README shows some
+    scripts several times with other options, and each of those commands is checked by the same ``--help`` run."""
+    result = subprocess.run([sys.executable, *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    return result.returncode, result.stderr
+
+
 def check(command: str, tmp_path: Path) -> None:
     words = shlex.split(command)
     if words[0] in ("torchrun", "srun"):
@@ -80,15 +89,15 @@ def check(command: str, tmp_path: Path) -> None:
         _cli_builds(args)
         return
     if words[0].startswith("python") and words[1] == "-m":
-        result = subprocess.run([sys.executable, "-m", words[2], "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-3000:]
+        returncode, stderr = _help(("-m", words[2]))
+        assert returncode == 0, stderr[-3000:]
         return
     script = next(w for w in words if w.endswith(".py"))
     if script.startswith("examples/"):
         _example_parses(script, words[words.index(script) + 1 :])
     elif script.startswith("benchmarks/"):
-        result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert result.returncode == 0, result.stderr[-3000:]
+        returncode, stderr = _help((script,))
+        assert returncode == 0, stderr[-3000:]
     else:
         assert script == "train.py", f"unknown command form in the README: {command}"  # the quick start's own script
 
