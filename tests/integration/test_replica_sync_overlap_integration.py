@@ -25,17 +25,21 @@ from test_replica_sync_integration import PER_NODE, WORLD, batch, build
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogDataModule
+from lightning_recsys.parallel import sync_deltas
 
 pytestmark = pytest.mark.slow
-STEPS = 5
+STEPS = 7
 PARTNER = {0: 2, 1: 3, 2: 0, 3: 1}
 # bf16 deltas against fp32 sync after STEPS steps of row-wise Adagrad at lr 0.3 (updates of about lr per
 # step): bf16 keeps 8 bits, so each sync rounds a change of ~0.3 by up to ~1e-3 (measured: 2.5e-3 at most).
 BF16_ATOL = 1e-2
 
 
-def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig]) -> dict:
-    """Per config and step: the state before and after ``step_ended`` and whether a sync was applied there."""
+def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig], min_part_bytes: int | None = None) -> dict:
+    """Per config and step: the state before and after ``step_ended``, whether a sync was applied there and how
+    many of its parts were still to launch. ``min_part_bytes``: let these tiny tables' syncs be cut into parts."""
+    if min_part_bytes is not None:
+        sync_deltas.MIN_SLOT_BYTES = min_part_bytes
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     out: dict = {}
     for name, config in configs.items():
@@ -46,11 +50,12 @@ def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig]) -> dic
             F.binary_cross_entropy_with_logits(run.sharded.dmp(bags, seqs), labels).backward()
             run.dense.step()
             run.dense.zero_grad(set_to_none=True)
-            applied = run.sync.in_flight
+            was_in_flight = run.sync.in_flight
             pre = run.state()
             run.sync.step_ended()
-            steps.append({"pre": pre, "post": run.state(), "applied": applied, "in_flight": run.sync.in_flight,
-                          "synced": run.sync.steps_since_sync == 0})
+            synced = run.sync.steps_since_sync == 0
+            steps.append({"pre": pre, "post": run.state(), "applied": was_in_flight and synced, "in_flight": run.sync.in_flight,
+                          "synced": synced, "parts_pending": run.sync.parts_pending})
         in_flight_at_end = run.sync.in_flight
         run.sync.sync_if_pending()  # a forced sync (validation, save, train end): drains the one in flight
         out[name] = {"steps": steps, "end": run.state(), "in_flight_at_end": in_flight_at_end,
@@ -62,27 +67,37 @@ def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig]) -> dic
 OVERLAP = {
     "overlap-fp32": ReplicaSyncConfig(every_n_steps=1, overlap=True),
     "overlap-bf16-every-2": ReplicaSyncConfig(every_n_steps=2, overlap=True, precision="bf16"),
+    "overlap-fp32-every-3": ReplicaSyncConfig(every_n_steps=3, overlap=True),
 }
 
 
-def test_overlapped_sync_keeps_in_flight_updates_and_leaves_replicas_identical():
-    results = run_ranks(_record, WORLD, OVERLAP, timeout=400, ranks_per_node=PER_NODE)
-    for name in OVERLAP:
+@pytest.mark.parametrize("min_part_bytes", [None, 1], ids=["one-part", "paced"])
+def test_overlapped_sync_keeps_in_flight_updates_and_leaves_replicas_identical(min_part_bytes):
+    results = run_ranks(_record, WORLD, OVERLAP, min_part_bytes, timeout=400, ranks_per_node=PER_NODE)
+    for name, config in OVERLAP.items():
+        every = config.every_n_steps
         kept = 0
         for rank in range(WORLD):
             mine, theirs = results[rank][name], results[PARTNER[rank]][name]
-            applied_steps = 0
-            for j in range(1, STEPS):
-                now, before = mine["steps"][j], mine["steps"][j - 1]
-                assert now["applied"] == before["in_flight"], (name, rank, j)
+            launched = [j for j, s in enumerate(mine["steps"]) if s["synced"]]
+            assert launched == list(range(every - 1, STEPS, every)), (name, rank)
+            for j in range(STEPS):
+                now = mine["steps"][j]
+                # Paced: one part launched at the sync and one more at each later step of the interval; one part
+                # only when the payload is under the minimum part size.
+                since = (j - launched[0]) % every if j >= launched[0] else None
+                expected_pending = 0 if since is None or min_part_bytes is None else every - 1 - since
+                assert now["parts_pending"] == expected_pending, (name, rank, j, now["parts_pending"])
+                # A sync is applied exactly at the end of its interval, just before the next one is launched.
+                assert now["applied"] == (j in launched and j != launched[0]), (name, rank, j)
                 if not now["applied"]:
                     continue
-                applied_steps += 1
-                other_before, other_now = theirs["steps"][j - 1], theirs["steps"][j]
+                at_launch, other_at_launch = mine["steps"][j - every]["post"], theirs["steps"][j - every]["post"]
+                other_now = theirs["steps"][j]
                 for key, post in now["post"].items():
-                    sent, other_sent = before["post"][key], other_before["post"][key]
-                    drift = now["pre"][key] - sent  # what this replica's step j changed while the sync was in flight
-                    # The reference: the replicas' average of what was sent, plus this replica's own update since.
+                    sent, other_sent = at_launch[key], other_at_launch[key]
+                    drift = now["pre"][key] - sent  # what this replica changed while the sync was in flight
+                    # The reference: the replicas' average of what was sent, plus this replica's own updates since.
                     if "bf16" not in name:
                         torch.testing.assert_close(post, (sent + other_sent) / 2 + drift, rtol=1e-5, atol=1e-6, msg=f"{name} {rank} {j} {key}")
                     # Rows neither replica changed in flight are bit-identical after the apply.
@@ -94,9 +109,9 @@ def test_overlapped_sync_keeps_in_flight_updates_and_leaves_replicas_identical()
                     if "bf16" not in name and bool(moved.any()):
                         average = (sent + other_sent) / 2
                         torch.testing.assert_close((post - average)[moved], drift[moved], rtol=1e-4, atol=1e-5)
-            assert applied_steps >= (STEPS - 1 if "every-2" not in name else 2), (name, rank)
+            assert sum(s["applied"] for s in mine["steps"]) == len(launched) - 1 >= 1, (name, rank)
             # A forced sync drains the sync in flight, then every replica holds the same values everywhere.
-            assert mine["in_flight_at_end"] or "every-2" in name
+            assert mine["in_flight_at_end"], (name, rank)  # the last sync launched is applied by the forced one
             assert not mine["in_flight_after_force"]
             for key, value in mine["end"].items():
                 assert torch.equal(value, theirs["end"][key]), (name, rank, key)
@@ -112,7 +127,7 @@ def test_bf16_deltas_keep_replicas_bit_identical_and_close_to_fp32_sync():
     for rank in range(WORLD):
         mine, theirs = results[rank]["bf16"], results[PARTNER[rank]]["bf16"]
         synced_steps = [j for j, s in enumerate(mine["steps"]) if s["synced"]]
-        assert synced_steps == [1, 3]
+        assert synced_steps == list(range(1, STEPS, 2))
         for j in synced_steps:
             for key, value in mine["steps"][j]["post"].items():
                 assert torch.equal(value, theirs["steps"][j]["post"][key]), (rank, j, key)
