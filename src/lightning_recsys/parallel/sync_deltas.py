@@ -19,6 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from lightning_recsys.parallel.comm_accounting import comm_purpose
 from lightning_recsys.parallel.touched_rows import Table
 
 # A part of a paced sync below this is not worth its own round trip over the replica group.
@@ -89,10 +90,11 @@ class InFlightSync:
         """Launch the next part's all-reduces (nothing if every part is launched)."""
         if not self._pending:
             return
-        for piece in self._pending.pop(0):
-            work = dist.all_reduce(piece, group=self._group, async_op=self._async_op)
-            if self._async_op:
-                self._works.append(work)
+        with comm_purpose("replica_sync"):  # later parts are launched from step_ended, outside the sync's own context
+            for piece in self._pending.pop(0):
+                work = dist.all_reduce(piece, group=self._group, async_op=self._async_op)
+                if self._async_op:
+                    self._works.append(work)
 
     def wait(self) -> None:
         """Launch the parts still pending, then wait for every collective (raises if a peer failed or the group timed out)."""
