@@ -6,8 +6,9 @@
 Trains ``DLRMRanker`` on synthetic click logs with ``TwoDRecStrategy`` for ``--warmup-steps`` then
 ``--steps`` steps, and on global rank 0 writes a JSON file with the step time (warm-up excluded),
 examples per second and the bytes per step of every collective from ``strategy.comm_accounting``,
-split by purpose and by intra- or inter-node. The batches are generated before training and
-cycled, so data generation does not count as step time (it is not what is being compared).
+split by purpose and by intra- or inter-node. The batches are generated before training
+(one per step by default), so data generation does not count as step time (it is not what is being
+compared).
 
 Step time: the time between consecutive ``on_train_batch_start`` calls on rank 0. Steps are
 grouped in windows of ``sync_every_n_steps`` (one replica sync each), and the reported step time is
@@ -51,7 +52,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sync-precision", default="fp32", choices=["fp32", "bf16"], help="ReplicaSyncConfig.precision")
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
-    parser.add_argument("--unique-batches", type=int, default=8, help="distinct pre-generated batches, cycled")
+    parser.add_argument(
+        "--unique-batches", type=int, default=None,
+        help="distinct pre-generated batches, cycled (default: one per step, so a sync's union is that of fresh ids, as in training)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--phase-times", action="store_true", help="also time the replica sync's phases and forward/backward per step (rank 0)"
@@ -132,7 +136,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             val_batches=0,
             seed=args.seed,
         ),
-        args.unique_batches,
+        args.unique_batches or total_steps + 1,
     )
     model = DLRMRanker(
         table_sizes=data.config.table_sizes,

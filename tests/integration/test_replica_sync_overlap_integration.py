@@ -25,7 +25,6 @@ from test_replica_sync_integration import PER_NODE, WORLD, batch, build
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogDataModule
-from lightning_recsys.parallel import sync_deltas
 
 pytestmark = pytest.mark.slow
 STEPS = 7
@@ -35,11 +34,8 @@ PARTNER = {0: 2, 1: 3, 2: 0, 3: 1}
 BF16_ATOL = 1e-2
 
 
-def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig], min_part_bytes: int | None = None) -> dict:
-    """Per config and step: the state before and after ``step_ended``, whether a sync was applied there and how
-    many of its parts were still to launch. ``min_part_bytes``: let these tiny tables' syncs be cut into parts."""
-    if min_part_bytes is not None:
-        sync_deltas.MIN_SLOT_BYTES = min_part_bytes
+def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig]) -> dict:
+    """Per config and step: the state before and after ``step_ended`` and whether a sync was applied there."""
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     out: dict = {}
     for name, config in configs.items():
@@ -55,7 +51,7 @@ def _record(rank: int, world: int, configs: dict[str, ReplicaSyncConfig], min_pa
             run.sync.step_ended()
             synced = run.sync.steps_since_sync == 0
             steps.append({"pre": pre, "post": run.state(), "applied": was_in_flight and synced, "in_flight": run.sync.in_flight,
-                          "synced": synced, "parts_pending": run.sync.parts_pending})
+                          "synced": synced})
         in_flight_at_end = run.sync.in_flight
         run.sync.sync_if_pending()  # a forced sync (validation, save, train end): drains the one in flight
         out[name] = {"steps": steps, "end": run.state(), "in_flight_at_end": in_flight_at_end,
@@ -71,9 +67,8 @@ OVERLAP = {
 }
 
 
-@pytest.mark.parametrize("min_part_bytes", [None, 1], ids=["one-part", "paced"])
-def test_overlapped_sync_keeps_in_flight_updates_and_leaves_replicas_identical(min_part_bytes):
-    results = run_ranks(_record, WORLD, OVERLAP, min_part_bytes, timeout=400, ranks_per_node=PER_NODE)
+def test_overlapped_sync_keeps_in_flight_updates_and_leaves_replicas_identical():
+    results = run_ranks(_record, WORLD, OVERLAP, timeout=400, ranks_per_node=PER_NODE)
     for name, config in OVERLAP.items():
         every = config.every_n_steps
         kept = 0
@@ -83,11 +78,7 @@ def test_overlapped_sync_keeps_in_flight_updates_and_leaves_replicas_identical(m
             assert launched == list(range(every - 1, STEPS, every)), (name, rank)
             for j in range(STEPS):
                 now = mine["steps"][j]
-                # Paced: one part launched at the sync and one more at each later step of the interval; one part
-                # only when the payload is under the minimum part size.
-                since = (j - launched[0]) % every if j >= launched[0] else None
-                expected_pending = 0 if since is None or min_part_bytes is None else every - 1 - since
-                assert now["parts_pending"] == expected_pending, (name, rank, j, now["parts_pending"])
+                assert now["in_flight"] == (j >= launched[0]), (name, rank, j)  # from the first sync on, one is in flight
                 # A sync is applied exactly at the end of its interval, just before the next one is launched.
                 assert now["applied"] == (j in launched and j != launched[0]), (name, rank, j)
                 if not now["applied"]:

@@ -28,8 +28,8 @@ class SyncStats:
     says how the replicas agreed on it (``"bitmap"``: an all-gather of 1-bit row masks,
     ``"indices"``: an all-gather of the touched row ids, ``"none"``: nothing touched anywhere,
     ``"all"``: whole shards). ``payload_bytes`` is what this rank handed to the collectives.
-    ``overlapped``: launched in the background, paced over the interval's steps, and applied at the
-    end of the interval's last step (just before the next sync), or by a forced sync.
+    ``overlapped``: launched in the background and applied at the end of the interval's last step
+    (just before the next sync), or by a forced sync.
     """
 
     rows_synced: int
@@ -86,17 +86,15 @@ class ReplicaSynchronizer:
 
     ``overlap=True``: the union is agreed at the end of the step (two small blocking collectives:
     the largest touched count, then the row ids or bitmaps), the rows are copied into the send
-    buffers, and their all-reduce runs in the background (gloo runs it on its own threads; nccl on
-    its own stream) while training goes on. The payload is cut into ``every_n_steps`` parts of about
-    equal bytes (none under 64 KiB): one is launched at the sync and one at the end of each
-    following step, so no step's own collectives wait behind the whole sync on a slow link. At the
-    end of the interval's last step, just before the next sync, it is applied:
+    buffers, and their all-reduce is launched asynchronously (gloo runs it on its own threads; nccl
+    on its own stream) while training goes on. It has the whole interval to complete: at the end of
+    the interval's last step, just before the next sync, it is applied,
     ``row = average(sent) + (row - sent)``, so the updates made meanwhile are kept and the next sync
-    averages them. So the tables see each average ``every_n_steps`` steps late, and replicas are
-    identical right after the apply on every row not updated meanwhile. Memory: the union's rows
-    twice (sent values and the buffer), O(rows touched); with ``rows="all"`` twice the shard. Forced
-    syncs (``sync``, ``sync_if_pending``) first launch what is left of a sync in flight and apply it,
-    then sync blocking.
+    averages them. So the tables see each average ``every_n_steps`` steps late (one step with
+    ``every_n_steps=1``), and replicas are identical right after the apply on every row not updated
+    meanwhile. Memory: the union's rows twice (sent values and the buffer), O(rows touched); with
+    ``rows="all"`` twice the shard. Forced syncs (``sync``, ``sync_if_pending``) first apply a sync
+    in flight, then sync blocking.
 
     ``count_aware=True`` (an experiment, deltas only): a row's summed delta is divided by the
     number of replicas that touched it, not by all replicas.
@@ -184,11 +182,6 @@ class ReplicaSynchronizer:
         return self._in_flight is not None
 
     @property
-    def parts_pending(self) -> int:
-        """Parts of the sync in flight not launched yet (paced over the interval; 0 if none is in flight)."""
-        return self._in_flight.pending_slots if self._in_flight is not None else 0
-
-    @property
     def totals(self) -> SyncTotals:
         return SyncTotals(self.num_syncs, self._rows_synced_sum, self._rows_total, self._payload_sum)
 
@@ -199,10 +192,7 @@ class ReplicaSynchronizer:
         Returns whether a sync was started."""
         self.steps_since_sync += 1
         if self.steps_since_sync >= self.config.every_n_steps:
-            self._finish()
-        elif self._in_flight is not None:
-            self._in_flight.launch_next()  # pacing: one more part of the sync in flight per step
-        if self.steps_since_sync >= self.config.every_n_steps:
+            self._finish()  # an overlapped sync had the whole interval to complete
             self._run(overlap=self.config.overlap)
             return True
         return False
@@ -282,10 +272,7 @@ class ReplicaSynchronizer:
             items += self._table_items(union, counts, overlap)
             for tracker in self._trackers:
                 tracker.clear()  # a new interval starts: later lookups (and captured bases) belong to the next sync
-        in_flight = InFlightSync(
-            items, self._group, self._num_replicas, bucket_bytes=self._bucket_bytes, async_op=overlap,
-            slots=self.config.every_n_steps if overlap else 1,
-        )
+        in_flight = InFlightSync(items, self._group, self._num_replicas, bucket_bytes=self._bucket_bytes, async_op=overlap)
         payload += in_flight.payload_bytes
         if overlap:
             self._in_flight = in_flight

@@ -19,13 +19,13 @@ class ReplicaSyncConfig:
             the result is the same as ``"all"``, which averages every row of every local shard.
         every_n_steps: sync every n training steps (default 1). Evaluation, checkpoint saves and
             the end of training sync too, if a step ran since the last sync.
-        overlap: run the sync's all-reduce in the background while training goes on, spread over
-            the interval (one of ``every_n_steps`` parts of the payload launched at the end of each
-            step), and apply it at the end of the interval's last step, just before the next sync,
-            keeping the updates made meanwhile (``row = average(sent) + (row - sent)``): the tables
-            see each average ``every_n_steps`` steps late. Costs the synced rows' values twice in
-            memory until applied (with ``rows="all"``, twice the shard). Forced syncs apply a sync
-            in flight first. Default False (blocking).
+        overlap: launch the sync's all-reduce in the background at the end of its step and apply
+            it at the end of the interval's last step, just before the next sync, keeping the
+            updates made meanwhile (``row = average(sent) + (row - sent)``): the tables see each
+            average ``every_n_steps`` steps late, and the all-reduce has the whole interval to
+            complete. Costs the synced rows' values twice in memory until applied (with
+            ``rows="all"``, twice the shard). Forced syncs apply a sync in flight first. Default
+            False (blocking).
         precision: what the sync sends for the weights: ``"fp32"`` (default) the rows' values;
             ``"bf16"`` each touched row's change since the last sync in bf16, every replica then
             setting ``row = base + average(change)`` (replicas stay bit-identical; rounding hits only

@@ -19,11 +19,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_recsys.parallel.comm_accounting import comm_purpose
 from lightning_recsys.parallel.touched_rows import Table
-
-# A part of a paced sync below this is not worth its own round trip over the replica group.
-MIN_SLOT_BYTES = 64 * 1024
 
 
 @dataclass
@@ -41,23 +37,12 @@ class SyncItem:
 
 
 class InFlightSync:
-    """The all-reduces of one sync; ``apply()`` waits for them and writes the average.
-
-    With ``async_op`` the payload is cut into ``slots`` parts of about equal bytes: the first part
-    is launched now and each ``launch_next()`` launches one more, so a sync spread over the steps of
-    its interval leaves the link free for each step's own collectives. Blocking, it all goes now.
-    Every replica cuts the same way (the same rows, dtypes and sizes), so the collectives match.
-    """
+    """The all-reduces of one sync, launched; ``apply()`` waits for them and writes the average."""
 
     def __init__(
-        self, items: list[SyncItem], group: dist.ProcessGroup, num_replicas: int, *, bucket_bytes: int, async_op: bool,
-        slots: int = 1,
+        self, items: list[SyncItem], group: dist.ProcessGroup, num_replicas: int, *, bucket_bytes: int, async_op: bool
     ) -> None:
-        if slots < 1:
-            raise ValueError(f"slots={slots} must be >= 1.")
         self._num_replicas = num_replicas
-        self._group = group
-        self._async_op = async_op
         self.payload_bytes = 0
         self._groups: list[tuple[list[SyncItem], torch.Tensor]] = []
         self._works: list[Any] = []
@@ -74,32 +59,16 @@ class InFlightSync:
                 else:
                     piece.copy_(item.send.reshape(-1))
                 item.send = None  # the flat buffer holds it now; drop the extra copy
+            chunk = max(1, bucket_bytes // flat.element_size())
+            for piece in flat.split(chunk):
+                work = dist.all_reduce(piece, group=group, async_op=async_op)
+                if async_op:
+                    self._works.append(work)
             self.payload_bytes += flat.numel() * flat.element_size()
             self._groups.append((dtype_items, flat))
-        self._pending = _cut(
-            [flat for _, flat in self._groups], bucket_bytes, slots if async_op else 1, min_bytes=MIN_SLOT_BYTES
-        )
-        self.launch_next()
-
-    @property
-    def pending_slots(self) -> int:
-        """Parts not launched yet."""
-        return len(self._pending)
-
-    def launch_next(self) -> None:
-        """Launch the next part's all-reduces (nothing if every part is launched)."""
-        if not self._pending:
-            return
-        with comm_purpose("replica_sync"):  # later parts are launched from step_ended, outside the sync's own context
-            for piece in self._pending.pop(0):
-                work = dist.all_reduce(piece, group=self._group, async_op=self._async_op)
-                if self._async_op:
-                    self._works.append(work)
 
     def wait(self) -> None:
-        """Launch the parts still pending, then wait for every collective (raises if a peer failed or the group timed out)."""
-        while self._pending:
-            self.launch_next()
+        """Wait for the collectives (raises if a peer failed or the group timed out)."""
         works, self._works = self._works, []
         for work in works:
             work.wait()
@@ -134,27 +103,6 @@ class InFlightSync:
                 else:
                     t.index_copy_(0, item.rows, new)
         self._groups = []
-
-
-def _cut(flats: list[torch.Tensor], bucket_bytes: int, slots: int, *, min_bytes: int) -> list[list[torch.Tensor]]:
-    """``flats``, read end to end, cut into at most ``slots`` parts of equal bytes (to the element), each part's
-    pieces at most ``bucket_bytes``; no part under ``min_bytes`` unless it is the only one (each costs a round trip)."""
-    total = sum(flat.numel() * flat.element_size() for flat in flats)
-    if total == 0:
-        return [list(flats)]
-    slots = max(1, min(slots, total // max(1, min_bytes)))
-    parts: list[list[torch.Tensor]] = [[] for _ in range(slots)]
-    start = 0  # the first byte of ``flat`` in the whole payload
-    for flat in flats:
-        size, n, pos = flat.element_size(), flat.numel(), 0
-        while pos < n:
-            part = min(slots - 1, (start + pos * size) * slots // total)
-            part_end = (part + 1) * total // slots
-            end = min(n, max(pos + 1, -(-(part_end - start) // size)), pos + max(1, bucket_bytes // size))
-            parts[part].append(flat[pos:end])
-            pos = end
-        start += n * size
-    return [part for part in parts if part]
 
 
 def _numel(item: SyncItem) -> int:
