@@ -5,13 +5,14 @@ import logging
 import random
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
 from lightning_recsys.data.criteo import CriteoConfig, CriteoDataModule, CriteoDataset
 from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
-from lightning_recsys.data.criteo_ranges import LineIndex, count_chunk_lines, file_chunks
+from lightning_recsys.data.criteo_ranges import LineIndex, count_byte, count_chunk_lines, file_chunks
 from lightning_recsys.data.readers import MalformedLineError
 
 
@@ -342,3 +343,10 @@ def test_prefetch_keeps_order_passes_errors_on_and_stops_when_closed():
     assert next(stream) == 0
     stream.close()  # the producer sees the stop and ends; no thread is left behind
     assert threading.active_count() == before
+
+
+def test_count_byte_equals_bytes_count():
+    rng = np.random.default_rng(0)
+    for data in (b"", b"\n", b"a\tb\n-1\n", rng.integers(0, 256, 100_003, dtype=np.uint8).tobytes()):
+        for value in (10, 45, 0, 255):
+            assert count_byte(data, value) == data.count(bytes([value])), (len(data), value)

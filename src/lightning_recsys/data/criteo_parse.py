@@ -37,10 +37,12 @@ from lightning_recsys.data.criteo import (
     dense_transform,
     parse_criteo_rows,
 )
+from lightning_recsys.data.criteo_ranges import count_byte
 from lightning_recsys.data.readers import BadLineTally
 
 _NUM_FIELDS = 1 + NUM_INTEGER_FEATURES + NUM_CATEGORICAL_FEATURES
 _FIRST_CATEGORICAL = 1 + NUM_INTEGER_FEATURES
+_DASH = ord("-")
 _MAX_HEX_DIGITS = 16  # longer values (never in the released files) take the exact Python path
 _BLOCK_BYTES = 1 << 20  # pyarrow's parse block when it uses its own threads
 
@@ -96,7 +98,7 @@ def arrow_raw_columns(data: bytes, lines: int, use_threads: bool = False) -> Raw
         return None
     table = _read(data, lines, _CONVERT_FIXED, use_threads)
     if table is not None:
-        raw = _fixed_width_columns(table, lines, data.count(b"-"))
+        raw = _fixed_width_columns(table, lines, count_byte(data, _DASH))
         if raw is not None:
             return raw
     table = _read(data, lines, _CONVERT_ANY, use_threads)
