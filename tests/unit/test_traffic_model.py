@@ -142,6 +142,9 @@ def test_a_tie_goes_to_1d():
     advice = recommend(_sequence_heavy(100.0), Hardware(), 8)
     assert not advice.best.layout.is_2d
     assert advice.confidence == "low" and any("within 5%" in r for r in advice.reasons)
+    # The perturbed assumptions are decided by the same rule, ties included: they all pick 1D too.
+    assert advice.agreeing == advice.perturbations
+    assert "6/6 perturbed assumptions pick 1D" in "\n".join(advice.lines())
 
 
 def test_parse_cluster_and_profile_shapes():

@@ -176,7 +176,7 @@ class Advice:
         b, o = self.best, self.best_other_kind
         kind = "2D" if b.layout.is_2d else "1D"
         out = [
-            f"recommended: {kind}: {b.layout.describe()}",
+            f"recommended: {b.layout.describe()}",
             f"  projected {b.scaling:.2f}x on {b.nodes} nodes ({b.step_s * 1e3:.1f} ms/step against {b.baseline_step_s * 1e3:.1f} ms on one node)",
             f"  best {'1D' if b.layout.is_2d else '2D'}: {o.layout.describe()}: {o.scaling:.2f}x ({o.step_s * 1e3:.1f} ms/step)",
             f"  confidence: {self.confidence} ({self.agreeing}/{self.perturbations} perturbed assumptions pick {kind}; "
@@ -200,20 +200,18 @@ def recommend(
     layouts = candidate_layouts(k for k in INTERVALS if k <= max_interval)
     compute = _compute(shape, compute_s)
     ranked = project(shape, layouts, hardware, nodes, compute)
-    best = ranked[0]
-    other = next(p for p in ranked if p.layout.is_2d != best.layout.is_2d)
+    best, other, tied = _pick(ranked)
     reasons = []
-    if best.layout.is_2d and other.step_s <= best.step_s * (1 + TIE):
-        # A tie goes to 1D: less memory per GPU (no full replica per node) and no replica sync.
+    if tied:
         reasons.append(f"2D is within {TIE:.0%} of 1D here; 1D needs less memory per GPU and no replica sync")
-        best, other = other, best
     cases = [
         (shape, hardware, compute * 0.5), (shape, hardware, compute * 2.0),
         (_shift_zipf(shape, -0.2), hardware, compute), (_shift_zipf(shape, +0.2), hardware, compute),
         (shape, replace(hardware, inter_gbit_s=hardware.inter_gbit_s * 0.5), compute),
         (shape, replace(hardware, inter_gbit_s=hardware.inter_gbit_s * 2.0), compute),
     ]  # fmt: skip
-    agreeing = sum(project(s, layouts, h, nodes, c)[0].layout.is_2d == best.layout.is_2d for s, h, c in cases)
+    # The same decision rule, ties included, under each perturbed assumption.
+    agreeing = sum(_pick(project(s, layouts, h, nodes, c))[0].layout.is_2d == best.layout.is_2d for s, h, c in cases)
     margin = other.step_s / best.step_s - 1.0
     if agreeing == len(cases) and margin > MODEL_TOLERANCE:
         confidence = "high"
@@ -233,6 +231,16 @@ def recommend(
             + " with this layout"
         )
     return Advice(best, other, tuple(ranked[1:4]), confidence, agreeing, len(cases), tuple(reasons))
+
+
+def _pick(ranked: list[Projection]) -> tuple[Projection, Projection, bool]:
+    """The pick, the best of the other kind, and whether a tie moved the pick from 2D to 1D."""
+    best = ranked[0]
+    other = next(p for p in ranked if p.layout.is_2d != best.layout.is_2d)
+    if best.layout.is_2d and other.step_s <= best.step_s * (1 + TIE):
+        # A tie goes to 1D: less memory per GPU (no full replica per node) and no replica sync.
+        return other, best, True
+    return best, other, False
 
 
 def _shift_zipf(shape: ModelShape, delta: float) -> ModelShape:
