@@ -215,6 +215,7 @@ def test_profile_counts_the_datamodule_ids():
         counts = torch.bincount(ids, minlength=rows).double()
         hot = math.ceil(0.01 * rows)
         assert table.hot_row_share == pytest.approx(float(counts.topk(hot).values.sum() / counts.sum()))
+        assert (table.sampled_lookups, table.sampled_distinct_rows) == (ids.numel(), ids.unique().numel())
         assert sum(table.row_block_shares) == pytest.approx(1.0)
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lightning_recsys.parallel.cost_model import Cluster, Link, topology_for
-from lightning_recsys.parallel.layout_advice import Hardware, parse_cluster, recommend, shape_from_tables
+from lightning_recsys.parallel.layout_advice import Hardware, TableProfile, parse_cluster, recommend, shape_from_tables
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.traffic_model import (
     Feature,
@@ -14,6 +14,7 @@ from lightning_recsys.parallel.traffic_model import (
     hot_row_share,
     overlapped_purposes,
     workload_traffic,
+    zipf_exponent_for_distinct,
     zipf_exponent_for_hot_share,
 )
 
@@ -53,6 +54,30 @@ def test_expected_distinct_limits():
         expected_distinct(10, -1, 1.0)
     with pytest.raises(ValueError, match="zipf exponent"):
         expected_distinct(10, 1, -0.5)
+
+
+@pytest.mark.parametrize("exponent", [0.0, 0.8, 1.05, 1.3])
+def test_zipf_exponent_fitted_to_a_small_samples_distinct_rows(exponent):
+    # A profile's sample: fewer lookups than the hottest 1% of rows, as a few batches over a big table give.
+    rows, draws = 10**5, 2048
+    weights = 1.0 / torch.arange(1, rows + 1, dtype=torch.float64) ** exponent
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.multinomial(weights, draws, replacement=True, generator=gen)
+    fitted = zipf_exponent_for_distinct(rows, draws, ids.unique().numel())
+    assert fitted == pytest.approx(exponent, abs=0.05)
+    # The sample's hot-row share overstates the skew: its top 1000 rows hold most of 2048 lookups whatever the skew.
+    counts = torch.bincount(ids, minlength=rows).double()
+    sampled_share = float(counts.topk(rows // 100).values.sum() / counts.sum())
+    assert zipf_exponent_for_hot_share(rows, min(sampled_share, 0.999999)) > exponent + 0.2 > fitted + 0.15
+    with pytest.raises(ValueError, match="distinct"):
+        zipf_exponent_for_distinct(rows, draws, draws + 1)
+
+
+def test_advice_fits_skew_to_the_profile_sample_before_the_hot_share():
+    sampled = TableProfile("a", 10**5, 16, 2.0, 0.99, True, (2048, int(expected_distinct(10**5, 2048, 1.05))))
+    shape, assumed = shape_from_tables("p", [sampled], batch_per_rank=64, dense_param_bytes=10)
+    assert shape.features[0].zipf_exponent == pytest.approx(1.05, abs=0.01)
+    assert any("fitted to the distinct rows" in a for a in assumed)
 
 
 def test_zipf_exponent_from_a_hot_row_share_round_trips():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from lightning_recsys.parallel.cost_model import Cluster, Link, StepEstimate, step_time, topology_for
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
@@ -248,9 +249,21 @@ def _shift_zipf(shape: ModelShape, delta: float) -> ModelShape:
     return replace(shape, features=features)
 
 
+class TableProfile(NamedTuple):
+    """What the advice knows of one table (from a plan report, or stated)."""
+
+    name: str
+    rows: int
+    dim: int
+    ids_per_example: float
+    hot_row_share: float | None
+    pooled: bool
+    sampled: tuple[int, int] | None = None  # (lookups, distinct rows) that a profile counted
+
+
 def shape_from_tables(
     name: str,
-    tables: Sequence[tuple[str, int, int, float, float | None, bool]],
+    tables: Sequence[TableProfile | tuple],
     *,
     batch_per_rank: int,
     dense_param_bytes: float,
@@ -258,21 +271,33 @@ def shape_from_tables(
     default_zipf: float = 1.05,
     compute_s: float | None = None,
 ) -> tuple[ModelShape, list[str]]:
-    """A ``ModelShape`` from a planner profile: per table (name, rows, dim, ids per example, hot-row share or None,
-    pooled). A hot-row share sets the table's Zipf exponent; without one ``default_zipf`` is assumed.
-    Returns the shape and the assumptions made, to print."""
-    from lightning_recsys.parallel.traffic_model import zipf_exponent_for_hot_share
+    """A ``ModelShape`` from a planner profile (``TableProfile`` per table) and the assumptions made, to print.
 
-    features, unknown = [], []
-    for table, rows, dim, ids, share, pooled in tables:
-        if share is not None and rows > 1 and share > hot_fraction:
-            exponent = zipf_exponent_for_hot_share(rows, min(share, 0.999999), hot_fraction)
+    Each table's Zipf exponent is fitted to the profile's distinct rows among its lookups where
+    there is a profile, else to a stated hot-row share, else ``default_zipf`` is assumed.
+    """
+    from lightning_recsys.parallel.traffic_model import zipf_exponent_for_distinct, zipf_exponent_for_hot_share
+
+    features, unknown, fitted = [], [], []
+    for entry in tables:
+        t = TableProfile(*entry)
+        if t.sampled is not None and t.rows > 1:
+            exponent = zipf_exponent_for_distinct(t.rows, *t.sampled)
+            fitted.append(exponent)
+        elif t.hot_row_share is not None and t.rows > 1 and t.hot_row_share > hot_fraction:
+            exponent = zipf_exponent_for_hot_share(t.rows, min(t.hot_row_share, 0.999999), hot_fraction)
         else:
             exponent = default_zipf
-            unknown.append(table)
-        features.append(Feature(name=table, rows=rows, dim=dim, ids_per_example=ids, pooled=pooled, zipf_exponent=exponent))
+            unknown.append(t.name)
+        features.append(Feature(name=t.name, rows=t.rows, dim=t.dim, ids_per_example=t.ids_per_example, pooled=t.pooled,
+                                zipf_exponent=exponent))  # fmt: skip
     assumed = [f"no hot-row share for {len(unknown)} table(s) ({', '.join(unknown[:4])}{', ...' if len(unknown) > 4 else ''}): "
                f"Zipf exponent {default_zipf:g} assumed"] if unknown else []  # fmt: skip
+    if fitted:
+        assumed.append(
+            f"Zipf exponents {min(fitted):.2f}-{max(fitted):.2f} fitted to the distinct rows the profile's lookups hit "
+            f"({len(fitted)} table(s)); ids assumed independent from step to step"
+        )
     return ModelShape(name=name, batch_per_rank=batch_per_rank, features=tuple(features), dense_param_bytes=dense_param_bytes,
                       compute_s=compute_s), assumed  # fmt: skip
 
@@ -308,9 +333,10 @@ def advise_from_report(report: object, model: object, cluster: str, compute_ms: 
     hardware = Hardware(gpus_per_node=gpus, **({"inter_gbit_s": gbit} if gbit else {}))
     dense, sequence = model_profile(model)
     tables = [
-        (t.name, t.rows, t.dim, t.lookups_per_example, t.hot_row_share, t.name not in sequence)  # type: ignore[attr-defined]
+        TableProfile(t.name, t.rows, t.dim, t.lookups_per_example, t.hot_row_share, t.name not in sequence,
+                     None if t.sampled_lookups is None else (t.sampled_lookups, t.sampled_distinct_rows))
         for t in report.tables  # type: ignore[attr-defined]
-    ]
+    ]  # fmt: skip
     compute = (compute_ms if compute_ms is not None else DEFAULT_COMPUTE_MS) / 1e3
     shape, assumed = shape_from_tables(
         "planned", tables, batch_per_rank=report.batch_size, dense_param_bytes=dense, compute_s=compute  # type: ignore[attr-defined]

@@ -129,6 +129,26 @@ def zipf_exponent_for_hot_share(rows: int, share: float, hot_fraction: float = 0
     return (lo + hi) / 2
 
 
+def zipf_exponent_for_distinct(rows: int, draws: int, distinct: int) -> float:
+    """The Zipf exponent under which ``draws`` ids over ``rows`` rows are expected to hit ``distinct`` rows (bisection).
+
+    This fits the quantity the sync traffic depends on (the union of touched rows) from a sample of
+    any size; a hot-row share measured on a sample with fewer lookups than hot rows is near 1 for any
+    distribution.
+    """
+    if not 1 <= distinct <= draws:
+        raise ValueError(f"distinct={distinct} must be in [1, draws={draws}] (distinct rows among the sampled lookups).")
+    lo, hi = 0.0, 4.0
+    if expected_distinct(rows, draws, lo) <= distinct:
+        return lo  # as spread as uniform ids (or more): the least skew the model has
+    if expected_distinct(rows, draws, hi) >= distinct:
+        return hi
+    for _ in range(40):  # expected_distinct falls as the exponent grows
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_distinct(rows, draws, mid) > distinct else (lo, mid)
+    return (lo + hi) / 2
+
+
 # --------------------------------------------------------------------------- workload and layout
 @dataclass(frozen=True, kw_only=True)
 class Feature:

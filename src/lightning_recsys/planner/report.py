@@ -101,6 +101,8 @@ class TableReport:
     hot_row_share: float | None
     stats_source: str
     hash_partitions: int | None
+    sampled_lookups: int | None = None  # a profile's lookups and the distinct rows they hit
+    sampled_distinct_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -328,6 +330,8 @@ def build_plan_report(
                 hot_row_share=table_stats.hot_row_share,
                 stats_source="assumed" if option.name in assumed else "observed",
                 hash_partitions=(hash_partitions or {}).get(option.name),
+                sampled_lookups=table_stats.sampled_lookups,
+                sampled_distinct_rows=table_stats.sampled_distinct_rows,
             )
         )
 

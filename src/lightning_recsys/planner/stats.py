@@ -38,6 +38,8 @@ class TableStats:
         hot_row_fraction: the fraction of rows counted as hot, in (0, 1].
         row_block_shares: share of the lookups in each equal, contiguous block of rows (they sum
             to 1); None means ids are spread evenly over the rows (hashed ids).
+        sampled_lookups, sampled_distinct_rows: how many lookups a profile counted and how many
+            distinct rows they hit (both or neither); the layout advice fits its id skew to them.
     """
 
     pooling_factor: float
@@ -45,6 +47,8 @@ class TableStats:
     hot_row_share: float | None = None
     hot_row_fraction: float = 0.01
     row_block_shares: tuple[float, ...] | None = None
+    sampled_lookups: int | None = None
+    sampled_distinct_rows: int | None = None
 
     def __post_init__(self) -> None:
         if not (isinstance(self.pooling_factor, (int, float)) and self.pooling_factor > 0 and math.isfinite(self.pooling_factor)):
@@ -53,6 +57,14 @@ class TableStats:
             raise ValueError(f"TableStats(features={self.features!r}) must be an integer >= 1.")
         if self.hot_row_share is not None and not 0 <= self.hot_row_share <= 1:
             raise ValueError(f"TableStats(hot_row_share={self.hot_row_share}) must be in [0, 1] (a share of lookups).")
+        sample = (self.sampled_lookups, self.sampled_distinct_rows)
+        if (sample[0] is None) != (sample[1] is None) or (
+            sample[0] is not None and not (isinstance(sample[0], int) and isinstance(sample[1], int) and 1 <= sample[1] <= sample[0])
+        ):
+            raise ValueError(
+                f"TableStats(sampled_lookups={sample[0]!r}, sampled_distinct_rows={sample[1]!r}) must both be None or "
+                "integers with 1 <= sampled_distinct_rows <= sampled_lookups."
+            )
         if not 0 < self.hot_row_fraction <= 1:
             raise ValueError(f"TableStats(hot_row_fraction={self.hot_row_fraction}) must be in (0, 1].")
         if self.row_block_shares is not None:
@@ -178,6 +190,8 @@ def _stats_from_counts(
         hot_row_share=min(1.0, hot),
         hot_row_fraction=hot_row_fraction,
         row_block_shares=tuple(shares.tolist()),
+        sampled_lookups=max(int(round(total)), unique.numel()),
+        sampled_distinct_rows=unique.numel(),
     )
 
 
