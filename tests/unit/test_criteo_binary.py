@@ -190,3 +190,55 @@ def test_the_criteo_config_switches_to_npy_files_on_the_command_line(npy_dir):
     assert isinstance(dm, CriteoBinaryDataModule) and dm.config.train_days == [0, 1] and dm.config.val_days == [2]
     assert dm.table_sizes == cli.model.hparams.table_sizes == [100000] * 26 and dm.config.global_batch_size == 2048
     assert cli.model.hparams.feature_names == dm.feature_names
+
+
+def test_an_empty_day_between_days_is_an_empty_stretch_of_the_stream(npy_dir, tmp_path):
+    """A day of 0 rows (an empty TSV converted, or every line skipped) adds nothing, on every rank."""
+    out, _, _ = npy_dir
+    empty = tmp_path / "empty.tsv"
+    empty.write_text("")
+    assert convert_tsv_to_npy(str(empty), str(out), 5, progress=False) == 0
+    config = CriteoBinaryConfig(path=str(out), train_days=[0, 5, 1, 5], table_sizes=SIZES, global_batch_size=8)
+    expected = list(CriteoBinaryDataset(CriteoBinaryConfig(path=str(out), train_days=[0, 1], table_sizes=SIZES, global_batch_size=4), "train"))
+    for world_size in (1, 2):
+        for rank in range(world_size):
+            batches = list(CriteoBinaryDataset(config, "train", rank, world_size))
+            assert len(batches) == (23 + 17) // 8
+            # Rank r of 2 holds rows [r*20, (r+1)*20): the one-rank batches of 4 from r*5 on.
+            own = expected[rank * 5 : (rank + 1) * 5] if world_size == 2 else None
+            if own is not None:
+                assert all(torch.equal(a.dense, b.dense) for a, b in zip(batches, own))
+
+
+def test_converter_refuses_two_inputs_for_one_day(tmp_path):
+    """Two inputs with one day number would overwrite each other's npy files; the second silently won."""
+    for part in ("part1", "part2"):
+        (tmp_path / f"train_day_1_{part}.tsv").write_text("1" + "\t" * 39 + "\n")
+    with pytest.raises(SystemExit, match="day 1 twice"):
+        main([str(tmp_path / "train_day_1_part1.tsv"), str(tmp_path / "train_day_1_part2.tsv"), "--out-dir", str(tmp_path / "o")])
+    with pytest.raises(SystemExit, match="day 0 twice"):
+        main([str(tmp_path / "train_day_1_part1.tsv"), str(tmp_path / "train_day_1_part2.tsv"), "--days", "0", "0", "--out-dir", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("crlf", [False, True])  # the pyarrow path and the exact line-by-line path
+@pytest.mark.parametrize(
+    ("field", "value", "problem"),
+    [
+        (3, str(2**31), r"integer feature 2 \(field 4\) 2147483648 is outside int32"),
+        (2, str(-(2**31) - 1), r"integer feature 1 \(field 3\) -2147483649 is outside int32"),
+        (20, "f" * 16, r"categorical feature cat_6 \(field 21\) 'ffffffffffffffff' is outside int64"),
+    ],
+)
+def test_converter_reports_values_the_npy_format_cannot_hold(tmp_path, crlf, field, value, problem):
+    """tsv_to_npys stores int32 integers and int64 categoricals: a wider value wrapped around (NaN dense for the whole day)."""
+    rows = [_fields(random.Random(i), i) for i in range(6)]
+    rows[4][field] = value
+    path = tmp_path / "day_0"
+    path.write_bytes(("\r\n" if crlf else "\n").join("\t".join(f) for f in rows).encode() + b"\n")
+    from lightning_recsys.data.readers import MalformedLineError
+
+    with pytest.raises(MalformedLineError, match=rf"day_0, line 5: {problem}"):
+        convert_tsv_to_npy(str(path), str(tmp_path / "out"), 0, progress=False)
+    assert convert_tsv_to_npy(str(path), str(tmp_path / "skip"), 0, on_bad_line="skip", progress=False) == 5
+    assert np.isfinite(np.load(day_file(tmp_path / "skip", 0, "dense"))).all()

@@ -153,6 +153,8 @@ class CriteoBinaryDataset(IterableDataset):
                 lengths=lengths, rank=rank, world_size=world_size, last_row=self.num_batches * config.global_batch_size - 1
             )
             for i, (first, last) in sorted(ranges.items()):
+                if last < first:  # a day of 0 rows inside the range: TorchRec's load_npy_range refuses it
+                    continue
                 self._pieces.append(
                     tuple(
                         utils.load_npy_range(day_file(config.path, days[i], kind), first, last - first + 1, mmap_mode=True)
@@ -262,8 +264,29 @@ class CriteoBinaryDataModule(CriteoFeatures, RankSlicedDataModule):
 # --------------------------------------------------------------------------- conversion from TSV
 
 
+_INT32 = np.iinfo(np.int32)
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _npy_range_problem(fields: list[str]) -> str | None:
+    """What of a valid line the npy format cannot store (int32 integers, int64 categoricals); None if all fits."""
+    for i, value in enumerate(fields[1 : 1 + NUM_INTEGER_FEATURES]):
+        if value and not _INT32.min <= int(value) <= _INT32.max:
+            return f"integer feature {i} (field {i + 2}) {value} is outside int32, the npy format's dense type"
+    for i, value in enumerate(fields[1 + NUM_INTEGER_FEATURES :]):
+        if value and int(value, 16) > _INT64_MAX:
+            return (
+                f"categorical feature cat_{i} (field {i + 2 + NUM_INTEGER_FEATURES}) {value!r} is outside int64, "
+                "the npy format's sparse type"
+            )
+    return None
+
+
 def _python_raw(data: bytes, first_line: int, tally: BadLineTally) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """``(labels, integers, hex values)`` of the valid lines of ``data``, by the line-by-line reader's rules."""
+    """``(labels, integers, hex values)`` of the valid lines of ``data``, by the line-by-line reader's rules.
+
+    A line the npy format cannot store (a value too wide for its dtype) is bad too: stored, it would wrap around.
+    """
     labels, integers, values = [], [], []
     for i, line in enumerate(data.decode("utf-8", errors="replace").split("\n")[:-1]):
         line = line.rstrip("\r\n")
@@ -271,6 +294,9 @@ def _python_raw(data: bytes, first_line: int, tally: BadLineTally) -> tuple[np.n
             tally.bad(first_line + i, line, _diagnose(line))
             continue
         fields = line.split("\t")
+        if (problem := _npy_range_problem(fields)) is not None:
+            tally.bad(first_line + i, line, problem)
+            continue
         labels.append(int(fields[0]))
         integers.append([int(x or "0") for x in fields[1 : 1 + NUM_INTEGER_FEATURES]])
         values.append([int(x or "0", 16) for x in fields[1 + NUM_INTEGER_FEATURES :]])
@@ -278,6 +304,15 @@ def _python_raw(data: bytes, first_line: int, tally: BadLineTally) -> tuple[np.n
         np.asarray(labels, dtype=np.int32).reshape(-1, 1),
         np.asarray(integers, dtype=np.int32).reshape(-1, NUM_INTEGER_FEATURES),
         np.asarray(values, dtype=np.int64).reshape(-1, NUM_CATEGORICAL_FEATURES),
+    )
+
+
+def _fits_npy(raw) -> bool:
+    """Whether pyarrow's columns fit the npy dtypes (int32 integers, int64 categoricals) without wrapping."""
+    integers = raw.integers
+    return bool(
+        (integers.size == 0 or (integers.min() >= _INT32.min and integers.max() <= _INT32.max))
+        and (raw.hex_values.size == 0 or raw.hex_values.max() <= np.uint64(_INT64_MAX))
     )
 
 
@@ -309,7 +344,8 @@ def convert_tsv_to_npy(
     values, including the dense ``ln(x - min + 2)``), but the file is parsed by pyarrow in windows
     and spooled to disk, so memory stays bounded, and gzip is read directly. Malformed lines are
     handled as by the TSV readers (``on_bad_line``), where ``tsv_to_npys`` would raise or
-    misread them.
+    misread them; so is a line with a value the dtypes cannot hold (an integer outside int32, a
+    categorical above 2^63 - 1), which would otherwise wrap around.
     """
     from tqdm import tqdm
 
@@ -331,6 +367,8 @@ def convert_tsv_to_npy(
         try:
             for line_number, data, lines in file_windows(str(in_path), compressed, 0, 1, 0, None, window_bytes):
                 raw = arrow_raw_columns(data, lines, use_threads=True)  # one window at a time: pyarrow's pool parses it
+                if raw is not None and not _fits_npy(raw):
+                    raw = None  # the exact path names the line whose value the npy dtypes cannot hold
                 if raw is None:
                     labels, integers, values = _python_raw(data, line_number, tally)
                 else:

@@ -17,11 +17,19 @@ def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
     if days is not None:
         if len(days) != len(paths):
             raise SystemExit(f"--days has {len(days)} numbers for {len(paths)} input files; give one per file.")
-        return list(days)
-    found = [re.search(r"day_(\d+)", Path(p).name) for p in paths]
-    if all(found):
-        return [int(m.group(1)) for m in found]  # type: ignore[union-attr]
-    return list(range(len(paths)))
+        numbers = list(days)
+    else:
+        found = [re.search(r"day_(\d+)", Path(p).name) for p in paths]
+        numbers = [int(m.group(1)) for m in found] if all(found) else list(range(len(paths)))  # type: ignore[union-attr]
+    # One day's npy files per input: a repeated day would be overwritten by the later input.
+    for day in sorted(set(numbers)):
+        same = [p for p, d in zip(paths, numbers) if d == day]
+        if len(same) > 1:
+            raise SystemExit(
+                f"day {day} twice: {', '.join(same)} would all be written to day_{day}_*.npy, each input over the one "
+                "before; concatenate them into one input, or number them with --days."
+            )
+    return numbers
 
 
 def main(argv: Sequence[str] | None = None) -> None:
