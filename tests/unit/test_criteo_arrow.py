@@ -350,3 +350,21 @@ def test_count_byte_equals_bytes_count():
     for data in (b"", b"\n", b"a\tb\n-1\n", rng.integers(0, 256, 100_003, dtype=np.uint8).tobytes()):
         for value in (10, 45, 0, 255):
             assert count_byte(data, value) == data.count(bytes([value])), (len(data), value)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage after the end"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_damaged_gzip_file_is_named_in_the_error(tmp_path, damage, world_size):
+    """A split of many day files: 'Truncated compressed stream' (pyarrow) or an EOFError (gzip) alone said not which."""
+    lines = _lines(60)
+    good = _write(tmp_path / "day_0.gz", lines[:30], compress=True)
+    packed = gzip.compress(("\n".join(lines[30:]) + "\n").encode())
+    bad = tmp_path / "day_1.gz"
+    bad.write_bytes(packed[:-12] if damage == "truncated" else packed + b"junk")
+    config = _config([good, str(bad)])
+    readers = [lambda: CriteoArrowDataset(config, "train", 0, world_size)]
+    if world_size == 1:
+        readers.append(lambda: CriteoDataset(config, "train"))
+    for reader in readers:
+        with pytest.raises(OSError, match=rf"{bad}: the gzip data is damaged or truncated .*gzip -t"):
+            list(reader())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from lightning_recsys.data.readers import _GZIP_MAGIC
+from lightning_recsys.data.readers import _GZIP_MAGIC, damaged_gzip_error
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # plain-file bytes per line-count chunk
 
@@ -136,12 +136,30 @@ def _line_end(data: bytes, n: int) -> int:
     return int(np.flatnonzero(np.frombuffer(data, dtype=np.uint8) == 10)[n - 1]) + 1
 
 
+class _GzipStream:
+    """pyarrow's zlib stream (C++ that releases the GIL for a whole read, unlike Python's gzip); its errors name the file."""
+
+    def __init__(self, path: str) -> None:
+        self.path, self._stream = path, pa.CompressedInputStream(pa.OSFile(path, "rb"), "gzip")
+
+    def read(self, size: int) -> bytes:
+        try:
+            return self._stream.read(size)
+        except (OSError, pa.ArrowException) as error:  # e.g. "Truncated compressed stream", without the path
+            raise damaged_gzip_error(self.path, error) from error
+
+    def __enter__(self) -> _GzipStream:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stream.close()
+
+
 def open_stream(path: str, compressed: bool, start: int):
     if compressed:
         if start:
             raise ValueError(f"{path} is gzip: it can only be read from its start.")
-        # pyarrow's zlib stream: C++ that releases the GIL for a whole read (Python's gzip does not).
-        return pa.CompressedInputStream(pa.OSFile(path, "rb"), "gzip")
+        return _GzipStream(path)
     raw = open(path, "rb")  # noqa: SIM115 - returned to the caller's with-block
     raw.seek(start)
     return raw

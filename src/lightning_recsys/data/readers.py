@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import logging
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Generic, Literal, TypeVar
@@ -61,6 +62,11 @@ def malformed_line_error(path: str, line_number: int, line: str, problem: str) -
         line=line,
         problem=problem,
     )
+
+
+def damaged_gzip_error(path: str | Path, error: BaseException) -> OSError:
+    """The error for a gzip file that cannot be decompressed: the libraries' own messages do not name the file."""
+    return OSError(f"{path}: the gzip data is damaged or truncated ({error}); check the file with gzip -t {path}.")
 
 
 def check_on_bad_line(value: str) -> None:
@@ -132,7 +138,16 @@ def iter_lines(path: str | Path, encoding: str = "utf-8") -> Iterator[tuple[int,
     opener = gzip.open if is_gzip else open
     # newline="\n": a stray "\r" stays inside its line (and makes it malformed) instead of splitting it.
     with opener(path, "rt", encoding=encoding, errors="replace", newline="\n") as text:
-        for line_number, line in enumerate(text, 1):
+        lines = enumerate(text, 1)
+        while True:
+            try:
+                line_number, line = next(lines)
+            except StopIteration:
+                return
+            except (EOFError, OSError, zlib.error) as error:
+                if not is_gzip:
+                    raise
+                raise damaged_gzip_error(path, error) from error
             # Only the line break: trailing tabs are empty fields, not whitespace.
             yield line_number, line.rstrip("\r\n")
 
