@@ -1,5 +1,6 @@
 """MovieLens-100k reader on tiny hand-written files in the real formats."""
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -279,3 +280,17 @@ def test_shuffle_reorders_train_every_epoch_alike_on_every_rank(ml_dir):
         assert [p for a, b in zip(*halves) for p in _pairs([a]) + _pairs([b])] == expected
     with pytest.raises(ValueError, match="shuffle='yes' must be true or false"):
         MovieLens100KConfig(path="x", shuffle="yes")
+
+
+def test_shuffle_order_follows_the_trainers_epoch_for_a_fresh_loader(ml_dir):
+    """A loader made at epoch k (reload_dataloaders_every_n_epochs, or a run resumed from a checkpoint)
+    draws epoch k's order, as the uninterrupted run did, not epoch 0's again."""
+    kwargs = {"train_fraction": 1.0, "val_fraction": 0.0, "global_batch_size": 2, "shuffle": True, "seed": 3}
+    dm = MovieLens100KDataModule(**dataclasses.asdict(_config(ml_dir, **kwargs)))
+    dm.trainer = SimpleNamespace(global_rank=0, world_size=1, current_epoch=0)
+    loader = dm.train_dataloader()
+    epochs = [_pairs(loader) for _ in range(3)]  # one loader iterated once per epoch
+    assert epochs[0] != epochs[1] != epochs[2]
+    for epoch in range(3):
+        dm.trainer = SimpleNamespace(global_rank=0, world_size=1, current_epoch=epoch)
+        assert _pairs(dm.train_dataloader()) == epochs[epoch], epoch

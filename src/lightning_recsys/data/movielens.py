@@ -471,4 +471,7 @@ class MovieLens100KDataModule(RankSlicedDataModule):
     def _dataset(self, split: Split, rank: int, world_size: int) -> MovieLens100KDataset:
         if self._data is None:
             self._data = MovieLens100K(self.config, warn=rank == 0)  # every rank skips alike; one logs
-        return MovieLens100KDataset(self._data, split, rank, world_size)
+        dataset = MovieLens100KDataset(self._data, split, rank, world_size)
+        # A loader made at epoch k (reloaded each epoch, or after resuming) draws epoch k's order, not epoch 0's.
+        dataset.epoch = getattr(self.trainer, "current_epoch", 0) or 0
+        return dataset
