@@ -1,4 +1,4 @@
-"""Lightning features on TwoDRecStrategy: mixed precision, LR schedules on the tables, gradient clipping."""
+"""Lightning features on TwoDRecStrategy: mixed precision, LR schedules on the tables, gradient clipping, an empty fit."""
 
 from __future__ import annotations
 
@@ -96,6 +96,36 @@ def test_gradient_clipping_warns_once_that_fused_tables_are_not_clipped():
     results = run_ranks(_fit_scheduled, 2, False, 1.0, timeout=180)
     assert len(results[0]["clip_warnings"]) == 1, results[0]["clip_warnings"]
     assert "FBGEMM" in results[0]["clip_warnings"][0]
+
+
+class _NoBatches(torch.utils.data.IterableDataset):
+    """An iterable split that yields nothing and has no length, like a Criteo file shorter than one global batch."""
+
+    def __iter__(self):
+        return iter(())
+
+
+class _EmptyTrainData(SyntheticClickLogDataModule):
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(_NoBatches(), batch_size=None)
+
+
+def _fit_without_batches(rank: int, world_size: int) -> list[str]:
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, max_epochs=1, limit_val_batches=0, logger=False,
+        strategy=TwoDRecStrategy(process_group_timeout=60), enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_model(), datamodule=_EmptyTrainData(CONFIG))
+    return [str(w.message) for w in caught if "no training step" in str(w.message)]
+
+
+def test_a_fit_that_got_no_batch_says_so():
+    warned = run_ranks(_fit_without_batches, 2, timeout=180)
+    assert len(warned[0]) == 1 and "global_batch_size" in warned[0][0], warned[0]
+    assert warned[1] == []  # rank 0 speaks for all
 
 
 @pytest.mark.gpu

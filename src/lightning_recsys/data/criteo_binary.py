@@ -39,6 +39,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -63,6 +64,9 @@ from lightning_recsys.data.readers import (
     check_on_bad_line,
     rank_slice,
 )
+
+if TYPE_CHECKING:
+    from lightning_recsys.data.criteo_parse import RawColumns
 
 _KINDS = ("dense", "sparse", "labels")
 _COLUMNS = {"dense": NUM_INTEGER_FEATURES, "sparse": NUM_CATEGORICAL_FEATURES, "labels": 1}
@@ -307,7 +311,7 @@ def _python_raw(data: bytes, first_line: int, tally: BadLineTally) -> tuple[np.n
     )
 
 
-def _fits_npy(raw) -> bool:
+def _fits_npy(raw: RawColumns) -> bool:
     """Whether pyarrow's columns fit the npy dtypes (int32 integers, int64 categoricals) without wrapping."""
     integers = raw.integers
     return bool(

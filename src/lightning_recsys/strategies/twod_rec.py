@@ -370,7 +370,19 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
             self._runtime.before_step(self._scheduler_factor())
 
     # Strategy hooks: evaluation and the end of training always see one synchronized model.
-    on_validation_start = on_test_start = on_predict_start = on_train_end = _sync_if_pending
+    on_validation_start = on_test_start = on_predict_start = _sync_if_pending
+
+    @override
+    def on_train_end(self) -> None:
+        self._sync_if_pending()
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        # Lightning warns about a zero-length loader, but an iterable one that yields nothing passes silently.
+        if trainer is not None and trainer.global_step == 0 and trainer.max_steps != 0 and trainer.limit_train_batches != 0:
+            rank_zero_warn(
+                "fit ran no training step: the train dataloader yielded no batch on some rank. A split with fewer "
+                "examples than one global batch yields none (the final partial global batch is dropped); check the "
+                "train files and global_batch_size."
+            )
 
     # ----------------------------------------------------------------- batches, inputs, non-finite values
     @override
