@@ -174,3 +174,28 @@ def test_sync_every_n_steps_and_optimizer_state_sync():
     assert _replicas_identical([r["adagrad_sync_state=False"]["weights"] for r in results])
     assert not _replicas_identical([r["adagrad_sync_state=False"]["state"] for r in results])
     assert synced["state"].keys() == unsynced["state"].keys()
+
+
+def _fit_with_validation_mid_training(rank: int, world_size: int) -> dict:
+    from lightning.pytorch import Trainer
+    from oracle import CONFIG, make_model
+
+    from lightning_recsys.data import SyntheticClickLogDataModule
+
+    strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE)  # touched rows, every step
+    trainer = Trainer(
+        accelerator="cpu", devices=PER_NODE, num_nodes=NODES, strategy=strategy, max_steps=STEPS, val_check_interval=1,
+        limit_val_batches=1, num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    model = make_model()
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    return shards_of(model)
+
+
+def test_replicas_stay_identical_when_validation_runs_between_training_steps():
+    # Lightning restores the training mode after validation by setting `.training` on named_modules(),
+    # which never reaches TorchRec's lookups (a plain list): the fused kernels stayed in eval mode and
+    # their touched rows were no longer tracked, so the replicas silently drifted apart.
+    results = run_ranks(_fit_with_validation_mid_training, WORLD_SIZE, timeout=300, ranks_per_node=PER_NODE)
+    _assert_replicas_identical(results, [[0, 2], [1, 3]])

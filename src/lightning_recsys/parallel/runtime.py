@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_recsys.parallel.comm_accounting import CommAccountant
@@ -80,6 +80,13 @@ class ShardedRuntime:
         self.data_parallel_table_optimizer: Optional[Optimizer] = None
         self.embedding_lr: Optional[EmbeddingLearningRate] = None
         self.output_hooks: Optional[EmbeddingOutputHooks] = None
+        # Each sharded embedding module with its TorchRec lookups (a plain list, so not its submodules).
+        self._lookups: list[tuple[nn.Module, list[nn.Module]]] = [
+            (owner, list(owner._lookups))
+            for fqn in sharded.embedding_module_fqns
+            for owner in sharded.dmp.module.get_submodule(fqn).modules()
+            if getattr(owner, "_lookups", None)
+        ]
 
     # ----------------------------------------------------------------- set-up
     def start(self) -> None:
@@ -120,7 +127,19 @@ class ShardedRuntime:
         """A training step starts: account its collectives; move the tables' learning rate to ``lr_factor``."""
         if lr_factor is not None and self.embedding_lr is not None:
             self.embedding_lr.set_factor(lr_factor)
+        self.align_lookup_modes()
         self.comm.begin_step()
+
+    def align_lookup_modes(self) -> None:
+        """Give TorchRec's lookups (and their fused kernels) their sharded module's training mode.
+
+        A loop that restores modes by setting ``.training`` on ``named_modules()`` (Lightning does after
+        every validation) never reaches the lookups, which then stay in eval mode: the replica sync's
+        row trackers skip eval-mode lookups, so the replicas would drift apart unseen."""
+        for owner, lookups in self._lookups:
+            for lookup in lookups:
+                if any(m.training != owner.training for m in lookup.modules()):
+                    lookup.train(owner.training)
 
     def after_optimizer_step(self) -> None:
         """The dense step is done: step the data-parallel tables, let the replica sync run on its cadence."""
