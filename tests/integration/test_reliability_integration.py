@@ -153,6 +153,30 @@ def test_dataloader_error_on_one_rank_stops_every_rank_at_once():
     assert time.monotonic() - start < PG_TIMEOUT + 60, "rank 0 waited for the process group's timeout"
 
 
+class _RaisesOnRank1(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and batch_idx == 2:
+            raise ValueError("a bug in rank 1's step")
+
+
+def _own_error_on_rank_1(rank: int, world_size: int, pipeline: str) -> tuple[str, float]:
+    start = time.monotonic()
+    try:
+        _fit(world_size, _DataModule([6, 6]), sgd_strategy(pipeline=pipeline, process_group_timeout=PG_TIMEOUT), callbacks=[_RaisesOnRank1()])
+    except Exception as error:  # noqa: BLE001 - what each rank saw, and when
+        return type(error).__name__, time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("pipeline", ["sparse_dist", "off"])
+def test_an_exception_in_one_ranks_step_fails_that_rank_at_once(pipeline):
+    # The raising rank used to wait at teardown for the next batch's input distribution, which its
+    # peer (stuck in the step's collectives) never joins: a hang for the whole process-group timeout.
+    (error_0, _), (error_1, seconds_1) = run_ranks(_own_error_on_rank_1, 2, pipeline, timeout=PG_TIMEOUT + 60)
+    assert error_1 == "ValueError" and seconds_1 < PG_TIMEOUT / 2, (error_1, seconds_1)
+    assert error_0 == "RuntimeError"  # its collective lost the peer
+
+
 # ----------------------------------------------------------------- uneven and empty batches
 def _uneven(rank: int, world_size: int, sharding_type: str) -> int:
     def edit(r: int, i: int, batch: RecBatch) -> RecBatch:

@@ -30,6 +30,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 
 from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose
 from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
+from lightning_recsys.parallel.process_group import raised_on_every_rank
 
 log = logging.getLogger(__name__)
 
@@ -369,15 +370,17 @@ class CoordinatedBatches:
         everyone: list[list[tuple[str, bool]]] = [[] for _ in range(dist.get_world_size(self._group))]
         dist.all_gather_object(everyone, [(p.message, p.fatal) for p in problems], group=self._group)
         if own_error is not None:
-            raise own_error  # this rank's dataloader failed; the others raise InvalidInputError naming it
+            raise raised_on_every_rank(own_error)  # this rank's dataloader failed; the others raise InvalidInputError naming it
         lines = [f"rank {rank}: {m}" for rank, rank_problems in enumerate(everyone) for m, _ in rank_problems]
         message = "invalid sparse input (TwoDRecStrategy validate_inputs=" + repr(self._validate) + "):\n  " + "\n  ".join(lines)
         if fatal:
-            raise InvalidInputError(
+            raise raised_on_every_rank(InvalidInputError(
                 message + "\nThese problems stop training whatever validate_inputs says: no clamp can make such a batch right."
-            )
+            ))
         if self._validate == "error":
-            raise InvalidInputError(message + "\nSet validate_inputs='warn' to log and continue (FBGEMM clamps such ids to row 0).")
+            raise raised_on_every_rank(
+                InvalidInputError(message + "\nSet validate_inputs='warn' to log and continue (FBGEMM clamps such ids to row 0).")
+            )
         self._warn(message)
 
     def _note_dropped(self, others: list[RankBatch]) -> None:

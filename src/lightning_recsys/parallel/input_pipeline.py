@@ -179,8 +179,11 @@ class SparseDistPipeline:
                 self._next = None
             self._send_ids(context)
 
-    def drop(self, started: StartedBatch) -> None:
-        """A started batch whose step will not run (the loop stopped): finish its collectives."""
+    def drop(self, started: StartedBatch, *, wait: bool = True) -> None:
+        """A started batch whose step will not run (the loop stopped): finish its collectives.
+
+        ``wait=False`` (this rank failed alone; its peers are not at these collectives): forget them
+        instead, neither sending the ids nor waiting, which would hang until the process-group timeout."""
         context = started.context
         if context is None or not any(c is context for c in self._pending):
             return
@@ -189,9 +192,9 @@ class SparseDistPipeline:
             self._next = None
         if not context.consumed:
             discard_batch_comm(context.handshake_token)
-        if not context.splits_waited:
+        if wait and not context.splits_waited:
             self._send_ids(context)
-        for request in list(context.input_dist_tensors_requests.values()):
+        for request in list(context.input_dist_tensors_requests.values()) if wait else []:
             try:
                 request.wait()
             except (RuntimeError, dist.DistError) as error:  # the run is already ending or failing
@@ -201,10 +204,11 @@ class SparseDistPipeline:
         context.expected_inputs.clear()
         discard_batch_comm(context.token)
 
-    def close(self) -> None:
-        """Finish the started batches no step read, and give the sharded modules their own forwards back."""
+    def close(self, *, wait: bool = True) -> None:
+        """Finish (``wait=False``: forget, see ``drop``) the started batches no step read, and give the
+        sharded modules their own forwards back."""
         for context in list(self._pending):
-            self.drop(StartedBatch(context.batch, context))
+            self.drop(StartedBatch(context.batch, context), wait=wait)
         if self._hook is not None:
             self._hook.remove()
             self._hook = None

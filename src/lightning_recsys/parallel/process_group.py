@@ -8,6 +8,22 @@ import time
 import torch.distributed as dist
 
 
+_RAISED_ON_EVERY_RANK = "_lightning_recsys_raised_on_every_rank"
+
+
+def raised_on_every_rank(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised by every rank at the same point (a coordinated stop); returns it.
+
+    Teardown may then still finish the collectives every rank started; after any other error this
+    rank failed alone and its peers are elsewhere, so waiting for them would hang until the timeout."""
+    setattr(error, _RAISED_ON_EVERY_RANK, True)
+    return error
+
+
+def was_raised_on_every_rank(error: BaseException) -> bool:
+    return bool(getattr(error, _RAISED_ON_EVERY_RANK, False))
+
+
 def looks_like_lost_peer(exception: BaseException) -> bool:
     """Whether a collective's error reads like a peer that died or hung (worth asking who is gone)."""
     text = str(exception).lower()

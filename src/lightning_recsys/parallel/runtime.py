@@ -32,6 +32,7 @@ from lightning_recsys.parallel.comm_accounting import CommAccountant
 from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
+from lightning_recsys.parallel.process_group import raised_on_every_rank
 from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats, SyncTotals
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.sharded_model import ShardedModel
@@ -169,10 +170,10 @@ class ShardedRuntime:
         if any(found.values()):
             what = "; ".join(f"{k} on rank(s) {ranks}" + (f" ({local[k]} here)" if local[k] else "") for k, ranks in found.items() if ranks)
             when = "stopped before the embedding update" if before_update else "the tables' update at this step is already applied"
-            raise FloatingPointError(
+            raise raised_on_every_rank(FloatingPointError(
                 f"TwoDRecStrategy(check_finite): non-finite values at step {step}: {what}; {when}. Lower the learning "
                 "rate or check the inputs, and resume from the last checkpoint."
-            )
+            ))
 
     # ----------------------------------------------------------------- replica sync
     def sync(self) -> None:

@@ -37,7 +37,12 @@ from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.guard_config import GuardConfig
 from lightning_recsys.parallel.input_guard import CoordinatedBatches
 from lightning_recsys.parallel.input_pipeline import PIPELINE_MODES, PipelineMode, SparseDistPipeline
-from lightning_recsys.parallel.process_group import destroy_process_group_at_exit, looks_like_lost_peer, report_lost_ranks
+from lightning_recsys.parallel.process_group import (
+    destroy_process_group_at_exit,
+    looks_like_lost_peer,
+    report_lost_ranks,
+    was_raised_on_every_rank,
+)
 from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.replica_sync import SyncStats
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
@@ -415,6 +420,11 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if self._input_pipeline is not None and not was_raised_on_every_rank(exception):
+            # This rank failed alone (its own step, or a collective): its peers are not at the batch
+            # distributions it started, and finishing them at teardown would wait out the timeout.
+            self._input_pipeline.close(wait=False)
+            self._input_pipeline = None
         # A collective that failed usually means a peer died; name it where the rendezvous store can tell.
         if _distributed_is_initialized() and looks_like_lost_peer(exception):
             lost = report_lost_ranks(self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()))
