@@ -7,7 +7,6 @@ import time
 
 import torch.distributed as dist
 
-
 _RAISED_ON_EVERY_RANK = "_lightning_recsys_raised_on_every_rank"
 
 
