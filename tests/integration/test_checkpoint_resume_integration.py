@@ -122,7 +122,12 @@ def _resume_after_kill(rank, world_size, ckpt_dir):
     return _fit(rank, world_size, ckpt_dir, 3, "last", [], every_n=2)
 
 
+def _three_epochs(rank, world_size, ckpt_dir):
+    return _fit(rank, world_size, ckpt_dir, 3, None, [])
+
+
 def test_kill_mid_epoch_then_resume_from_last_loses_only_the_steps_since_the_checkpoint(tmp_path):
+    full = run_ranks(_three_epochs, WORLD_SIZE, str(tmp_path / "full"), timeout=240)
     ckpt_dir = str(tmp_path / "ckpts")
     try:
         run_ranks(_killed_at_step_5, WORLD_SIZE, ckpt_dir, timeout=240)
@@ -134,3 +139,6 @@ def test_kill_mid_epoch_then_resume_from_last_loses_only_the_steps_since_the_che
     resumed = run_ranks(_resume_after_kill, WORLD_SIZE, ckpt_dir, timeout=240)
     assert all(r["global_step"] == 3 * STEPS_PER_EPOCH for r in resumed)
     assert resumed[0]["losses"][0][0] == 5  # the first step after the restored step 4
+    # Step 4 ended mid-epoch; the resumed epoch goes on with its next batch, not its first again.
+    for rank in range(WORLD_SIZE):
+        assert resumed[rank]["losses"] == full[rank]["losses"][4:], rank

@@ -172,17 +172,20 @@ def _checkpoint_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
     for pipeline in ("off", "sparse_dist"):
         directory = f"{ckpt_dir}/{pipeline}"
         losses = []
-        for run, (max_steps, ckpt_path) in enumerate([(3, None), (-1, "last")]):
+        runs = [(3, None, directory), (-1, "last", directory), (-1, None, f"{directory}-whole")]  # stopped, resumed, whole
+        for run, (max_steps, ckpt_path, run_dir) in enumerate(runs):
             record = _Record()
             trainer = Trainer(
                 accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=["row_wise"], pipeline=pipeline),
                 max_epochs=2, max_steps=max_steps, logger=False, enable_progress_bar=False, enable_model_summary=False,
-                limit_val_batches=0, callbacks=[record, ModelCheckpoint(dirpath=directory, save_last=True, every_n_train_steps=3)],
+                limit_val_batches=0, callbacks=[record, ModelCheckpoint(dirpath=run_dir, save_last=True, every_n_train_steps=3)],
             )
             model = make_model()
             trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
             losses.append(record.losses)
-        results[pipeline] = {"losses": losses, "shards": shards_of(model), "steps": trainer.global_step}
+            if run == 1:
+                resumed = {"shards": shards_of(model), "steps": trainer.global_step}
+        results[pipeline] = {"losses": losses[:2], "whole": losses[2], **resumed}
     return results
 
 
@@ -191,6 +194,8 @@ def test_mid_epoch_checkpoint_and_resume_through_the_pipeline_match_off(tmp_path
         off, on = result["off"], result["sparse_dist"]
         assert len(on["losses"][0]) == 3 and on["steps"] == off["steps"] == 2 * CONFIG.train_batches  # stopped mid-epoch 0
         assert on["losses"] == off["losses"], rank
+        # Resumed mid-epoch at the next batch: stopped + resumed steps are the uninterrupted run's.
+        assert off["losses"][0] + off["losses"][1] == off["whole"] == on["whole"], rank
         for key, pieces in off["shards"].items():
             assert all(torch.equal(a, b) for (_, a), (_, b) in zip(pieces, on["shards"][key])), f"rank {rank}: {key}"
 

@@ -30,6 +30,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 
 from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose
 from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
+from lightning_recsys.parallel.loader_position import LoaderPosition, Progress, drop_first
 from lightning_recsys.parallel.process_group import raised_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -256,6 +257,9 @@ class CoordinatedBatches:
     ``pipeline``: a ``SparseDistPipeline``; each agreed batch's input distribution then starts
     (after its check and handshake) before the batch ahead of it is yielded. ``training()`` says
     whether the batches feed training steps (their collectives are accounted to those steps).
+    ``progress()``: the training loop's steps run in this epoch, and whether it counts the epoch as
+    complete; with it, ``state_dict`` / ``load_state_dict`` resume a mid-epoch checkpoint at the next
+    batch (``LoaderPosition``; a loader with its own ``state_dict`` keeps it instead).
     """
 
     def __init__(
@@ -268,8 +272,10 @@ class CoordinatedBatches:
         equal_sizes_required: bool,
         pipeline: SparseDistPipeline | None = None,
         training: Callable[[], bool] = lambda: False,
+        progress: Progress | None = None,
     ) -> None:
         self.loader = loader
+        self._position = LoaderPosition(progress)
         self.pipeline = pipeline
         self._training = training
         self._group = group
@@ -288,19 +294,36 @@ class CoordinatedBatches:
             raise AttributeError(name)
         return getattr(self.loader, name)  # sampler, dataset, batch_size, ... for Lightning
 
-    def __iter__(self) -> Iterator[Any]:
-        if self.pipeline is None or not self.pipeline.enabled:
-            return self._agreed(iter(self.loader), tagged=False)
-        return pipelined(self._agreed(iter(self.loader), tagged=True), self.pipeline, account=self._training)
+    def _loader_is_stateful(self) -> bool:
+        return callable(getattr(self.loader, "state_dict", None)) and callable(getattr(self.loader, "load_state_dict", None))
 
-    def _agreed(self, iterator: Iterator[Any], *, tagged: bool) -> Iterator[Any]:
+    def state_dict(self) -> dict[str, Any]:
+        return self.loader.state_dict() if self._loader_is_stateful() else self._position.state_dict()  # type: ignore[attr-defined]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self._loader_is_stateful():
+            self.loader.load_state_dict(state)  # type: ignore[attr-defined]
+        else:
+            self._position.load_state_dict(state)
+
+    def __iter__(self) -> Iterator[Any]:
+        first_step, skip = (0, 0) if self._loader_is_stateful() else self._position.start()
+        source = drop_first(iter(self.loader), skip, _END) if skip else iter(self.loader)
+        if self.pipeline is None or not self.pipeline.enabled:
+            return self._agreed(source, tagged=False, first_step=first_step, skipped=skip)
+        agreed = self._agreed(source, tagged=True, first_step=first_step, skipped=skip)
+        return pipelined(agreed, self.pipeline, account=self._training)
+
+    def _agreed(self, iterator: Iterator[Any], *, tagged: bool, first_step: int = 0, skipped: int = 0) -> Iterator[Any]:
         """The batches every rank runs.
 
         Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
         before batch i is handed to the step, so the exchange overlaps step i's compute.
         ``tagged``: yield ``(batch, token)``; the handshakes issued up to that yield are held under
         ``token`` in the accounting (the pipeline yields a batch later than this, and releases it then).
+        ``first_step``, ``skipped``: a resumed epoch's first step and the source batches dropped before.
         """
+        step = first_step
         token = object() if tagged else None
         pending = self._fetch(iterator, 0, token)
         in_flight: _Handshake | None = pending
@@ -312,6 +335,7 @@ class CoordinatedBatches:
                     self._report(pending.problems, fatal=any(r.fatal for r in others), own_error=pending.error)
                 if not all(r.has_batch for r in others):
                     self._note_dropped(others)
+                    self._position.exhausted()
                     return
                 upcoming = in_flight = self._fetch(iterator, index + 1, token)
                 sizes = {r.size for r in others if r.size >= 0}
@@ -319,6 +343,8 @@ class CoordinatedBatches:
                     self.skipped_steps += 1
                     self._warn(f"batch {index}: batch sizes per rank {[r.size for r in others]}; skipped on every rank")
                 else:
+                    self._position.yielded(step, skipped + index + 1)
+                    step += 1
                     yield (pending.batch, token) if tagged else pending.batch
                     token = object() if tagged else None
                 pending = upcoming

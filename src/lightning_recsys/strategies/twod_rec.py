@@ -405,7 +405,14 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
             equal_sizes_required=self._setup.equal_batch_sizes_required,
             pipeline=self._input_pipeline,
             training=lambda: self.lightning_module is not None and self.lightning_module.training,
+            progress=self._epoch_progress,
         )
+
+    def _epoch_progress(self) -> tuple[int, bool]:
+        """Training steps run in this epoch (their updates are in the model) and whether the loop counts it complete."""
+        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
+        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        return steps, steps >= trainer.num_training_batches
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
