@@ -73,6 +73,7 @@ class RunSummary(Callback):
         self._timed_steps = 0
         self._timed_examples = 0
         self._wall_seconds = 0.0
+        self._validated_at_step: int | None = None
         self._last_step_end: float | None = None
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
@@ -112,6 +113,10 @@ class RunSummary(Callback):
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_step_end = None  # the next step's interval would include validation
 
+    def on_validation_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not trainer.sanity_checking:
+            self._validated_at_step = trainer.global_step  # the val/ metrics describe the model of this step
+
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = self._build(trainer)
         if not trainer.is_global_zero:
@@ -139,6 +144,7 @@ class RunSummary(Callback):
             "metrics": {
                 k: float(v) for k, v in sorted(trainer.callback_metrics.items()) if v.numel() == 1 and k != "examples_per_sec"
             },
+            "val_metrics_step": self._validated_at_step,
         }
         strategy = trainer.strategy
         if isinstance(strategy, TwoDRecStrategy):
@@ -189,7 +195,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows.append(("replica syncs (rank 0)", f"{sync['syncs']:,}"))
         rows.append(("  rows per sync (touched fraction)", f"{sync['rows_per_sync']:,.0f} of {sync['rows_total']:,} ({sync['touched_fraction']:.2%})"))
         rows.append(("  bytes per sync", f"{sync['bytes_per_sync']:,.0f}"))
-    rows += [(name, fmt(value)) for name, value in summary["metrics"].items()]
+    validated = summary.get("val_metrics_step")
+    rows += [
+        (name, fmt(value) + (f" (step {validated})" if name.startswith("val/") and validated is not None else ""))
+        for name, value in summary["metrics"].items()
+    ]
     width = max(len(name) for name, _ in rows)
     return "Run summary\n" + "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
 

@@ -53,6 +53,7 @@ def test_synthetic_configs_train_and_plan_prints_the_logged_report(config, tmp_p
     summary = _fit(config, TINY_SYNTHETIC, tmp_path, output)
     assert summary["world_size"] == 2 and summary["global_steps"] == 3
     assert 0.0 <= summary["metrics"]["val/auc"] <= 1.0 and summary["examples_per_sec"] > 0
+    assert summary["val_metrics_step"] == 3  # the epoch-end validation, after the last step
     assert summary["bytes_per_step"]["payload"] > 0
     assert list(tmp_path.glob("lightning_logs/version_*/metrics.csv")), "the default CSV logger wrote nothing"
 

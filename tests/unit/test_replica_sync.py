@@ -58,3 +58,16 @@ def test_run_summary_shows_rows_per_sync_and_the_touched_fraction():
     line = next(line for line in text.splitlines() if "rows per sync (touched fraction)" in line)
     assert line.split(")", 1)[1].strip() == "1,234 of 100,000 (1.23%)"
     assert "bytes per sync" in text and "98,720" in text
+
+
+def test_run_summary_says_which_step_the_validation_metrics_describe():
+    from lightning_recsys.callbacks import format_summary
+
+    summary = {
+        "world_size": 2, "global_steps": 20, "timed_steps": 18, "examples_per_sec": 1.0, "step_time_ms": 1.0, "forward_ms": 1.0,
+        "backward_ms": 1.0, "optimizer_ms": 1.0, "peak_memory_mib": 1.0, "metrics": {"train/loss": 0.5, "val/auc": 0.66},
+        "val_metrics_step": 13,
+    }
+    lines = format_summary(summary).splitlines()
+    assert next(line for line in lines if "val/auc" in line).endswith("0.66 (step 13)")
+    assert next(line for line in lines if "train/loss" in line).endswith("0.5")
