@@ -16,6 +16,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from lightning_recsys.checkpoint import (
+    CheckpointError,
     CheckpointMismatchError,
     UncommittedCheckpointError,
     is_committed,
@@ -382,3 +383,51 @@ def test_partial_saves_are_invisible_to_a_search_by_name(tmp_path: Path) -> None
     final = _commit_empty(tmp_path, "last.ckpt", step=1)
     prepare_temporary(final)  # a new save of "last" has started
     assert [p.name for p in tmp_path.iterdir() if "last" in p.name] == ["last.ckpt"]
+
+
+# ----------------------------------------------------------------- damaged checkpoints
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda m: None, "meta.json is not a JSON object"),
+        (lambda m: {k: v for k, v in m.items() if k != "world_size"}, "meta.json lacks 'world_size'"),
+        (lambda m: {**m, "step": "three"}, "meta.json has step='three'"),
+        (lambda m: {**m, "format_version": "1"}, "format_version='1'.*damaged"),
+    ],
+)
+def test_a_hand_edited_meta_json_is_named_as_damaged_and_skipped_by_the_search(tmp_path: Path, edit, expected) -> None:
+    good = _commit_empty(tmp_path, "good", step=1)
+    edited = _commit_empty(tmp_path, "edited", step=5)
+    (edited / "meta.json").write_text(json.dumps(edit(json.loads((edited / "meta.json").read_text()))))
+    with pytest.raises(UncommittedCheckpointError, match=expected):
+        read_meta(edited)
+    assert latest_checkpoint(tmp_path) == good  # not a TypeError from comparing it
+
+
+def test_damaged_index_or_host_state_is_named_before_the_model_is_touched(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    path = _save_unsharded(Ranker(), tmp_path / "ckpt", host_state={"global_step": 4})
+    data = path.resolve()
+    target = Ranker()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    (data / "host_state.pt").write_bytes((data / "host_state.pt").read_bytes()[:10])
+    with pytest.raises(UncommittedCheckpointError, match="host_state.pt cannot be read.*damaged"):
+        load_unsharded(path, target)
+    assert all(torch.equal(target.state_dict()[k], v) for k, v in before.items())
+    (data / ".metadata").write_bytes((data / ".metadata").read_bytes()[:20])
+    with pytest.raises(UncommittedCheckpointError, match=r"\.metadata cannot be read.*damaged"):
+        load_unsharded(path, target)
+
+
+def test_a_deleted_shard_file_names_the_checkpoint_and_the_file(tmp_path: Path) -> None:
+    path = _save_unsharded(Ranker(), tmp_path / "ckpt")
+    shard = next(path.resolve().glob("*.distcp"))
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=f"reading the shards of checkpoint .*ckpt.*FileNotFoundError.*{shard.name}.*damaged"):
+        load_unsharded(path, Ranker())
+
+
+def test_a_plain_lightning_checkpoint_file_is_named_as_such(tmp_path: Path) -> None:
+    torch.save({"state_dict": {}, "global_step": 3}, tmp_path / "plain.ckpt")
+    with pytest.raises(UncommittedCheckpointError, match="is a file, not a checkpoint directory.*state_dict"):
+        read_meta(tmp_path / "plain.ckpt")

@@ -19,12 +19,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from lightning_recsys.checkpoint.directory import (
     HOST_STATE_FILE,
     CheckpointMeta,
+    UncommittedCheckpointError,
     commit,
     prepare_temporary,
     read_meta,
@@ -251,6 +253,7 @@ def load_checkpoint(
     strict: bool = True,
     load_embedding_optimizer_state: bool = True,
     weights_only: bool | None = None,
+    require_host_state: bool = False,
 ) -> LoadedCheckpoint:
     """Load a committed checkpoint into ``state`` in place, resharding as needed; every rank calls it.
 
@@ -259,7 +262,9 @@ def load_checkpoint(
     an uncommitted directory raises ``UncommittedCheckpointError`` (a ValueError). Each sharding
     group then reads with its own process group. ``strict=False`` skips keys present on one side
     only; ``load_embedding_optimizer_state=False`` leaves the embedding optimizer as it is.
-    ``weights_only`` is passed to ``torch.load`` for the host state. Returns the host state and meta.
+    ``weights_only`` is passed to ``torch.load`` for the host state; ``require_host_state=True`` refuses
+    a checkpoint without one (a Trainer's resume needs it). A damaged index or host state raises
+    ``UncommittedCheckpointError`` before anything is written. Returns the host state and meta.
     """
     _require_process_group("load_checkpoint")
     directory = Path(path)
@@ -267,11 +272,19 @@ def load_checkpoint(
     targets: dict[str, Any] = {}
     reads: StateReads | None = None
     meta: CheckpointMeta | None = None
+    host_state: dict[str, Any] | None = None
     error: Exception | None = None
     try:
         directory = resolve(directory)  # the newest committed copy of this name (see directory.py)
         meta = read_meta(directory)
-        metadata = FileSystemReader(directory).read_metadata()
+        metadata = _read_index(directory)
+        # Read before the shards: a damaged host state must fail on every rank before the model changes.
+        host_state = _read_host_state(directory, weights_only)
+        if host_state is None and require_host_state:
+            raise UncommittedCheckpointError(
+                f"checkpoint {str(directory)!r} has no {HOST_STATE_FILE} (the trainer state a resume needs); it was "
+                "saved without host_state, or the file was deleted. Load it with load_checkpoint()/load_unsharded() instead."
+            )
         optimizer_state = state.embedding_optimizer_state(group) if load_embedding_optimizer_state else None
         expected = _model_entries(state.model_state_dict, set(state.table_placements()))
         if optimizer_state is not None:
@@ -294,13 +307,13 @@ def load_checkpoint(
         error = e
     _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
     assert meta is not None
-    dcp.load(targets, storage_reader=FileSystemReader(directory), process_group=group)
+    _read_shards(targets, directory, process_group=group)
     for key, value in state.model_state_dict.items():
         if not isinstance(value, torch.Tensor) and model_key(key) in targets:
             state.model_state_dict[key] = targets[model_key(key)]  # DCP replaces non-tensor values
     if reads is not None:
         reads.apply()
-    return LoadedCheckpoint(path=directory, meta=meta, host_state=_read_host_state(directory, weights_only))
+    return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
 
 
 def _model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> list[ExpectedEntry]:
@@ -323,11 +336,44 @@ def _optimizer_entries(optimizer_state: EmbeddingOptimizerState) -> list[Expecte
     return entries
 
 
+def _damaged(path: Path, error: Exception) -> UncommittedCheckpointError:
+    return UncommittedCheckpointError(
+        f"{path} cannot be read ({type(error).__name__}: {error}); the checkpoint is damaged (a truncated or "
+        "deleted file). Load another checkpoint, e.g. an earlier one of the same run."
+    )
+
+
+def _read_index(directory: Path) -> Metadata:
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as error:  # noqa: BLE001 - whatever unpickling a cut file raises
+        raise _damaged(directory / ".metadata", error) from error
+
+
 def _read_host_state(directory: Path, weights_only: bool | None) -> dict[str, Any] | None:
     host_path = directory / HOST_STATE_FILE
     if not host_path.is_file():
         return None
-    return torch.load(host_path, map_location="cpu", weights_only=weights_only)
+    try:
+        return torch.load(host_path, map_location="cpu", weights_only=weights_only)
+    except Exception as error:  # noqa: BLE001
+        if "Weights only load failed" in str(error):
+            raise  # the file is fine; torch's message says which globals to allow
+        raise _damaged(host_path, error) from error
+
+
+def _read_shards(targets: dict[str, Any], directory: Path, **kwargs: Any) -> None:
+    """``dcp.load``; a missing or truncated shard file becomes one error naming the checkpoint (on every rank)."""
+    try:
+        dcp.load(targets, storage_reader=FileSystemReader(directory), **kwargs)
+    except CheckpointException as error:
+        # DCP keeps (exception, traceback) per failed rank.
+        causes = {r: f[0] if isinstance(f, tuple) else f for r, f in sorted(error.failures.items())}
+        failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in causes.items())
+        raise CheckpointError(
+            f"reading the shards of checkpoint {str(directory)!r} failed ({failures}); the checkpoint is damaged (a "
+            "truncated or deleted .distcp file). The model is partly overwritten: load another checkpoint."
+        ) from error
 
 
 # ----------------------------------------------------------------- export
@@ -346,7 +392,8 @@ def load_unsharded(
     """
     directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     meta = read_meta(directory)
-    metadata = FileSystemReader(directory).read_metadata()
+    metadata = _read_index(directory)
+    host_state = _read_host_state(directory, weights_only)
     model_state = module.state_dict()
     on_meta = sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor) and v.is_meta)
     if on_meta:
@@ -373,10 +420,10 @@ def load_unsharded(
         saved_optimizer=None,
     )
     targets = {e.key: model_state[e.key.removeprefix("model.")] for e in to_load}
-    dcp.load(targets, storage_reader=FileSystemReader(directory), no_dist=True)
+    _read_shards(targets, directory, no_dist=True)
     # In case a module's state_dict() returns copies rather than views of its storage.
     module.load_state_dict({k.removeprefix("model."): v for k, v in targets.items()}, strict=False)
-    return LoadedCheckpoint(path=directory, meta=meta, host_state=_read_host_state(directory, weights_only))
+    return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
 
 
 # ----------------------------------------------------------------- agreement between ranks

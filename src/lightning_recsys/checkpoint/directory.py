@@ -42,7 +42,7 @@ import os
 import shutil
 import sys
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 from pathlib import Path
@@ -105,20 +105,41 @@ class CheckpointMeta:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any], *, source: Path) -> CheckpointMeta:
+    def from_dict(cls, data: Any, *, source: Path) -> CheckpointMeta:
+        # meta.json may have been edited by hand: every problem is an UncommittedCheckpointError naming it,
+        # which latest_checkpoint() and resolve() skip, never a TypeError deep in a comparison.
+        damaged = f"the checkpoint is damaged (was {source / META_FILE} edited by hand?)"
+        if not isinstance(data, dict):
+            raise UncommittedCheckpointError(f"{source / META_FILE} is not a JSON object (got {type(data).__name__}); {damaged}.")
         if data.get("format") != FORMAT:
             raise UncommittedCheckpointError(
                 f"{source} has format={data.get('format')!r}, not {FORMAT!r}: it was not written by "
                 "lightning_recsys.checkpoint."
             )
         version = data.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION:
+        if not _is_int(version):
+            raise UncommittedCheckpointError(f"{source} has format_version={version!r}, not an integer; {damaged}.")
+        if version > FORMAT_VERSION:
             raise UncommittedCheckpointError(
                 f"{source} has format_version={version!r}; this lightning_recsys reads versions <= "
                 f"{FORMAT_VERSION}. Upgrade lightning_recsys to load it."
             )
-        known = {f for f in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        fields = cls.__dataclass_fields__
+        required = [n for n, f in fields.items() if f.default is MISSING and f.default_factory is MISSING]
+        missing = [n for n in required if n not in data]
+        if missing:
+            raise UncommittedCheckpointError(f"{source / META_FILE} lacks {', '.join(map(repr, missing))}; {damaged}.")
+        step = data.get("step")
+        if step is not None and not _is_int(step):
+            raise UncommittedCheckpointError(f"{source / META_FILE} has step={step!r}, not an integer or null; {damaged}.")
+        for name in ("world_size", "sharding_group_size", "num_replicas"):
+            if not _is_int(data[name]) or data[name] < 1:
+                raise UncommittedCheckpointError(f"{source / META_FILE} has {name}={data[name]!r}, not an integer >= 1; {damaged}.")
+        return cls(**{k: v for k, v in data.items() if k in fields})
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def software_versions() -> dict[str, str | None]:
@@ -150,6 +171,13 @@ def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
 
 
 def _read_meta_at(path: Path) -> CheckpointMeta:
+    if path.is_file():
+        raise UncommittedCheckpointError(
+            f"checkpoint {str(path)!r} is a file, not a checkpoint directory: TwoDRecStrategy saves each checkpoint as a "
+            "directory of DCP shards. A file like this one (e.g. a torch.save of Lightning's checkpoint dict, from "
+            "another strategy) cannot be resumed with ckpt_path; load its 'state_dict' into the unsharded model (real, "
+            "not meta, tables) before fit instead, or pass a checkpoint TwoDRecStrategy saved."
+        )
     if not path.is_dir():
         raise UncommittedCheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a directory).")
     if not is_committed(path):

@@ -92,7 +92,9 @@ class DCPCheckpointIO(CheckpointIO):
             # validate/test/predict have no optimizers to restore (data-parallel tables get none then)
             load_embedding_optimizer_state=source.restores_optimizer_state(),
             weights_only=weights_only,
+            require_host_state=True,
         )
+        assert loaded.host_state is not None
         return dict(loaded.host_state)
 
     @override
