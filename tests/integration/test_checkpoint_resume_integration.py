@@ -142,3 +142,19 @@ def test_kill_mid_epoch_then_resume_from_last_loses_only_the_steps_since_the_che
     # Step 4 ended mid-epoch; the resumed epoch goes on with its next batch, not its first again.
     for rank in range(WORLD_SIZE):
         assert resumed[rank]["losses"] == full[rank]["losses"][4:], rank
+
+
+def _save_by_hand_after_async_fit(rank, world_size, ckpt_dir):
+    strategy = TwoDRecStrategy(process_group_timeout=60, checkpoint_io=DCPCheckpointIO(async_save=True))
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.save_checkpoint(f"{ckpt_dir}/by_hand.ckpt")  # after teardown: no later save or teardown commits it
+    return is_committed(f"{ckpt_dir}/by_hand.ckpt")
+
+
+def test_an_async_save_after_fit_is_committed_before_it_returns(tmp_path):
+    assert run_ranks(_save_by_hand_after_async_fit, WORLD_SIZE, str(tmp_path), timeout=240) == [True, True]
+    assert read_meta(tmp_path / "by_hand.ckpt").step == STEPS_PER_EPOCH

@@ -52,10 +52,12 @@ class DCPCheckpointIO(CheckpointIO):
         self._source: Optional[ShardedCheckpointSource] = None
         self._saver: Optional[AsyncCheckpointSaver] = None
         self._pending: Optional[AsyncCheckpointHandle] = None
+        self._torn_down = False
 
     def connect(self, source: ShardedCheckpointSource) -> None:
         """Called by the strategy after sharding, on every rank (collective when ``async_save``)."""
         self._source = source
+        self._torn_down = False
         if self.async_save and self._saver is None:
             self._saver = AsyncCheckpointSaver(source.topology)
 
@@ -76,6 +78,10 @@ class DCPCheckpointIO(CheckpointIO):
             return
         self.wait()
         self._pending = self._saver.save(path, **kwargs)
+        if self._torn_down:
+            # After teardown (trainer.save_checkpoint after fit, on_fit_end) no later save or teardown
+            # would commit it: the checkpoint would be lost silently. Commit now.
+            self.wait()
 
     @override
     def load_checkpoint(
@@ -110,6 +116,7 @@ class DCPCheckpointIO(CheckpointIO):
     @override
     def teardown(self) -> None:
         self.wait()
+        self._torn_down = True
 
     def _require_source(self, action: str) -> ShardedCheckpointSource:
         if self._source is None:
