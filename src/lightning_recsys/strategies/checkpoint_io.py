@@ -44,7 +44,8 @@ class DCPCheckpointIO(CheckpointIO):
 
     Args:
         async_save: write in the background with DCP's ``async_save``; the save returns once the
-            state is copied to CPU memory, and is committed at the next save or at teardown.
+            state is copied to CPU memory, and is committed at the next save or at teardown (a save
+            after teardown is committed before it returns).
     """
 
     def __init__(self, async_save: bool = False) -> None:
