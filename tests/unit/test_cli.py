@@ -66,6 +66,14 @@ def test_bad_config_value_is_a_clear_error(capsys):
     assert "layout" in capsys.readouterr().err
 
 
+def test_a_value_a_config_class_refuses_is_a_usage_error_without_a_traceback(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        _build("synthetic_dlrm.yaml", "--trainer.strategy.init_args.replica_sync.every_n_steps", "0")
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "ReplicaSyncConfig.every_n_steps=0 must be an integer >= 1" in err and "Traceback" not in err
+
+
 def test_default_logger_writes_under_default_root_dir(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

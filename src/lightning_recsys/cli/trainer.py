@@ -39,6 +39,16 @@ class RecSysCLI(LightningCLI):
         for name, help_text in OTHER_SUBCOMMANDS.items():  # listed in --help; parsed by their own commands
             subcommands.add_subcommand(name, ArgumentParser(description=help_text), help=help_text)
 
+    def instantiate_classes(self) -> None:
+        try:
+            super().instantiate_classes()
+        except ValueError as error:
+            if os.environ.get("JSONARGPARSE_DEBUG"):
+                raise
+            # jsonargparse reports a constructor's own ValueError (which names the argument, its value and
+            # the rule) inside its union-type errors, under a long traceback: print it as a usage error.
+            self.parser.error(f"a configured object refused its arguments (JSONARGPARSE_DEBUG=1 shows the traceback):\n{error}")
+
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
         configured = config["trainer"].get("callbacks") or []
