@@ -12,7 +12,9 @@ from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.embedding import EmbeddingCollectionSharder, ShardedEmbeddingCollection
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder, ShardedEmbeddingBagCollection
-from torchrec.distributed.types import ModuleSharder, ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.distributed.types import LazyAwaitable, ModuleSharder, ParameterSharding, QuantizedCommCodecs, ShardingEnv, ShardingType
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedTensor
 
 ALL_SHARDING_TYPES: tuple[str, ...] = (
     ShardingType.DATA_PARALLEL.value,
@@ -75,7 +77,51 @@ class _WorldDataParallelMixin:
 
 
 class _ShardedEmbeddingBagCollection(_WorldDataParallelMixin, ShardedEmbeddingBagCollection):
-    pass
+    """Its pooled output keeps the unsharded module's key order.
+
+    TorchRec's sharded EBC concatenates its output by sharding type, then by rank (a table_wise plan
+    that puts ``t1`` on rank 0 returns ``[f1, f0]``), while the unsharded module returns its tables'
+    order. A model reading ``ebc(kjt).values()`` by position (as the README's own ranker does) would
+    then feed its dense layers permuted columns: a different model than the one built, whose meaning
+    changes with the plan (a checkpoint resharded to another world is silently wrong).
+    """
+
+    def __init__(self, module: EmbeddingBagCollection, *args: Any, **kwargs: Any) -> None:
+        self._unsharded_names = [n for names in get_embedding_names_by_table(module.embedding_bag_configs()) for n in names]
+        self._reorder_for: tuple[str, ...] | None = None  # the sharded order _reorder_index was made for
+        self._reorder_index: torch.Tensor | None = None
+        super().__init__(module, *args, **kwargs)
+
+    def _in_unsharded_order(self, output: KeyedTensor) -> KeyedTensor:
+        names = tuple(output.keys())
+        if self._reorder_for != names:
+            offsets, start = {}, 0
+            for name, dim in zip(names, output.length_per_key()):
+                offsets[name] = (start, dim)
+                start += dim
+            columns = [torch.arange(o, o + d) for o, d in (offsets[n] for n in self._unsharded_names)]
+            self._reorder_index = torch.cat(columns).to(output.values().device)
+            self._reorder_for = names
+        assert self._reorder_index is not None
+        dims = dict(zip(names, output.length_per_key()))
+        return KeyedTensor(
+            keys=list(self._unsharded_names),
+            length_per_key=[dims[n] for n in self._unsharded_names],
+            values=output.values().index_select(output.key_dim(), self._reorder_index),
+            key_dim=output.key_dim(),
+        )
+
+    def _reordered(self, awaitable: LazyAwaitable[KeyedTensor]) -> LazyAwaitable[KeyedTensor]:
+        # Only when the orders differ (and name the same keys): otherwise TorchRec's output is returned as it is.
+        if self._embedding_names != self._unsharded_names and sorted(self._embedding_names) == sorted(self._unsharded_names):
+            awaitable.callbacks.append(self._in_unsharded_order)
+        return awaitable
+
+    def output_dist(self, ctx: Any, output: Any) -> LazyAwaitable[KeyedTensor]:
+        return self._reordered(super().output_dist(ctx, output))
+
+    def compute_and_output_dist(self, ctx: Any, input: Any) -> LazyAwaitable[KeyedTensor]:
+        return self._reordered(super().compute_and_output_dist(ctx, input))
 
 
 class _ShardedEmbeddingCollection(_WorldDataParallelMixin, ShardedEmbeddingCollection):
