@@ -183,3 +183,21 @@ def test_an_exception_inside_the_check_becomes_a_fatal_problem_not_an_exception(
     assert size == 2 and [p.fatal for p in problems] == [True]
     assert "batch 3: checking the batch raised IndexError: index 0 is out of bounds" in problems[0].message
 
+
+
+def test_a_batch_may_carry_one_kjt_per_tower_and_a_feature_is_missing_only_when_none_has_it():
+    # A two-tower batch: {"user": KJT(sparse_0), "item": KJT(sparse_1)}. Each KJT was checked against every
+    # feature of the model, so this valid batch was refused as fatal ("no values for feature(s) ['sparse_1']").
+    batches = CoordinatedBatches([], group=None, validator=WEIGHTED, validate="error", equal_sizes_required=False)
+    user = _kjt(keys=("sparse_0",), values=(1, 2), lengths=(1, 1), weights=(1.0, 0.5))
+    item = _kjt(keys=("sparse_1",), values=(3,), lengths=(0, 1))
+    problems, size = batches.check({"user": user, "item": item, "labels": torch.zeros(2)}, 0)
+    assert (problems, size) == ([], 2)
+    # The per-KJT checks still run: an id out of range in the second KJT is found.
+    problems, _ = batches.check({"user": user, "item": _kjt(keys=("sparse_1",), values=(25,), lengths=(0, 1))}, 0)
+    assert [p.fatal for p in problems] == [False] and "'sparse_1' has id 25" in problems[0].message
+    # A feature that no KJT holds is still missing, and said once.
+    problems, _ = batches.check({"user": user, "other": _kjt(keys=("sparse_0",), values=(1,), lengths=(0, 1), weights=(1.0,))}, 0)
+    assert [p.message for p in problems if "no values" in p.message] == [
+        "batch 0: the batch has no values for feature(s) ['sparse_1'] that the model's tables need"
+    ]

@@ -92,10 +92,25 @@ class InputValidator:
         """Human-readable problems with ``kjt`` (empty when it is valid)."""
         return [p.message for p in self.check(kjt, batch=batch)]
 
-    def check(self, kjt: KeyedJaggedTensor, *, batch: int) -> list[InputProblem]:
-        """The problems with ``kjt``, each marked fatal or not (see the module docstring)."""
+    def check_batch(self, kjts: list[KeyedJaggedTensor], *, batch: int) -> list[InputProblem]:
+        """The problems with a batch's KeyedJaggedTensors taken together.
+
+        A batch may carry one KeyedJaggedTensor per embedding module (a two-tower model's user and
+        item features): a feature is missing only when none of them has it.
+        """
+        if len(kjts) == 1:
+            return self.check(kjts[0], batch=batch)
+        present = {key for kjt in kjts for key in kjt.keys()}
+        problems = self._missing(present, batch)
+        return problems + [p for kjt in kjts for p in self.check(kjt, batch=batch, require_every_feature=False)]
+
+    def check(self, kjt: KeyedJaggedTensor, *, batch: int, require_every_feature: bool = True) -> list[InputProblem]:
+        """The problems with ``kjt``, each marked fatal or not (see the module docstring).
+
+        ``require_every_feature=False``: ``kjt`` is one of several in the batch, which together must hold every feature.
+        """
         keys = list(kjt.keys())
-        problems = self._keys(keys, batch)
+        problems = self._keys(keys, batch, require_every_feature)
         values, lengths = kjt.values(), kjt.lengths()
         for name, tensor in (("values", values), ("lengths", lengths)):
             if tensor.dtype not in _ID_DTYPES:
@@ -115,7 +130,13 @@ class InputValidator:
             return weight_problems
         return weight_problems + self._out_of_range(kjt, keys, values, lengths, batch_size, batch)
 
-    def _keys(self, keys: list[str], batch: int) -> list[InputProblem]:
+    def _missing(self, keys: set[str], batch: int) -> list[InputProblem]:
+        missing = sorted(set(self.features) - keys)
+        if not missing:
+            return []
+        return [InputProblem(f"batch {batch}: the batch has no values for feature(s) {missing} that the model's tables need")]
+
+    def _keys(self, keys: list[str], batch: int, require_every_feature: bool = True) -> list[InputProblem]:
         problems = []
         duplicated = sorted(k for k, n in Counter(keys).items() if n > 1)
         if duplicated:
@@ -125,10 +146,9 @@ class InputValidator:
                 "appear once (TorchRec does not check this, and sends a repeated block to the wrong table); merge the "
                 "ids into one key, or name each block after the feature of its table."
             ))
-        missing = sorted(set(self.features) - set(keys))
+        if require_every_feature:
+            problems += self._missing(set(keys), batch)
         extra = sorted(set(keys) - set(self.features))
-        if missing:
-            problems.append(InputProblem(f"batch {batch}: the batch has no values for feature(s) {missing} that the model's tables need"))
         if extra:
             problems.append(InputProblem(
                 f"batch {batch}: the batch has feature(s) {extra} that no table uses (the model's features: {sorted(self.features)})"
@@ -383,7 +403,7 @@ class CoordinatedBatches:
             size = kjts[0].stride() if kjts else -1
             if self._validator is None:
                 return [], size
-            return [p for kjt in kjts for p in self._validator.check(kjt, batch=index)], size
+            return self._validator.check_batch(kjts, batch=index) if kjts else [], size
         except Exception as error:  # noqa: BLE001 - a malformed batch can break any step of the check
             log.debug("TwoDRecStrategy: the input check of batch %d raised", index, exc_info=True)
             return [InputProblem(
