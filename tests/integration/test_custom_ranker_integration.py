@@ -1,4 +1,4 @@
-"""A user's own ranker (the README's "bring your own ranker" shape) sharded on 2 processes equals unsharded training."""
+"""Users' own rankers (the README's "bring your own ranker"), sharded on 2 processes."""
 
 from __future__ import annotations
 
@@ -7,12 +7,13 @@ import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from multiprocess import run_ranks
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import RankerModule
 from lightning_recsys.parallel.sharded_model import local_shards
+from lightning_recsys.planner import plan_rows
 
 WORLD_SIZE = 2
 STEPS = 3
@@ -95,3 +96,53 @@ def test_pooled_output_keeps_the_unsharded_key_order_and_training_equals_unshard
         (pieces,) = [r["tables"][key] for r in results if r["tables"].get(key)]  # table_wise: one owner
         torch.testing.assert_close(pieces[0][1], expected_state[key])
     torch.testing.assert_close(torch.cat([r["predictions"] for r in results]), expected_predictions)
+
+
+class SequenceRanker(RankerModule):
+    """An EmbeddingCollection (un-pooled sequence features), summed per example."""
+
+    def __init__(self) -> None:
+        super().__init__(dense_optimizer="sgd", dense_lr=DENSE_LR)
+        tables = [
+            EmbeddingConfig(name=f"s{i}", embedding_dim=16, num_embeddings=rows, feature_names=[f"sparse_{i}"])
+            for i, rows in enumerate(SEQUENCE_CONFIG.table_sizes)
+        ]
+        self.ec = EmbeddingCollection(tables=tables)
+        self.head = nn.Linear(2 * 16 + 4, 1)
+
+    def forward(self, batch: RecBatch) -> torch.Tensor:
+        sequences = self.ec(batch.sparse)
+        pooled = [_sum_per_example(sequences[f"sparse_{i}"].lengths(), sequences[f"sparse_{i}"].values()) for i in range(2)]
+        return self.head(torch.cat([*pooled, batch.dense], dim=1)).squeeze(-1)
+
+
+@torch.fx.wrap
+def _sum_per_example(lengths: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    example = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    return torch.zeros(lengths.numel(), values.shape[1]).index_add_(0, example, values)
+
+
+SEQUENCE_CONFIG = SyntheticClickLogConfig(
+    table_sizes=[3000, 30], num_dense_features=4, pooling_factors=[2.0, 2.0], global_batch_size=16, train_batches=2, val_batches=1
+)
+
+
+def _fit_sequence_model_with_the_balanced_planner(rank: int, world_size: int) -> dict[str, str]:
+    torch.manual_seed(0)
+    model = SequenceRanker()
+    strategy = TwoDRecStrategy(planning=PlanningConfig(planner="balanced"), process_group_timeout=60)
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule(SEQUENCE_CONFIG))
+    assert trainer.global_step == 2
+    return {row["table"]: row["sharding_type"] for row in plan_rows(strategy.sharded_model.plan)}
+
+
+def test_small_sequence_tables_are_not_planned_data_parallel_on_cpu():
+    # The balanced planner made the 30-row sequence table data_parallel; TorchRec's data-parallel
+    # EmbeddingCollection lookup returns pooled rows on CPU, so the first forward failed in
+    # construct_jagged_tensors ("split_with_sizes expects split_sizes to sum exactly to ...").
+    for sharding in run_ranks(_fit_sequence_model_with_the_balanced_planner, WORLD_SIZE, timeout=300):
+        assert sharding["s1"] != "data_parallel", sharding

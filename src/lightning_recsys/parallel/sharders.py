@@ -170,7 +170,19 @@ class RecSysEmbeddingBagCollectionSharder(_AllowListMixin, EmbeddingBagCollectio
 
 
 class RecSysEmbeddingCollectionSharder(_AllowListMixin, EmbeddingCollectionSharder):
-    """EmbeddingCollection (sequence) sharder with an optional allow-list."""
+    """EmbeddingCollection (sequence) sharder with an optional allow-list; no data_parallel on CPU.
+
+    TorchRec 1.8 offers data_parallel for sequence tables, but on CPU its lookup returns one pooled
+    row per example instead of one row per id, and the first forward fails in
+    ``construct_jagged_tensors`` ("split_with_sizes expects split_sizes to sum exactly to ...").
+    The planners (ours makes small tables data_parallel) must not choose it there.
+    """
+
+    def sharding_types(self, compute_device_type: str) -> list[str]:
+        types = super().sharding_types(compute_device_type)
+        if compute_device_type == "cpu":
+            return [t for t in types if t != ShardingType.DATA_PARALLEL.value]
+        return types
 
     def shard(
         self,
