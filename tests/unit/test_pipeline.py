@@ -129,3 +129,11 @@ def test_planning_config_takes_our_constraints():
     config = PlanningConfig(table_constraints={"t_sparse_0": TableConstraints(sharding_types=["table_wise"])})
     planned = _pipeline(config).run(_model())
     assert next(t for t in planned.report.tables if t.name == "t_sparse_0").sharding_type == "table_wise"
+
+
+def test_a_dim_the_fused_kernels_cannot_take_is_refused_before_planning_naming_the_table():
+    with pytest.raises(ValueError, match=r"'t_sparse_0' \(dim 6\), 't_sparse_1' \(dim 6\): embedding_dim must be a multiple of 4"):
+        _pipeline(PlanningConfig()).run(_model(dim=6))
+    # A table that may only be data_parallel takes any dim (it does not use the fused kernels).
+    data_parallel = PlanningConfig(table_constraints={name: TableConstraints(sharding_types=["data_parallel"]) for name in ("t_sparse_0", "t_sparse_1")})
+    assert _pipeline(data_parallel).run(_model(dim=6)).plan is not None

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlanner
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_recsys.parallel.reshape import apply_reshape
 from lightning_recsys.parallel.topology import ParallelTopology
@@ -135,6 +136,7 @@ class PlanningPipeline:
         reports: list[PlanReport] = []
 
         def plan_and_report() -> ShardingPlan:
+            check_embedding_dims(embedding_tables(module), self.config)
             plan = self._planner(name, module, inputs).plan(module, self.sharders)
             reports.append(self._report(plan, module, inputs, PLANNER_LABELS[name]))  # before DMP changes the module
             return plan
@@ -198,4 +200,25 @@ class PlanningPipeline:
             comm_costs=self.comm_costs,
             planner=label,
             reshape=inputs.reshape,
+        )
+
+
+def _data_parallel_only(table: str, config: PlanningConfig) -> bool:
+    constraint = config.table_constraints.get(table)
+    allowed = (constraint.sharding_types if constraint is not None and constraint.sharding_types else None) or config.sharding_types
+    return allowed is not None and set(allowed) == {"data_parallel"}
+
+
+def check_embedding_dims(tables: list[BaseEmbeddingConfig], config: PlanningConfig) -> None:
+    """Refuse, before planning, tables whose dim FBGEMM's fused kernels cannot take (a multiple of 4).
+
+    TorchRec asserts it only when it builds the kernels (``_assert_local_cols_divisible_by_4`` in
+    ``torchrec/distributed/batched_embedding_kernel.py``), on CPU too, deep inside sharding.
+    """
+    bad = [f"{t.name!r} (dim {t.embedding_dim})" for t in tables if t.embedding_dim % 4 and not _data_parallel_only(t.name, config)]
+    if bad:
+        raise ValueError(
+            f"embedding table(s) {', '.join(bad)}: embedding_dim must be a multiple of 4 for TorchRec's fused (FBGEMM) "
+            "kernels, which every sharding type but data_parallel uses. Round the dim up to a multiple of 4, or "
+            "constrain the table to data_parallel (TableConstraints(sharding_types=['data_parallel']))."
         )
