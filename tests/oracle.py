@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
 
-from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConfig, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.parallel.sharded_model import local_shards
@@ -105,7 +105,11 @@ def sgd_strategy(
 ) -> TwoDRecStrategy:
     """The oracle's strategy (SGD tables); the planner allow-list and guard settings are spelled flat for brevity."""
     kwargs.setdefault("process_group_timeout", 60)
-    kwargs.setdefault("planning", PlanningConfig(sharding_types=sharding_types))
+    constraints = {}
+    if sharding_types in (["column_wise"], ["table_column_wise"]):
+        # TorchRec's default min_partition keeps a dim-8 table in one column shard: split it in two.
+        constraints = {f"t_sparse_{i}": TableConstraints(sharding_types=sharding_types, min_partition=4) for i in range(len(CONFIG.table_sizes))}
+    kwargs.setdefault("planning", PlanningConfig(sharding_types=sharding_types, table_constraints=constraints))
     return TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR),
         guard=GuardConfig(validate_inputs=validate_inputs, check_finite=check_finite),  # type: ignore[arg-type]

@@ -65,6 +65,8 @@ def test_2d_matches_1d_and_unsharded_and_keeps_embedding_traffic_inside_a_node(s
     results = run_ranks(_fit_1d_and_both_2d_layouts, WORLD_SIZE, sharding_type, timeout=300, ranks_per_node=PER_NODE)
 
     one_d_shards = [r["1d"]["shards"] for r in results]
+    if sharding_type == "column_wise":  # the tables really are cut into column shards
+        assert any(len(offsets) == 2 and offsets[1] > 0 for shards in one_d_shards for pieces in shards.values() for offsets, _ in pieces)
     for name, replica_groups in {
         "1d": [[0], [1], [2], [3]],
         "all_to_all_optimized": [[0, 2], [1, 3]],
