@@ -91,3 +91,4 @@ def test_position_errors_name_the_problem():
     with pytest.raises(ValueError, match="missing: \\['epoch_done'\\]"):
         position.load_state_dict({"trained_batches": 1, "source_batches": 1})
     assert LoaderPosition(None).state_dict() == {}
+    assert LoaderPosition(lambda: (0, False)).state_dict() == {}  # never iterated

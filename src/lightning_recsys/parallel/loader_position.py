@@ -47,8 +47,8 @@ class LoaderPosition:
         self._exhausted = True
 
     def state_dict(self) -> dict[str, Any]:
-        if self._progress is None:
-            return {}
+        if self._progress is None or not self._after:
+            return {}  # no Lightning progress to map, or never iterated: nothing to resume
         trained, loop_says_done = self._progress()
         for count, source in reversed(self._after):
             if count == trained:
