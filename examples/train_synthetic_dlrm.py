@@ -1,4 +1,4 @@
-"""Train the default DLRM ranker on synthetic click logs with TwoDRecStrategy (the `make demo` job).
+"""Train the default DLRM ranker on synthetic click logs with TwoDRecStrategy (the `make demo` job as a plain script).
 
     python examples/train_synthetic_dlrm.py                 # 2 CPU processes, gloo
     python examples/train_synthetic_dlrm.py --tiny          # seconds; used by the smoke test

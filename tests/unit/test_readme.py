@@ -19,7 +19,7 @@ from lightning_recsys import (
     TwoDRecStrategy,
 )
 from lightning_recsys.callbacks import RunSummary
-from lightning_recsys.data import CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
+from lightning_recsys.data import CriteoBinaryDataModule, CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
 from lightning_recsys.models import DCNRanker, DLRMRanker
 
 README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
@@ -37,6 +37,7 @@ SECTIONS = {
     "`SyntheticClickLogConfig`": [SyntheticClickLogConfig],
     "`MovieLens100KDataModule`": [MovieLens100KDataModule],
     "`CriteoDataModule`": [CriteoDataModule],
+    "`CriteoBinaryDataModule`": [CriteoBinaryDataModule],
     "Callbacks": [CommunicationMonitor, RunSummary],
 }
 
