@@ -105,11 +105,11 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
     planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
     sharders, codecs = planning_sharders(strategy, compute_device=device.type, topology=topology, plan=planned.plan, device=device)
-    report = planned.report.to_table() if planned.report is not None else summarize_plan(planned.plan)
-    rank_zero_info(
-        f"TwoDRecStrategy: {topology.describe()}\nSharding plan (group-local ranks, {strategy.planning.planner} planner):\n"
-        f"{report}\nQComms (effective precisions):\n{codecs.effective.describe()}"
-    )
+    if planned.report is not None:
+        report = planned.report.to_table()  # has its own header
+    else:
+        report = f"Sharding plan (group-local ranks, {strategy.planning.planner} planner):\n{summarize_plan(planned.plan)}"
+    rank_zero_info(f"TwoDRecStrategy: {topology.describe()}\n{report}\nQComms (effective precisions):\n{codecs.effective.describe()}")
     if codecs.effective.fallbacks:
         rank_zero_warn("QComms: " + "; ".join(codecs.effective.fallbacks) + ".")
     sharded = shard_model(
