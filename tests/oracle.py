@@ -46,11 +46,17 @@ def make_model(embedding_device: str | None = None, seed: int | None = 1234) -> 
 
 def train_unsharded(steps: int = STEPS) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Plain SGD on the whole global batch: the state dict and the validation predictions."""
-    model = make_model()
+    return train_plain_sgd(make_model(), CONFIG, steps, dense_lr=DENSE_LR, embedding_lr=EMBEDDING_LR)
+
+
+def train_plain_sgd(
+    model: torch.nn.Module, config: SyntheticClickLogConfig, steps: int, *, dense_lr: float, embedding_lr: float
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """``model`` (EmbeddingBagCollection tables) trained unsharded with SGD on ``config``'s global batches."""
     embedding = [p for n, p in model.named_parameters() if "embedding_bags" in n]
     dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    optimizer = torch.optim.SGD([{"params": dense, "lr": DENSE_LR}, {"params": embedding, "lr": EMBEDDING_LR}])
-    log = SyntheticClickLog(CONFIG)
+    optimizer = torch.optim.SGD([{"params": dense, "lr": dense_lr}, {"params": embedding, "lr": embedding_lr}])
+    log = SyntheticClickLog(config)
     for step in range(steps):
         batch = log.global_batch("train", step)
         optimizer.zero_grad()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import Trainer
 from multiprocess import run_ranks
+from oracle import train_plain_sgd
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
@@ -45,20 +45,6 @@ def _model() -> ConcatRanker:
     return ConcatRanker()
 
 
-def _train_unsharded() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    model = _model()
-    tables = [p for n, p in model.named_parameters() if "embedding_bags" in n]
-    dense = [p for n, p in model.named_parameters() if "embedding_bags" not in n]
-    optimizer = torch.optim.SGD([{"params": dense, "lr": DENSE_LR}, {"params": tables, "lr": EMBEDDING_LR}])
-    log = SyntheticClickLog(CONFIG)
-    for step in range(STEPS):
-        batch = log.global_batch("train", step)
-        optimizer.zero_grad()
-        F.binary_cross_entropy_with_logits(model(batch), batch.labels).backward()
-        optimizer.step()
-    with torch.no_grad():
-        return {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("metrics")}, model(log.global_batch("val", 0))
-
 
 def _fit_table_wise(rank: int, world_size: int) -> dict:
     model = _model()
@@ -86,7 +72,7 @@ def _fit_table_wise(rank: int, world_size: int) -> dict:
 
 
 def test_pooled_output_keeps_the_unsharded_key_order_and_training_equals_unsharded():
-    expected_state, expected_predictions = _train_unsharded()
+    expected_state, expected_predictions = train_plain_sgd(_model(), CONFIG, STEPS, dense_lr=DENSE_LR, embedding_lr=EMBEDDING_LR)
     results = run_ranks(_fit_table_wise, WORLD_SIZE, timeout=300)
     # TorchRec's own order differs here, or this test would prove nothing.
     assert results[0]["sharded_order"] == ["sparse_1", "sparse_0"]
