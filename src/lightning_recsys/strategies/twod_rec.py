@@ -382,7 +382,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         self._sync_if_pending()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         # Lightning warns about a zero-length loader, but an iterable one that yields nothing passes silently.
-        if trainer is not None and trainer.global_step == 0 and trainer.max_steps != 0 and trainer.limit_train_batches != 0:
+        asked_for_steps = trainer is not None and trainer.max_steps != 0 and trainer.max_epochs != 0 and trainer.limit_train_batches != 0
+        if asked_for_steps and trainer.global_step == 0:  # type: ignore[union-attr]
             rank_zero_warn(
                 "fit ran no training step: the train dataloader yielded no batch on some rank. A split with fewer "
                 "examples than one global batch yields none (the final partial global batch is dropped); check the "
