@@ -24,16 +24,17 @@ CONFIG = SyntheticClickLogConfig(
 )
 
 
+def _tables(config_class: type, prefix: str, dim: int, sizes: list[int]) -> list:
+    """One table per size, ``{prefix}{i}`` looked up by feature ``sparse_{i}`` (the synthetic data's names)."""
+    return [config_class(name=f"{prefix}{i}", embedding_dim=dim, num_embeddings=rows, feature_names=[f"sparse_{i}"]) for i, rows in enumerate(sizes)]
+
+
 class ConcatRanker(RankerModule):
     """Pooled embeddings read by position (``.values()``), as the README's ranker does."""
 
     def __init__(self) -> None:
         super().__init__(dense_optimizer="sgd", dense_lr=DENSE_LR)
-        tables = [
-            EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"sparse_{i}"])
-            for i, rows in enumerate(CONFIG.table_sizes)
-        ]
-        self.ebc = EmbeddingBagCollection(tables=tables)
+        self.ebc = EmbeddingBagCollection(tables=_tables(EmbeddingBagConfig, "t", 8, CONFIG.table_sizes))
         self.mlp = nn.Sequential(nn.Linear(2 * 8 + 4, 8), nn.ReLU(), nn.Linear(8, 1))
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
@@ -89,11 +90,7 @@ class SequenceRanker(RankerModule):
 
     def __init__(self) -> None:
         super().__init__(dense_optimizer="sgd", dense_lr=DENSE_LR)
-        tables = [
-            EmbeddingConfig(name=f"s{i}", embedding_dim=16, num_embeddings=rows, feature_names=[f"sparse_{i}"])
-            for i, rows in enumerate(SEQUENCE_CONFIG.table_sizes)
-        ]
-        self.ec = EmbeddingCollection(tables=tables)
+        self.ec = EmbeddingCollection(tables=_tables(EmbeddingConfig, "s", 16, SEQUENCE_CONFIG.table_sizes))
         self.head = nn.Linear(2 * 16 + 4, 1)
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
