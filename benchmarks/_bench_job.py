@@ -50,7 +50,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--sync-overlap", action=argparse.BooleanOptionalAction, default=False, help="ReplicaSyncConfig.overlap (default: off)"
     )
-    parser.add_argument("--sync-precision", default="fp32", choices=["fp32", "bf16"], help="ReplicaSyncConfig.precision")
+    parser.add_argument("--sync-precision", default="fp32", choices=["fp32", "bf16", "fp8"], help="ReplicaSyncConfig.precision")
+    parser.add_argument("--sync-exchange", default="all_reduce", choices=["all_reduce", "all_gather"], help="ReplicaSyncConfig.exchange")
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
     parser.add_argument(
         "--unique-batches", type=int, default=None,
@@ -67,7 +68,8 @@ def replica_sync_config(args: argparse.Namespace) -> Any:
     from lightning_recsys import ReplicaSyncConfig
 
     return ReplicaSyncConfig(
-        rows=args.sync_rows, every_n_steps=args.sync_every_n_steps, overlap=args.sync_overlap, precision=args.sync_precision
+        rows=args.sync_rows, every_n_steps=args.sync_every_n_steps, overlap=args.sync_overlap, precision=args.sync_precision,
+        exchange=args.sync_exchange,
     )
 
 

@@ -131,7 +131,8 @@ def layout_of(entry: dict[str, Any], world: int) -> StrategyChoice:
     forward, backward = QCOMMS_PRECISIONS[entry["qcomms"]]
     group = entry["sharding_group_size"] if entry["sharding_group_size"] < world else None
     sync = ReplicaSyncConfig(rows=entry.get("sync_rows", "all"), every_n_steps=entry["sync_every_n_steps"],
-                    overlap=entry.get("sync_overlap", False), precision=entry.get("sync_precision", "fp32"))  # fmt: skip
+                    overlap=entry.get("sync_overlap", False), precision=entry.get("sync_precision", "fp32"),
+                    exchange=entry.get("sync_exchange", "all_reduce"))  # fmt: skip
     return StrategyChoice(sharding_group_size=group, layout=entry["layout"], forward=forward, backward=backward, sync=sync)
 
 

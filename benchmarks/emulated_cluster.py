@@ -85,15 +85,19 @@ class BenchConfig:
     sync_rows: str = "touched"  # ReplicaSyncConfig.rows
     sync_overlap: bool = False  # ReplicaSyncConfig.overlap
     sync_precision: str = "fp32"  # ReplicaSyncConfig.precision
+    sync_exchange: str = "all_reduce"  # ReplicaSyncConfig.exchange
 
     @property
     def is_2d(self) -> bool:
         return self.sharding_group_size < NODES * RANKS_PER_NODE
 
 
-def _touched(name: str, label: str, every: int, *, overlap: bool = False, precision: str = "fp32") -> BenchConfig:
+def _touched(
+    name: str, label: str, every: int, *, overlap: bool = False, precision: str = "fp32", exchange: str = "all_reduce"
+) -> BenchConfig:
     return BenchConfig(
-        name, label, sharding_group_size=2, sync_every_n_steps=every, sync_rows="touched", sync_overlap=overlap, sync_precision=precision
+        name, label, sharding_group_size=2, sync_every_n_steps=every, sync_rows="touched", sync_overlap=overlap, sync_precision=precision,
+        sync_exchange=exchange,
     )
 
 
@@ -109,6 +113,11 @@ CONFIGS: tuple[BenchConfig, ...] = (
     _touched("2d_touched_overlap_sync4", "2D touched sync every 4, overlapped", 4, overlap=True),
     _touched("2d_touched_overlap_bf16", "2D touched sync, overlapped, bf16 deltas", 1, overlap=True, precision="bf16"),
     _touched("2d_touched_overlap_bf16_sync4", "2D touched sync every 4, overlapped, bf16 deltas", 4, overlap=True, precision="bf16"),
+    # Each replica all-gathers its own touched rows' changes (no union agreement), bf16 or fp8 with a scale per row.
+    _touched("2d_gather_overlap_bf16_sync4", "2D touched all-gather every 4, overlapped, bf16 deltas", 4, overlap=True,
+             precision="bf16", exchange="all_gather"),
+    _touched("2d_gather_overlap_fp8_sync4", "2D touched all-gather every 4, overlapped, fp8 deltas", 4, overlap=True,
+             precision="fp8", exchange="all_gather"),
     # Every 16 kept quality on both quality benchmarks (README). Off by default: it needs --steps and
     # --warmup-steps that are multiples of 16 (e.g. 48 and 16), which doubles every run.
     _touched("2d_touched_overlap_bf16_sync16", "2D touched sync every 16, overlapped, bf16 deltas", 16, overlap=True, precision="bf16"),
@@ -126,7 +135,8 @@ def unavailable_reason(cfg: BenchConfig) -> str | None:
     from lightning_recsys import ReplicaSyncConfig
 
     try:
-        ReplicaSyncConfig(rows=cfg.sync_rows, every_n_steps=cfg.sync_every_n_steps, overlap=cfg.sync_overlap, precision=cfg.sync_precision)  # type: ignore[arg-type]
+        ReplicaSyncConfig(rows=cfg.sync_rows, every_n_steps=cfg.sync_every_n_steps, overlap=cfg.sync_overlap, precision=cfg.sync_precision,  # type: ignore[arg-type]
+                          exchange=cfg.sync_exchange)  # type: ignore[arg-type]
     except ValueError as exc:
         return str(exc)
     return None
@@ -462,7 +472,7 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
         "--sharding-group-size", str(cfg.sharding_group_size), "--layout", cfg.layout,
         "--sync-every-n-steps", str(cfg.sync_every_n_steps), "--qcomms", cfg.qcomms,
         "--sync-rows", cfg.sync_rows, "--sync-overlap" if cfg.sync_overlap else "--no-sync-overlap",
-        "--sync-precision", cfg.sync_precision,
+        "--sync-precision", cfg.sync_precision, "--sync-exchange", cfg.sync_exchange,
     ]  # fmt: skip
     out_json.unlink(missing_ok=True)
     procs: list[subprocess.Popen[bytes]] = []

@@ -6,6 +6,7 @@ from lightning_recsys import ReplicaSyncConfig, TwoDRecStrategy
 def test_defaults():
     config = ReplicaSyncConfig()
     assert (config.rows, config.every_n_steps, config.overlap, config.precision, config.optimizer_state) == ("touched", 1, False, "fp32", True)
+    assert config.exchange == "all_reduce" and not config.sends_deltas
 
 
 @pytest.mark.parametrize(
@@ -17,13 +18,23 @@ def test_defaults():
         ({"every_n_steps": True}, r"every_n_steps=True must be an integer >= 1"),
         ({"optimizer_state": 1}, r"optimizer_state=1 must be a bool"),
         ({"overlap": "yes"}, r"overlap='yes' must be a bool"),
-        ({"precision": "fp8"}, r"precision='fp8' must be one of \['fp32', 'bf16'\]"),
+        ({"precision": "fp4"}, r"precision='fp4' must be one of \['fp32', 'bf16', 'fp8'\]"),
+        ({"precision": "fp8"}, r"precision='fp8' needs exchange='all_gather' \(got exchange='all_reduce'\)"),
+        ({"exchange": "broadcast"}, r"exchange='broadcast' must be one of \['all_reduce', 'all_gather'\]"),
+        ({"exchange": "all_gather", "rows": "all"}, r"exchange='all_gather' needs rows='touched' \(got rows='all'\)"),
         ({"precision": "bf16", "rows": "all"}, r"precision='bf16' needs rows='touched' \(got rows='all'\)"),
     ],
 )
 def test_invalid_values_are_refused_naming_field_value_and_rule(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReplicaSyncConfig(**kwargs)
+
+
+def test_fp8_deltas_go_by_all_gather_and_every_all_gather_sends_deltas():
+    config = ReplicaSyncConfig(precision="fp8", exchange="all_gather", overlap=True, every_n_steps=4)
+    assert config.sends_deltas
+    assert config.describe() == "touched rows, every 4, overlapped, fp8 deltas, all-gather"
+    assert ReplicaSyncConfig(exchange="all_gather").sends_deltas
 
 
 def test_overlap_and_bf16_deltas_are_accepted():

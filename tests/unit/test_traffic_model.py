@@ -137,6 +137,30 @@ def test_touched_sync_union_comes_from_the_whole_worlds_examples():
     assert t[("replica_sync", "all_reduce")].payload_bytes == pytest.approx(union * 16 * 4 / 2 + 8)
 
 
+def test_all_gather_sync_sends_each_replicas_own_rows_with_ids_and_scaled_changes():
+    f = Feature(name="t", tables=2, rows=10**6, dim=16, ids_per_example=2)
+    shape = ModelShape(name="x", batch_per_rank=1024, features=(f,), dense_param_bytes=0, optimizer_state_per_row=1)
+    two_d = topology_for(EMULATED, 2)
+    own = 2 * expected_distinct(10**6, 4 * 1024 * 2 * 2, 1.05) / 2  # one replica: its sharding group's 2 ranks, 4 steps
+    union = 2 * expected_distinct(10**6, 4 * 1024 * 4 * 2, 1.05) / 2
+    for precision, change in (("fp32", 64), ("bf16", 32), ("fp8", 16 + 4)):
+        sync = ReplicaSyncConfig(every_n_steps=4, precision=precision, exchange="all_gather")  # type: ignore[arg-type]
+        t = _by_purpose(workload_traffic(shape, StrategyChoice(sharding_group_size=2, sync=sync), two_d))
+        assert ("replica_sync", "all_reduce") not in t  # no union agreement, no all-reduce
+        # Per row: a 4-byte id, the weights' change, the Adagrad state's change in fp32; plus 8 bytes per table's count.
+        assert t[("replica_sync", "all_gather")].payload_bytes == pytest.approx((own * (4 + change + 4) + 8 * 2 / 2) / 4)
+    # Long-tail ids over 2 replicas: a replica's own rows are most of the union, so sending them beats all-reducing the union.
+    assert own < union < 2 * own
+    bf16 = ReplicaSyncConfig(every_n_steps=4, precision="bf16")
+    reduce_bytes = sum(c.payload_bytes  # over 2 replicas a ring's edge carries the payload once, all-reduce or all-gather
+                       for c in workload_traffic(shape, StrategyChoice(sharding_group_size=2, sync=bf16), two_d) if c.purpose == "replica_sync")
+    gather = ReplicaSyncConfig(every_n_steps=4, precision="bf16", exchange="all_gather")
+    gather_bytes = sum(c.payload_bytes for c in workload_traffic(shape, StrategyChoice(sharding_group_size=2, sync=gather), two_d)
+                       if c.purpose == "replica_sync")
+    assert gather_bytes < reduce_bytes
+    print(f"bf16 sync every 4, bytes per step and rank: all-reduce {reduce_bytes:,.0f}, all-gather {gather_bytes:,.0f}")
+
+
 def _sequence_heavy(compute_s: float) -> ModelShape:
     return ModelShape(
         name="seq", batch_per_rank=512, dense_param_bytes=4 * 50e6, compute_s=compute_s,

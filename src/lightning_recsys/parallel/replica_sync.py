@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -14,6 +15,7 @@ from torchrec.optim.keyed import KeyedOptimizer
 from lightning_recsys.parallel.comm_accounting import comm_purpose
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.sync_deltas import InFlightSync, SyncItem, table_items, whole_tensor_items
+from lightning_recsys.parallel.sync_gather import GatheredSync
 from lightning_recsys.parallel.touched_rows import RowTracker, bits_at, fused_kernels, pack_positions, track, unpack_positions
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
@@ -27,7 +29,7 @@ class SyncStats:
     touched since the last sync under ``rows="touched"``, every row under ``rows="all"``. ``union``
     says how the replicas agreed on it (``"bitmap"``: an all-gather of 1-bit row masks,
     ``"indices"``: an all-gather of the touched row ids, ``"none"``: nothing touched anywhere,
-    ``"all"``: whole shards). ``payload_bytes`` is what this rank handed to the collectives.
+    ``"all"``: whole shards, ``"gather"``: none, each replica all-gathered its own touched rows). ``payload_bytes`` is what this rank handed to the collectives.
     ``overlapped``: launched in the background and applied at the end of the interval's last step
     (just before the next sync), or by a forced sync.
     """
@@ -96,6 +98,10 @@ class ReplicaSynchronizer:
     ``rows="all"`` twice the shard. Forced syncs (``sync``, ``sync_if_pending``) first apply a sync
     in flight, then sync blocking.
 
+    ``exchange="all_gather"`` (``sync_gather.GatheredSync``): no union agreement; every replica
+    all-gathers the rows it touched with their changes since the last sync and adds them up in
+    replica order. Overlapped, its stats are recorded when it is applied.
+
     ``count_aware=True`` (an experiment, deltas only): a row's summed delta is divided by the
     number of replicas that touched it, not by all replicas.
 
@@ -120,7 +126,8 @@ class ReplicaSynchronizer:
         if count_aware and self.config.rows != "touched":
             raise ValueError("count_aware=True needs ReplicaSyncConfig(rows='touched'): it divides by the replicas that touched a row.")
         self.count_aware = count_aware
-        self._deltas = self.config.precision != "fp32" or count_aware
+        self._deltas = self.config.sends_deltas or count_aware
+        self._gather = self.config.exchange == "all_gather"
         self._weight_dtype = torch.bfloat16 if self.config.precision == "bf16" else None
         self._tensors = _unique_floating(tensors)
         self._group = replica_group
@@ -136,7 +143,8 @@ class ReplicaSynchronizer:
         self._untracked_buckets = _buckets(self._untracked, bucket_bytes)
         self._rows_untracked = self._rows_total - sum(table.rows for tracker in self._trackers for table in tracker.tables)
         self._tracked_rows = sum(int(tracker.mask.numel()) for tracker in self._trackers)  # the masks end to end
-        self._in_flight: Optional[InFlightSync] = None
+        self._in_flight: list[InFlightSync | GatheredSync] = []
+        self._pending_stats: Optional[SyncStats] = None  # an overlapped all-gather's, until applied
         self.steps_since_sync = 0
         self.last_sync_stats: Optional[SyncStats] = None
         self.num_syncs = 0
@@ -179,7 +187,7 @@ class ReplicaSynchronizer:
     @property
     def in_flight(self) -> bool:
         """Whether an overlapped sync was launched and not applied yet."""
-        return self._in_flight is not None
+        return bool(self._in_flight)
 
     @property
     def totals(self) -> SyncTotals:
@@ -207,16 +215,16 @@ class ReplicaSynchronizer:
 
     def reset(self) -> None:
         """Forget the steps and touched rows since the last sync (after every replica loaded the same state)."""
-        if self._in_flight is not None:
-            self._in_flight.wait()  # every replica takes part in the collective; its result is stale now
-            self._in_flight = None
+        for part in self._in_flight:
+            part.wait()  # every replica takes part in the collective; its result is stale now
+        self._in_flight, self._pending_stats = [], None
         self.steps_since_sync = 0
         for tracker in self._trackers:
             tracker.clear()
 
     def close(self) -> None:
         """Remove the row-tracking hooks (a sync still in flight is dropped: call ``sync_if_pending`` first)."""
-        self._in_flight = None
+        self._in_flight, self._pending_stats = [], None
         for tracker in self._trackers:
             tracker.remove()
         self._trackers = []
@@ -228,9 +236,13 @@ class ReplicaSynchronizer:
         self._run(overlap=False)
 
     def _finish(self) -> None:
-        if self._in_flight is not None:
-            in_flight, self._in_flight = self._in_flight, None
-            in_flight.apply()
+        parts, self._in_flight = self._in_flight, []
+        for part in parts:
+            part.apply()
+        gathered_rows = sum(part.rows_synced for part in parts if isinstance(part, GatheredSync))
+        if self._pending_stats is not None:
+            stats, self._pending_stats = self._pending_stats, None
+            self._record(dataclasses.replace(stats, rows_synced=stats.rows_synced + gathered_rows))
 
     @torch.no_grad()
     def _run(self, *, overlap: bool) -> None:
@@ -241,6 +253,12 @@ class ReplicaSynchronizer:
             else:
                 stats = self._launch(overlap)
         self.steps_since_sync = 0
+        if self._gather and overlap and self._trackers:
+            self._pending_stats = stats  # the union's size is known once applied
+        else:
+            self._record(stats)
+
+    def _record(self, stats: SyncStats) -> None:
         self.last_sync_stats = stats
         self.num_syncs += 1
         self._rows_synced_sum += stats.rows_synced
@@ -265,7 +283,12 @@ class ReplicaSynchronizer:
             self._all_reduce_buckets(self._buckets if self.config.rows == "all" else self._untracked_buckets)
         rows_synced = self._rows_total if self.config.rows == "all" else self._rows_untracked
         how = "all"
-        if self._trackers:
+        gathered: Optional[GatheredSync] = None
+        if self._trackers and self._gather:
+            gathered = self._gather_touched(overlap)
+            payload += gathered.payload_bytes
+            how = "gather"
+        elif self._trackers:
             union, how, union_bytes, counts = self._union(self._touched(), self._tracked_rows, with_counts=self.count_aware)
             payload += union_bytes
             rows_synced += int(union.numel())
@@ -274,11 +297,32 @@ class ReplicaSynchronizer:
                 tracker.clear()  # a new interval starts: later lookups (and captured bases) belong to the next sync
         in_flight = InFlightSync(items, self._group, self._num_replicas, bucket_bytes=self._bucket_bytes, async_op=overlap)
         payload += in_flight.payload_bytes
+        parts: list[InFlightSync | GatheredSync] = [in_flight] if gathered is None else [in_flight, gathered]
         if overlap:
-            self._in_flight = in_flight
+            self._in_flight = parts
         else:
-            in_flight.apply()
+            for part in parts:
+                part.apply()
+            rows_synced += gathered.rows_synced if gathered is not None else 0
         return SyncStats(rows_synced, self._rows_total, how, payload, overlapped=overlap)
+
+    def _gather_touched(self, overlap: bool) -> GatheredSync:
+        """Launch the all-gather of this replica's touched rows and their changes (``exchange="all_gather"``)."""
+        tables, rows = [], []
+        for tracker in self._trackers:
+            touched = tracker.touched()
+            slices = {id(table): (lo, hi) for table, lo, hi in tracker.split(touched)}
+            for table in tracker.tables:
+                lo, hi = slices.get(id(table), (0, 0))
+                tables.append(table)
+                rows.append(touched[lo:hi] - table.offset)
+        gathered = GatheredSync(
+            tables, rows, self._group, self._num_replicas, weight_precision=self.config.precision, overlap=overlap,
+            count_aware=self.count_aware,
+        )
+        for tracker in self._trackers:
+            tracker.clear()  # a new interval starts (the bases were taken)
+        return gathered
 
     def _touched(self) -> torch.Tensor:
         """This rank's touched rows as sorted positions in the trackers' masks laid end to end."""

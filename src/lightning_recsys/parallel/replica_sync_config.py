@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 ROWS = ("touched", "all")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
+EXCHANGES = ("all_reduce", "all_gather")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -29,7 +30,17 @@ class ReplicaSyncConfig:
         precision: what the sync sends for the weights: ``"fp32"`` (default) the rows' values;
             ``"bf16"`` each touched row's change since the last sync in bf16, every replica then
             setting ``row = base + average(change)`` (replicas stay bit-identical; rounding hits only
-            the change). Needs ``rows="touched"``; optimizer state goes as fp32 changes.
+            the change); ``"fp8"`` the same change in fp8 (e4m3) with one fp32 scale per row, which
+            cannot be summed on the wire and so needs ``exchange="all_gather"``. Both need
+            ``rows="touched"``; optimizer state goes as fp32 changes.
+        exchange: how the replicas swap the touched rows. ``"all_reduce"`` (default): agree on the
+            union of the rows touched (a small all-gather of row ids or bitmaps, blocking), then
+            all-reduce those rows: bytes per replica about twice the union's rows. ``"all_gather"``:
+            every replica all-gathers the rows it touched with their changes since the last sync
+            (ids included) and each adds them up in replica order, with no union agreement: bytes
+            per replica about (replicas - 1) times its own touched rows. It wins where replicas
+            touch mostly different rows (long-tail ids, few replicas) and sends changes, not values
+            (it needs ``rows="touched"``; with ``precision="fp32"`` the changes are fp32).
         optimizer_state: also average the fused optimizer state (row-wise Adagrad's accumulators,
             Adam's moments), default True.
     """
@@ -37,8 +48,9 @@ class ReplicaSyncConfig:
     rows: Literal["touched", "all"] = "touched"
     every_n_steps: int = 1
     overlap: bool = False
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     optimizer_state: bool = True
+    exchange: Literal["all_reduce", "all_gather"] = "all_reduce"
 
     def __post_init__(self) -> None:
         if self.rows not in ROWS:
@@ -56,6 +68,23 @@ class ReplicaSyncConfig:
                 f"ReplicaSyncConfig.precision={self.precision!r} needs rows='touched' (got rows={self.rows!r}): the deltas are "
                 "taken against each touched row's value at the last sync, kept only for touched rows."
             )
+        if self.exchange not in EXCHANGES:
+            raise ValueError(f"ReplicaSyncConfig.exchange={self.exchange!r} must be one of {list(EXCHANGES)}.")
+        if self.exchange == "all_gather" and self.rows != "touched":
+            raise ValueError(
+                f"ReplicaSyncConfig.exchange='all_gather' needs rows='touched' (got rows={self.rows!r}): each replica sends "
+                "the rows it touched; with rows='all' use exchange='all_reduce'."
+            )
+        if self.precision == "fp8" and self.exchange != "all_gather":
+            raise ValueError(
+                f"ReplicaSyncConfig.precision='fp8' needs exchange='all_gather' (got exchange={self.exchange!r}): "
+                "scaled fp8 changes cannot be summed by an all-reduce on the wire."
+            )
+
+    @property
+    def sends_deltas(self) -> bool:
+        """Whether the sync sends each touched row's change since the last sync (captured bases needed)."""
+        return self.precision != "fp32" or self.exchange == "all_gather"
 
     def describe(self) -> str:
         """A short label, e.g. ``touched rows, every 4, overlapped, bf16 deltas``."""
@@ -64,4 +93,6 @@ class ReplicaSyncConfig:
             parts.append("overlapped")
         if self.precision != "fp32":
             parts.append(f"{self.precision} deltas")
+        if self.exchange != "all_reduce":
+            parts.append(self.exchange.replace("_", "-"))
         return ", ".join(parts)

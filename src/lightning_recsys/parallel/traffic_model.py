@@ -31,7 +31,11 @@ replica's own touched rows (the index list it contributes to the union) use its 
   sync; ``rows="touched"``: the union's rows, ``sum_f T_f D(N_f, s_f, M_f) (D_f + state) v / g``
   (``v`` = 4 bytes for fp32, 2 for bf16 deltas), an all-reduce (plus one 8-byte count all-reduce),
   and the union agreement, an all-gather of each replica's touched row ids (4 bytes each) or of
-  1-bit row masks, whichever is smaller. All divided by ``k`` per step.
+  1-bit row masks, whichever is smaller. With ``exchange="all_gather"`` instead one all-gather of
+  each replica's own touched rows, ``sum_f T_f D(N_f, s_f, M_own) (4 + change bytes + 4 state) / g``
+  (the row id, the weights' change at the sync's precision, fp8 with a 4-byte scale per row, and the
+  state's in fp32), which every ring edge carries ``replicas - 1`` times, plus the per-table counts.
+  All divided by ``k`` per step.
 
 So per step, 1D carries ``b L`` vectors per sequence feature across nodes but only ``b`` per pooled
 one, while touched-row sync carries each unique touched row of the interval (a ring all-reduce:
@@ -48,6 +52,7 @@ from functools import lru_cache
 
 from lightning_recsys.parallel.cost_model import Collective, row_bytes
 from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.sync_gather import change_bytes_per_row
 from lightning_recsys.parallel.topology import LAYOUTS, ParallelTopology
 
 _HEAD = 4096  # rows summed exactly
@@ -269,10 +274,17 @@ def replica_sync_traffic(shape: ModelShape, sync: ReplicaSyncConfig, topology: P
     if sync.rows == "all":
         shard = sum(f.tables * f.rows * (f.dim + state) * 4 for f in shape.features) / g
         return [Collective(purpose="replica_sync", op="all_reduce", group="replicate", calls=1 / k, payload_bytes=shard / k)]
+    own_draws = k * shape.batch_per_rank * g
+    if sync.exchange == "all_gather":
+        sent = sum(
+            f.tables * f.distinct(own_draws * f.ids_per_example) * (4 + change_bytes_per_row(f.dim, sync.precision) + 4 * state)
+            for f in shape.features
+        ) / g
+        counts = 8.0 * sum(f.tables for f in shape.features) / g
+        return [Collective(purpose="replica_sync", op="all_gather", group="replicate", calls=2 / k, payload_bytes=(sent + counts) / k)]
     value = SYNC_VALUE_BYTES[sync.precision]
     draws = k * shape.batch_per_rank * topology.world_size
     union = sum(f.tables * f.distinct(draws * f.ids_per_example) * (f.dim + state) * value for f in shape.features) / g
-    own_draws = k * shape.batch_per_rank * g
     own_rows = sum(f.tables * f.distinct(own_draws * f.ids_per_example) for f in shape.features) / g
     local_rows = sum(f.tables * f.rows for f in shape.features) / g
     agree = min(4.0 * own_rows, local_rows / 8)  # int32 ids or a 1-bit mask, whichever is smaller

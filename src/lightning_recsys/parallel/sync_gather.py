@@ -1,0 +1,208 @@
+"""The all-gather exchange of a touched-row replica sync (``ReplicaSyncConfig(exchange="all_gather")``).
+
+Every replica sends the rows it touched since the last sync, with their change ``row - base`` (the
+weights at the sync's precision, the optimizer state in fp32), in one byte buffer. Every replica then
+decodes every buffer (its own included) and adds the changes up in replica order, so all hold the
+same sum, and writes ``row = base + sum / replicas`` on the union of the rows sent. ``base`` is equal
+on every replica: the row's value as of the last sync (captured at first touch for a replica's own
+rows; the row's value for rows it did not touch). There is no union agreement: one small blocking
+all-gather of per-table row counts sizes the buffers, and the buffers' all-gather can run in the
+background (``overlap``).
+
+Buffer layout, per table in the trackers' order: the row ids, then per synced tensor the encoded
+changes; each section padded to 8 bytes so it can be viewed in its dtype. Every replica computes
+every other's layout from the gathered counts.
+
+Overlap: the sync is applied an interval late. A row's value at launch is its captured base of the
+new interval if it was touched since, else its current value; what changed since launch is kept,
+``row = synced + (row_now - row_at_launch)``, and the new interval's captured bases of the synced
+rows become ``synced``, so the next sync sends only the later change.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from lightning_recsys.parallel.codecs import BlockScaledCodec
+from lightning_recsys.parallel.touched_rows import Table
+
+_ALIGN = 8
+_WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def change_bytes_per_row(values: int, precision: str) -> int:
+    """Bytes one row's change of ``values`` values takes in the buffer at ``precision`` (fp8: plus its fp32 scale)."""
+    if precision == "fp8":
+        return values + 4
+    return values * _WIRE_DTYPES[precision].itemsize
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+class _Section:
+    """How one synced tensor's changes travel: bytes per row, encode and decode."""
+
+    def __init__(self, tensor: torch.Tensor, precision: str) -> None:
+        self.row_shape = tuple(tensor.shape[1:])
+        self.row_values = int(torch.Size(self.row_shape).numel())
+        self.precision = precision
+        self._codec = BlockScaledCodec("fp8_e4m3", block_size=self.row_values) if precision == "fp8" else None
+        self.row_bytes = change_bytes_per_row(self.row_values, precision)
+
+    def encode(self, deltas: torch.Tensor) -> torch.Tensor:
+        if self._codec is not None:
+            return self._codec.encode(deltas.reshape(-1, self.row_values))
+        return deltas.to(_WIRE_DTYPES[self.precision]).reshape(-1).view(torch.uint8)
+
+    def decode(self, payload: torch.Tensor, rows: int) -> torch.Tensor:
+        if self._codec is not None:
+            values = self._codec.decode(payload) if rows else payload.new_empty(0, dtype=torch.float32)
+        else:
+            values = payload.view(_WIRE_DTYPES[self.precision]).float()
+        return values.view(rows, *self.row_shape)
+
+
+class GatheredSync:
+    """One all-gather exchange, launched by the constructor; ``apply()`` waits for it and writes the average."""
+
+    def __init__(
+        self,
+        tables: list[Table],
+        rows: list[torch.Tensor],
+        group: dist.ProcessGroup,
+        num_replicas: int,
+        *,
+        weight_precision: str,
+        overlap: bool,
+        count_aware: bool = False,
+    ) -> None:
+        """``rows[k]``: the sorted table-local rows this replica touched in ``tables[k]`` (their bases captured)."""
+        self._tables = tables
+        self._num_replicas = num_replicas
+        self._overlap = overlap
+        self._count_aware = count_aware
+        device = tables[0].tensors[0].device
+        self._id_dtype = torch.int32 if max(t.rows for t in tables) < 2**31 else torch.int64
+        self._sections = [
+            [_Section(t, weight_precision if i == 0 else "fp32") for i, t in enumerate(table.tensors)] for table in tables
+        ]
+        self._rows = rows
+        self._bases: list[list[torch.Tensor]] = []
+        pieces: list[torch.Tensor] = []
+        for table, table_rows, sections in zip(tables, rows, self._sections):
+            bases = _own_bases(table, table_rows)
+            self._bases.append(bases)
+            pieces.append(table_rows.to(self._id_dtype).view(torch.uint8))
+            for t, base, section in zip(table.tensors, bases, sections):
+                deltas = t.index_select(0, table_rows).float().sub_(base.float())
+                pieces.append(section.encode(deltas))
+        counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64, device=device)
+        gathered_counts = [torch.empty_like(counts) for _ in range(num_replicas)]
+        dist.all_gather(gathered_counts, counts, group=group)  # blocking and small: it sizes the buffers
+        self._counts = torch.stack(gathered_counts).tolist()
+        sizes = [self._buffer_bytes(c) for c in self._counts]
+        send = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        offset = 0
+        for piece in pieces:
+            send[offset : offset + piece.numel()] = piece
+            offset = _aligned(offset + piece.numel())
+        self._received = [torch.empty_like(send) for _ in range(num_replicas)]
+        self._work: Optional[Any] = None
+        if send.numel():  # every replica sees the same counts: all skip together when no replica touched a row
+            self._work = dist.all_gather(self._received, send, group=group, async_op=overlap)
+        self.payload_bytes = counts.numel() * counts.element_size() + send.numel()
+        self.rows_synced = 0  # the union's rows, known once applied
+
+    def _buffer_bytes(self, counts: list[int]) -> int:
+        total = 0
+        for n, sections in zip(counts, self._sections):
+            total += _aligned(n * self._id_dtype.itemsize) + sum(_aligned(n * s.row_bytes) for s in sections)
+        return total
+
+    def wait(self) -> None:
+        """Wait for the all-gather (raises if a peer failed or the group timed out)."""
+        work, self._work = self._work, None
+        if work is not None and self._overlap:
+            work.wait()
+
+    @torch.no_grad()
+    def apply(self) -> None:
+        """Wait, then write the average of every row any replica sent (``rows_synced`` says how many)."""
+        self.wait()
+        decoded = [self._decode(buffer, counts) for buffer, counts in zip(self._received, self._counts)]
+        self._received = []
+        union_rows = 0
+        for k, table in enumerate(self._tables):
+            ids = torch.cat([per_replica[k][0] for per_replica in decoded])
+            if ids.numel() == 0:
+                continue
+            union, inverse = torch.unique(ids, return_inverse=True)
+            union_rows += int(union.numel())
+            pieces = inverse.split([int(per_replica[k][0].numel()) for per_replica in decoded])
+            divisor: torch.Tensor | int = self._num_replicas
+            if self._count_aware:
+                divisor = torch.bincount(inverse, minlength=union.numel()).float()
+            own = torch.searchsorted(union, self._rows[k])
+            captured, captured_values = table.bases() if self._overlap else (None, None)
+            for i, t in enumerate(table.tensors):
+                summed = torch.zeros((union.numel(), *t.shape[1:]), dtype=torch.float32, device=t.device)
+                for per_replica, where in zip(decoded, pieces):
+                    summed.index_add_(0, where, per_replica[k][1][i])  # one replica's rows are distinct: no race
+                average = summed.div_(divisor.view(-1, *([1] * (t.dim() - 1))) if isinstance(divisor, torch.Tensor) else divisor)
+                at_launch = t.index_select(0, union)
+                if captured is not None and captured.numel():
+                    assert captured_values is not None
+                    where, hit = _lookup(union, captured)
+                    at_launch[where[hit]] = captured_values[i][hit]  # touched since launch: its base then is its value at launch
+                base = at_launch.clone()
+                base[own] = self._bases[k][i]
+                synced = base.float().add_(average).to(t.dtype)
+                if self._overlap:
+                    new = t.index_select(0, union).sub_(at_launch).add_(synced)  # keep what changed since launch
+                    table.rebase(i, union, synced)
+                else:
+                    new = synced
+                t.index_copy_(0, union, new)
+        self.rows_synced = union_rows
+
+    def _decode(self, buffer: torch.Tensor, counts: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Per table: one replica's row ids and, per synced tensor, their changes (fp32)."""
+        out = []
+        offset = 0
+        for n, sections in zip(counts, self._sections):
+            size = n * self._id_dtype.itemsize
+            ids = buffer[offset : offset + size].view(self._id_dtype).long()
+            offset = _aligned(offset + size)
+            deltas = []
+            for section in sections:
+                size = n * section.row_bytes
+                deltas.append(section.decode(buffer[offset : offset + size], n))
+                offset = _aligned(offset + size)
+            out.append((ids, deltas))
+        return out
+
+
+def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:
+    """Per tensor, the values of ``rows`` as of the last sync (captured at first touch); takes them from the table."""
+    captured, values = table.take_bases()
+    if captured.numel() == rows.numel():
+        return values  # the captured rows are the touched rows, both sorted
+    bases = [t.index_select(0, rows) for t in table.tensors]  # a row without a captured base has not changed
+    if captured.numel():
+        where, hit = _lookup(rows, captured)
+        for base, value in zip(bases, values):
+            base[where[hit]] = value[hit]
+    return bases
+
+
+def _lookup(sorted_rows: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each of ``rows``: its position in ``sorted_rows`` and whether it is there."""
+    if sorted_rows.numel() == 0:
+        return torch.zeros_like(rows), torch.zeros_like(rows, dtype=torch.bool)
+    where = torch.searchsorted(sorted_rows, rows).clamp_(max=sorted_rows.numel() - 1)
+    return where, sorted_rows[where] == rows
