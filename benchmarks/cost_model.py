@@ -194,11 +194,19 @@ FAMILIES: dict[str, Any] = {
     "1D FP32": lambda lay: not lay.is_2d and lay.forward == "fp32",
     "1D FP8 fwd / BF16 bwd": lambda lay: not lay.is_2d and lay.forward == "fp8",
     "2D whole-shard sync": lambda lay: lay.is_2d and lay.sync.rows == "all",
-    "2D touched sync, blocking fp32": lambda lay: lay.is_2d and lay.sync.rows == "touched" and not lay.sync.overlap and lay.sync.precision == "fp32",
-    "2D touched sync, bf16 deltas": lambda lay: lay.is_2d and lay.sync.rows == "touched" and not lay.sync.overlap and lay.sync.precision == "bf16",
-    "2D touched sync, overlapped": lambda lay: lay.is_2d and lay.sync.rows == "touched" and lay.sync.overlap and lay.sync.precision == "fp32",
-    "2D touched sync, overlapped, bf16 deltas": lambda lay: lay.is_2d and lay.sync.rows == "touched" and lay.sync.overlap and lay.sync.precision == "bf16",
+    "2D touched sync, blocking fp32": lambda lay: _touched(lay, False, "fp32", "all_reduce"),
+    "2D touched sync, bf16 deltas": lambda lay: _touched(lay, False, "bf16", "all_reduce"),
+    "2D touched sync, overlapped": lambda lay: _touched(lay, True, "fp32", "all_reduce"),
+    "2D touched sync, overlapped, bf16 deltas": lambda lay: _touched(lay, True, "bf16", "all_reduce"),
+    "2D touched all-gather, bf16 or fp8 deltas": lambda lay: _touched(lay, False, None, "all_gather"),
+    "2D touched all-gather, overlapped, bf16 or fp8 deltas": lambda lay: _touched(lay, True, None, "all_gather"),
 }  # fmt: skip
+
+
+def _touched(lay: Any, overlap: bool, precision: str | None, exchange: str) -> bool:
+    sync = lay.sync
+    return bool(lay.is_2d and sync.rows == "touched" and sync.overlap == overlap and sync.exchange == exchange
+                and (precision is None or sync.precision == precision))  # fmt: skip
 
 
 def best_of(projections: list[Projection], family: Any, max_interval: int) -> Projection | None:

@@ -36,15 +36,17 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD, PER_NODE = 4, 2
-# name: (rows, overlap, precision, count_aware); "1d" has no sync.
-KINDS: dict[str, tuple[str, bool, str, bool]] = {
-    "2d-all": ("all", False, "fp32", False),
-    "2d-all-overlap": ("all", True, "fp32", False),
-    "2d-touched": ("touched", False, "fp32", False),
-    "2d-touched-overlap": ("touched", True, "fp32", False),
-    "2d-touched-bf16": ("touched", False, "bf16", False),
-    "2d-touched-overlap-bf16": ("touched", True, "bf16", False),
-    "2d-touched-count-aware": ("touched", False, "fp32", True),
+# name: (rows, overlap, precision, count_aware, exchange); "1d" has no sync.
+KINDS: dict[str, tuple[str, bool, str, bool, str]] = {
+    "2d-all": ("all", False, "fp32", False, "all_reduce"),
+    "2d-all-overlap": ("all", True, "fp32", False, "all_reduce"),
+    "2d-touched": ("touched", False, "fp32", False, "all_reduce"),
+    "2d-touched-overlap": ("touched", True, "fp32", False, "all_reduce"),
+    "2d-touched-bf16": ("touched", False, "bf16", False, "all_reduce"),
+    "2d-touched-overlap-bf16": ("touched", True, "bf16", False, "all_reduce"),
+    "2d-touched-count-aware": ("touched", False, "fp32", True, "all_reduce"),
+    "2d-gather-overlap-bf16": ("touched", True, "bf16", False, "all_gather"),
+    "2d-gather-overlap-fp8": ("touched", True, "fp8", False, "all_gather"),
 }
 
 
@@ -113,11 +115,12 @@ def _train_one(rank: int, name: str, every: int, data: dict[str, Any], batches: 
     dense = torch.optim.Adagrad([p for p in sharded.dmp.parameters() if not sharded.is_embedding_param(p)], lr=args.dense_lr)
     sync = None
     if name != "1d":
-        rows, overlap, precision, count_aware = KINDS[name]
+        rows, overlap, precision, count_aware, exchange = KINDS[name]
         modules = [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns]
         sync = ReplicaSynchronizer.for_sharded_modules(
             modules, sharded.fused_optimizer, topology.replica_process_group(),
-            config=ReplicaSyncConfig(rows=rows, every_n_steps=every, overlap=overlap, precision=precision), count_aware=count_aware,
+            config=ReplicaSyncConfig(rows=rows, every_n_steps=every, overlap=overlap, precision=precision, exchange=exchange),  # type: ignore[arg-type]
+            count_aware=count_aware,
         )
         sync.broadcast_from_first_replica()
     losses = torch.zeros(len(batches["train"]))

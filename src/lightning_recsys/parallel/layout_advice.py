@@ -76,8 +76,9 @@ def candidate_layouts(intervals: Iterable[int] = INTERVALS) -> list[StrategyChoi
     for k in intervals:
         out.append(StrategyChoice(sharding_group_size=0, sync=ReplicaSyncConfig(rows="all", every_n_steps=k)))
         for overlap in (False, True):
-            for precision in ("fp32", "bf16"):
-                out.append(StrategyChoice(sharding_group_size=0, sync=ReplicaSyncConfig(rows="touched", every_n_steps=k, overlap=overlap, precision=precision)))  # type: ignore[arg-type]
+            for precision, exchange in (("fp32", "all_reduce"), ("bf16", "all_reduce"), ("bf16", "all_gather"), ("fp8", "all_gather")):
+                sync = ReplicaSyncConfig(rows="touched", every_n_steps=k, overlap=overlap, precision=precision, exchange=exchange)  # type: ignore[arg-type]
+                out.append(StrategyChoice(sharding_group_size=0, sync=sync))
     return out  # sharding_group_size=0 stands for "one group per node", resolved per cluster
 
 
