@@ -138,3 +138,37 @@ def test_a_second_trainer_with_other_sharding_settings_is_refused(tmp_path):
     for r in results:
         assert "already sharded" in r.get("error", ""), r
         assert "qcomms" in r["error"], r
+
+
+def _fit_save_and_predict(rank: int, world_size: int, ckpt_dir: str) -> list:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    trainer = _trainer(world_size, _strategy(), callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")])
+    model, data = _model(), SyntheticClickLogDataModule(CONFIG)  # meta tables: only the shards exist
+    trainer.fit(model, datamodule=data)
+    return trainer.predict(model, datamodule=data)
+
+
+@pytest.mark.slow
+def test_load_from_checkpoint_reads_a_dcp_directory_into_one_process_with_the_sharded_predictions(tmp_path):
+    import torch
+
+    from lightning_recsys.data import SyntheticClickLog
+
+    sharded = run_ranks(_fit_save_and_predict, 2, str(tmp_path), timeout=180)
+    path = tmp_path / "fitted.ckpt"  # a directory of DCP shards; Lightning's own load raised IsADirectoryError
+    model = DLRMRanker.load_from_checkpoint(path)  # no strategy, no process group; meta tables built on the CPU
+    assert model.hparams.embedding_device is None and not any(p.is_meta for p in model.parameters())
+    model.eval()
+    log = SyntheticClickLog(CONFIG)
+    with torch.no_grad():
+        for index in range(CONFIG.test_batches):
+            expected = torch.cat([sharded[rank][index] for rank in range(2)])  # rank r predicted slice r
+            torch.testing.assert_close(torch.sigmoid(model(log.global_batch("test", index))), expected)
+    # The same as one file, for any LightningModule.load_from_checkpoint (or another strategy).
+    from lightning_recsys.checkpoint import to_lightning_checkpoint
+
+    torch.save(to_lightning_checkpoint(path), tmp_path / "fitted.pt")
+    from_file = DLRMRanker.load_from_checkpoint(tmp_path / "fitted.pt", embedding_device=None)
+    for key, value in model.state_dict().items():
+        assert torch.equal(from_file.state_dict()[key], value), key

@@ -25,6 +25,7 @@ from lightning_recsys.checkpoint import (
     load_unsharded,
     read_meta,
     save_checkpoint,
+    to_lightning_checkpoint,
 )
 from lightning_recsys.checkpoint.directory import (
     MARKER_FILE,
@@ -367,6 +368,29 @@ def test_load_unsharded_refuses_mismatches_uncommitted_dirs_and_meta_tensors(tmp
         on_meta = Ranker()
     with pytest.raises(ValueError, match="meta device"):
         load_unsharded(path, on_meta)
+
+
+class _WithExtraState(Ranker):
+    def get_extra_state(self) -> dict:
+        return {"vocab_version": 7}
+
+    def set_extra_state(self, state: dict) -> None:
+        self.restored_extra = state
+
+
+def test_to_lightning_checkpoint_is_the_host_state_plus_the_whole_model_state_dict(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    source = _WithExtraState()
+    path = _save_unsharded(source, tmp_path / "ckpt", host_state={"global_step": 4, "hyper_parameters": {"x": 1}})
+    checkpoint = to_lightning_checkpoint(path, weights_only=True)
+    assert checkpoint["global_step"] == 4 and checkpoint["hyper_parameters"] == {"x": 1}
+    assert sorted(checkpoint["state_dict"]) == sorted(source.state_dict())  # no "model." prefix, no optimizer state
+    target = _WithExtraState()
+    target.load_state_dict(checkpoint["state_dict"])  # strict: every key, the extra state rebuilt from DCP's flat keys
+    assert target.restored_extra == {"vocab_version": 7}
+    for key, value in source.state_dict().items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(target.state_dict()[key], value), key
 
 
 def test_collective_entry_points_say_they_need_a_process_group(tmp_path: Path) -> None:

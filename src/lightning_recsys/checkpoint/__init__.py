@@ -13,6 +13,7 @@ from lightning_recsys.checkpoint.dcp_io import (
     load_checkpoint,
     load_unsharded,
     save_checkpoint,
+    to_lightning_checkpoint,
 )
 from lightning_recsys.checkpoint.directory import (
     FORMAT_VERSION,
@@ -43,5 +44,6 @@ __all__ = [
     "load_unsharded",
     "read_meta",
     "save_checkpoint",
+    "to_lightning_checkpoint",
 ]
 

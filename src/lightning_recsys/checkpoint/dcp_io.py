@@ -20,7 +20,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from lightning_recsys.checkpoint.directory import (
@@ -44,7 +44,7 @@ from lightning_recsys.checkpoint.table_state import (
     state_key,
     table_name,
 )
-from lightning_recsys.checkpoint.validation import ExpectedEntry, check_entries, model_key, saved_tensors
+from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, ExpectedEntry, check_entries, model_key, saved_tensors
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
 from lightning_recsys.parallel.sharding_plan import plan_rows
@@ -426,6 +426,35 @@ def load_unsharded(
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
 
 
+def to_lightning_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = None) -> dict[str, Any]:
+    """The checkpoint ``path`` in Lightning's one-dict form, read in this process with no process group.
+
+    Its host state (epoch, global step, loops, callbacks, dense optimizers, hyperparameters, ...)
+    plus ``"state_dict"``: the model state with every table whole, as the unsharded module's
+    ``state_dict()`` names it. ``torch.save`` it to a file and any ``LightningModule.load_from_checkpoint``
+    (which cannot open a DCP directory) reads it; the embedding optimizer state is left out. Needs
+    memory for the whole model.
+    """
+    directory = resolve(path)  # the newest committed copy of this name (see directory.py)
+    read_meta(directory)  # refuses uncommitted, damaged and foreign directories
+    metadata = _read_index(directory)
+    host_state = _read_host_state(directory, weights_only) or {}
+    prefix = MODEL_NAMESPACE + "."
+    targets: dict[str, Any] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        # DCP saves a nested value (a module's extra state dict) flattened; its index keeps the path.
+        path = (metadata.planner_data or {}).get(key, (key,))
+        if not str(path[0]).startswith(prefix):
+            continue
+        node = targets
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        # Whole tensors of the saved global shapes; DCP replaces a non-tensor value as it reads it.
+        node[path[-1]] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
+    _read_shards(targets, directory, no_dist=True)
+    return {**host_state, "state_dict": {k.removeprefix(prefix): v for k, v in targets.items()}}
+
+
 # ----------------------------------------------------------------- agreement between ranks
 def _all_ranks_ok(error: Exception | None, *, action: str) -> None:
     """Every rank learns whether every rank succeeded at ``action`` (an all-gather over WORLD).
@@ -461,4 +490,5 @@ __all__ = [
     "load_checkpoint",
     "load_unsharded",
     "save_checkpoint",
+    "to_lightning_checkpoint",
 ]

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import io
+import os
 from collections.abc import Callable
-from typing import Literal
+from typing import IO, Any, Literal
 
 import torch
 import torch.nn.functional as F
+from lightning.fabric.utilities.types import _MAP_LOCATION_TYPE, _PATH
 from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import nn
 from torchmetrics import Metric
 from torchmetrics.classification import BinaryAUROC
+from typing_extensions import Self
 
+from lightning_recsys.checkpoint import to_lightning_checkpoint
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.metrics import Calibration, LogLoss, NormalizedEntropy
 
@@ -55,6 +61,35 @@ class RankerModule(LightningModule):
         self.dense_lr = dense_lr
         self.metrics = nn.ModuleDict(
             {f"{stage}_{name}": make() for stage in ("val", "test") for name, make in _EPOCH_METRICS.items()}
+        )
+
+    @_restricted_classmethod
+    def load_from_checkpoint(
+        cls,
+        checkpoint_path: _PATH | IO,
+        map_location: _MAP_LOCATION_TYPE = None,
+        hparams_file: _PATH | None = None,
+        strict: bool | None = None,
+        weights_only: bool | None = None,
+        **kwargs: Any,
+    ) -> Self:
+        """Lightning's ``load_from_checkpoint``, which also reads TwoDRecStrategy's checkpoint directories.
+
+        For serving or offline evaluation in one process: the model is built from the saved
+        hyperparameters (``kwargs`` override them) with every table whole, on the CPU. Tables saved
+        with ``embedding_device="meta"`` are built on the CPU instead, since meta tensors hold no values.
+        """
+        if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
+            # Lightning's torch.load cannot open a DCP directory: hand it the same checkpoint as one dict.
+            checkpoint = to_lightning_checkpoint(checkpoint_path, weights_only=weights_only)
+            if checkpoint.get("hyper_parameters", {}).get("embedding_device") == "meta":
+                kwargs.setdefault("embedding_device", None)
+            buffer = io.BytesIO()
+            torch.save(checkpoint, buffer)
+            buffer.seek(0)
+            checkpoint_path = buffer
+        return super().load_from_checkpoint(  # type: ignore[misc]
+            checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only, **kwargs
         )
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
