@@ -218,3 +218,27 @@ def test_removing_a_checkpoint_deletes_its_name_data_and_leftovers_only(tmp_path
     (tmp_path / (directory.TMP_PREFIX + directory._name_hash(tmp_path / "epoch=0.ckpt"))).mkdir()  # a dead save's leftover
     DCPCheckpointIO().remove_checkpoint(tmp_path / "epoch=0.ckpt")  # what ModelCheckpoint(save_top_k=...) calls
     assert sorted(os.listdir(tmp_path)) == sorted(["epoch=1.ckpt", kept]) and _loaded_step(tmp_path / "epoch=1.ckpt") == 2
+
+
+def test_a_name_that_modelcheckpoint_linked_elsewhere_loads_the_linked_checkpoint_not_its_old_data(tmp_path: Path) -> None:
+    from lightning_recsys.checkpoint import latest_checkpoint
+
+    last = tmp_path / "last.ckpt"
+    _save(last, 5)  # save_last=True: last.ckpt -> its own data directory, step 5 (e.g. an earlier run)
+    _save(tmp_path / "epoch=0-step=3.ckpt", 3)  # a later run, resumed from an earlier step
+    old_data = tmp_path / os.readlink(last)
+    # What ModelCheckpoint(save_last="link")._link_checkpoint does: the old data directory stays behind.
+    os.remove(last)
+    os.symlink("epoch=0-step=3.ckpt", last)
+    assert _loaded_step(last) == 3 and read_meta(last).step == 3  # the old copy (step 5) was loaded instead
+    assert latest_checkpoint(tmp_path).resolve() == (tmp_path / "epoch=0-step=3.ckpt").resolve()
+    # A save of the name that dies after its marker, before its swap, is newer than the link: it still wins.
+    crashed = tmp_path / f"{directory.DATA_PREFIX}{directory._name_hash(last)}-crashed"
+    _save(tmp_path / "scratch", 7)
+    os.rename(tmp_path / os.readlink(tmp_path / "scratch"), crashed)
+    os.remove(tmp_path / "scratch")
+    assert resolve(last) == crashed and latest_checkpoint(tmp_path) == crashed
+    shutil.rmtree(crashed)
+    # The next save of the name drops the old data directory.
+    _save(last, 8)
+    assert not old_data.exists() and _loaded_step(last) == 8

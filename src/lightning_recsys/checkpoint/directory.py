@@ -221,9 +221,28 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     best, best_key = path, _order_key(path)
     for copy in _own_copies(path):
         key = _order_key(copy)
-        if key is not None and (best_key is None or key > best_key) and not _same_directory(copy, path):
+        if key is None or (best_key is not None and key <= best_key) or _same_directory(copy, path):
+            continue
+        if not _superseded(copy, path):
             best, best_key = copy, key
     return best
+
+
+def _superseded(copy: Path, name: Path) -> bool:
+    """True if ``copy``, a helper directory of ``name``, was committed before ``name`` was pointed elsewhere.
+
+    ``ModelCheckpoint(save_last="link")`` replaces ``last.ckpt`` with its own symlink to another
+    checkpoint (``os.remove`` then ``os.symlink``), leaving the data directory the name pointed to
+    behind: that copy is what the name held before, not a save of it that died before its swap (such
+    a save commits after the name was last pointed). Resolving to it would load an older run's
+    checkpoint in place of the linked one whenever the old copy has the higher step.
+    """
+    if not name.is_symlink() or _own_target(name) is not None:
+        return False  # the name is ours (or missing): a newer helper copy is an interrupted save
+    try:
+        return (copy / MARKER_FILE).stat().st_mtime_ns <= name.lstat().st_mtime_ns
+    except OSError:
+        return False
 
 
 def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
@@ -239,9 +258,14 @@ def latest_checkpoint(directory: str | os.PathLike[str]) -> Path | None:
     if not directory.is_dir():
         return None
     by_directory: dict[str, tuple[tuple[int, int, str, float, int, str], Path]] = {}
-    for child in directory.iterdir():
+    children = list(directory.iterdir())
+    names = {_name_hash(c): c for c in children if not _is_helper(c.name)}
+    for child in children:
         if not child.is_dir():
             continue
+        name = names.get(_helper_hash(child.name) or "")
+        if name is not None and _superseded(child, name):
+            continue  # what a name held before it was linked elsewhere (see _superseded)
         key = _order_key(child)
         if key is None:
             continue
@@ -268,6 +292,14 @@ def _fresh_data_path(final: Path) -> Path:
 
 def _name_hash(final: Path) -> str:
     return hashlib.sha1(final.name.encode()).hexdigest()[:16]
+
+
+def _helper_hash(name: str) -> str | None:
+    """The name hash in a helper entry's name (``.ckpt-<h>-<id>``, ``.partial-<h>``, ...), None for other names."""
+    for prefix in (TMP_PREFIX, DATA_PREFIX, LINK_PREFIX, OLD_PREFIX):
+        if name.startswith(prefix):
+            return name[len(prefix) :].split("-", 1)[0]
+    return None
 
 
 def _is_helper(name: str) -> bool:
