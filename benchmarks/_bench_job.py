@@ -292,6 +292,8 @@ class _PhaseTimer:
         ("gather", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "_table_items"),
         ("launch", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "__init__"),
         ("apply", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "apply"),
+        ("gather_launch", "lightning_recsys.parallel.sync_gather", "GatheredSync", "__init__"),
+        ("gather_apply", "lightning_recsys.parallel.sync_gather", "GatheredSync", "apply"),
         ("sync_total", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "step_ended"),
     )
 

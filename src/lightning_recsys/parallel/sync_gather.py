@@ -154,19 +154,24 @@ class GatheredSync:
                 for per_replica, where in zip(decoded, pieces):
                     summed.index_add_(0, where, per_replica[k][1][i])  # one replica's rows are distinct: no race
                 average = summed.div_(divisor.view(-1, *([1] * (t.dim() - 1))) if isinstance(divisor, torch.Tensor) else divisor)
-                at_launch = t.index_select(0, union)
+                current = t.index_select(0, union)  # the one random gather of the apply (memory-bound on big tables)
+                moved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # rows touched since launch, and their value then
                 if captured is not None and captured.numel():
                     assert captured_values is not None
                     where, hit = _lookup(union, captured)
-                    at_launch[where[hit]] = captured_values[i][hit]  # touched since launch: its base then is its value at launch
-                base = at_launch.clone()
+                    if bool(hit.any()):
+                        moved = (where[hit], captured_values[i][hit])
+                # A row's base: its value at the last sync; for rows others touched, its value at launch.
+                base = current.clone() if moved is not None else current  # without moved rows, current is not needed again
+                if moved is not None:
+                    base[moved[0]] = moved[1]
                 base[own] = self._bases[k][i]
                 synced = base.float().add_(average).to(t.dtype)
-                if self._overlap:
-                    new = t.index_select(0, union).sub_(at_launch).add_(synced)  # keep what changed since launch
+                new = synced
+                if moved is not None:  # keep what changed since launch; untouched rows did not change
                     table.rebase(i, union, synced)
-                else:
-                    new = synced
+                    new = synced.clone()
+                    new[moved[0]] = current[moved[0]].sub_(moved[1]).add_(synced[moved[0]])
                 t.index_copy_(0, union, new)
         self.rows_synced = union_rows
 
