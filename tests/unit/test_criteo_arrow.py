@@ -148,6 +148,19 @@ def test_values_outside_the_fast_path_still_match(tmp_path):
     assert len(new) == len(old) == 3 and all(_same(a, b) for a, b in zip(old, new))
 
 
+@pytest.mark.parametrize("newline_at_end", [True, False])
+def test_crlf_line_ends_take_the_fixed_width_path_with_the_same_batches(tmp_path, fixed_width_only, newline_at_end):
+    """Files written on Windows: the "\\r" before each newline is a line end, as for the line-by-line reader, not a slow window."""
+    lines = _lines(100, seed=4, released=True)
+    path = tmp_path / "crlf.tsv"
+    path.write_bytes(("\r\n".join(lines) + ("\r\n" if newline_at_end else "")).encode())
+    config = _config([str(path)])
+    lf_config = _config([_write(tmp_path / "lf.tsv", lines)])
+    new = list(CriteoArrowDataset(config, "train", window_bytes=1500, parse_threads=1))
+    lf = list(CriteoArrowDataset(lf_config, "train", window_bytes=1500, parse_threads=1))
+    assert len(new) == len(lf) == 100 // 8 and all(_same(a, b) for a, b in zip(new, lf))
+
+
 _GOOD = "\t".join(["1"] + ["5"] * 13 + ["0000000a"] * 26)
 _BAD = [
     _GOOD.rsplit("\t", 1)[0],  # 39 fields

@@ -94,6 +94,11 @@ def arrow_raw_columns(data: bytes, lines: int, use_threads: bool = False) -> Raw
     ``use_threads``: pyarrow parses blocks of the window on its CPU pool; otherwise the window is one
     block in this thread (the dataset runs windows in parallel threads instead).
     """
+    if b"\r" in data:
+        # CRLF lines (files written on Windows): the line-by-line rules strip a line's trailing "\r",
+        # so pyarrow may read them without it; every window went to the ~6x slower exact path before.
+        # A "\r" anywhere else stays and still sends the window there.
+        data = data.replace(b"\r\n", b"\n")
     if data.translate(None, _ALLOWED):
         return None
     table = _read(data, lines, _CONVERT_FIXED, use_threads)
