@@ -221,3 +221,11 @@ def test_dataloader_workers_split_global_batches_without_duplicates(tmp_path):
     dataset = CriteoDataset(_config([path], global_batch_size=2), "train")
     batches = list(DataLoader(dataset, batch_size=None, num_workers=2))
     assert [_ids(b) for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9]]
+
+
+def test_a_file_listed_twice_in_a_split_is_refused_and_a_shared_val_file_warned(tmp_path):
+    """Two spellings of one file are one file; a repeat was read twice per epoch without a word."""
+    with pytest.raises(ValueError, match=r"train_paths=.* lists file\(s\) .*a.tsv more than once"):
+        CriteoConfig(train_paths=[str(tmp_path / "a.tsv"), str(tmp_path / "b.tsv"), str(tmp_path / "." / "a.tsv")])
+    with pytest.warns(UserWarning, match=r"test_paths and train_paths share file\(s\) [^,]*a.tsv: the test_paths metrics"):
+        CriteoConfig(train_paths=[str(tmp_path / "a.tsv")], test_paths=[str(tmp_path / "b.tsv"), str(tmp_path / "a.tsv")])

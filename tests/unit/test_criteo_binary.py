@@ -197,8 +197,9 @@ def test_an_empty_day_between_days_is_an_empty_stretch_of_the_stream(npy_dir, tm
     out, _, _ = npy_dir
     empty = tmp_path / "empty.tsv"
     empty.write_text("")
-    assert convert_tsv_to_npy(str(empty), str(out), 5, progress=False) == 0
-    config = CriteoBinaryConfig(path=str(out), train_days=[0, 5, 1, 5], table_sizes=SIZES, global_batch_size=8)
+    for day in (5, 6):  # two empty days: one between days, one at the end (a day may be listed once)
+        assert convert_tsv_to_npy(str(empty), str(out), day, progress=False) == 0
+    config = CriteoBinaryConfig(path=str(out), train_days=[0, 5, 1, 6], table_sizes=SIZES, global_batch_size=8)
     expected = list(CriteoBinaryDataset(CriteoBinaryConfig(path=str(out), train_days=[0, 1], table_sizes=SIZES, global_batch_size=4), "train"))
     for world_size in (1, 2):
         for rank in range(world_size):
@@ -242,3 +243,11 @@ def test_converter_reports_values_the_npy_format_cannot_hold(tmp_path, crlf, fie
         convert_tsv_to_npy(str(path), str(tmp_path / "out"), 0, progress=False)
     assert convert_tsv_to_npy(str(path), str(tmp_path / "skip"), 0, on_bad_line="skip", progress=False) == 5
     assert np.isfinite(np.load(day_file(tmp_path / "skip", 0, "dense"))).all()
+
+
+def test_a_day_listed_twice_in_a_split_is_refused_and_a_shared_val_day_warned(tmp_path):
+    """[0, 1, 0] read day 0 twice per epoch without a word; a val day that trains too makes val a training score."""
+    with pytest.raises(ValueError, match=r"train_days=\[0, 1, 0\] lists day\(s\) 0 more than once"):
+        CriteoBinaryConfig(path=str(tmp_path), train_days=[0, 1, 0])
+    with pytest.warns(UserWarning, match=r"val_days and train_days share day\(s\) 1"):
+        CriteoBinaryConfig(path=str(tmp_path), train_days=[0, 1], val_days=[1], test_days=[2])

@@ -33,7 +33,9 @@ from lightning_recsys.data.readers import (
     check_global_batch_size,
     check_num_workers,
     check_on_bad_line,
+    check_split_sources,
     iter_lines,
+    normalized_path,
 )
 
 if TYPE_CHECKING:
@@ -93,6 +95,9 @@ class CriteoConfig:
                 raise ValueError(f"{name}={paths!r} contains an empty path.")
         if not (self.train_paths or self.val_paths or self.test_paths):
             raise ValueError("train_paths, val_paths and test_paths are all empty; give at least one file.")
+        check_split_sources(
+            {"train_paths": self.train_paths, "val_paths": self.val_paths, "test_paths": self.test_paths}, "file(s)", normalized_path
+        )
         sizes = self.feature_table_sizes()
         if len(sizes) != NUM_CATEGORICAL_FEATURES:
             raise ValueError(

@@ -62,6 +62,7 @@ from lightning_recsys.data.readers import (
     check_global_batch_size,
     check_num_workers,
     check_on_bad_line,
+    check_split_sources,
     rank_slice,
 )
 
@@ -121,6 +122,7 @@ class CriteoBinaryConfig:
                 raise ValueError(f"{name}={days!r} must be a list of day numbers (integers >= 0), e.g. [0, 1].")
         if not (self.train_days or self.val_days or self.test_days):
             raise ValueError("train_days, val_days and test_days are all empty; give at least one day.")
+        check_split_sources({"train_days": self.train_days, "val_days": self.val_days, "test_days": self.test_days}, "day(s)")
         sizes = self.feature_table_sizes()
         if len(sizes) != NUM_CATEGORICAL_FEATURES or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(

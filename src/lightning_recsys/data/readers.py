@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import gzip
 import logging
+import os
+import warnings
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 from torch.utils.data import IterableDataset, get_worker_info
 
@@ -82,6 +84,37 @@ def check_global_batch_size(value: int) -> None:
 def check_num_workers(value: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"num_workers={value!r} must be an integer >= 0.")
+
+
+def check_split_sources(splits: dict[str, list], what: str, key: Callable[[Any], Any] = lambda source: source) -> None:
+    """Refuse a source (file, day) listed twice in one split; warn when train shares one with val or test.
+
+    A repeat was read twice per epoch without a word; an overlap is sometimes meant (a smoke test
+    validating on its training file), but otherwise it makes the validation score a training score.
+    ``splits`` starts with train; ``key`` compares sources (e.g. normalized paths); ``what`` names them.
+    """
+    keys = {name: [key(source) for source in sources] for name, sources in splits.items()}
+    for name, sources in splits.items():
+        twice = sorted({str(s) for s, k in zip(sources, keys[name]) if keys[name].count(k) > 1})
+        if twice:
+            raise ValueError(
+                f"{name}={list(sources)!r} lists {what} {', '.join(twice)} more than once: an epoch would read "
+                "it that many times. List each once (train longer with trainer.max_epochs)."
+            )
+    train, *others = splits
+    for name in others:
+        shared = sorted(str(s) for s, k in zip(splits[name], keys[name]) if k in set(keys[train]))
+        if shared:
+            warnings.warn(
+                f"{name} and {train} share {what} {', '.join(shared)}: the {name} metrics then include examples "
+                "the model trained on.",
+                stacklevel=3,
+            )
+
+
+def normalized_path(path: str | Path) -> str:
+    """One spelling per file, so ``a.tsv`` and ``./a.tsv`` compare equal."""
+    return os.path.normcase(os.path.abspath(os.path.expanduser(str(path))))
 
 
 def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
