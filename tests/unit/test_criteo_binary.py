@@ -222,6 +222,17 @@ def test_converter_refuses_two_inputs_for_one_day(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_converter_refuses_inputs_of_which_only_some_are_named_day_n(tmp_path):
+    """day_3.gz next to holdout.tsv was written as day 0 (the 0, 1, ... numbering), over any day_0 files there."""
+    for name in ("day_3.tsv", "holdout.tsv"):
+        (tmp_path / name).write_text("1" + "\t" * 39 + "\n")
+    with pytest.raises(SystemExit, match=r"holdout.tsv: no day_N in the name, while other inputs have one; .* --days"):
+        main([str(tmp_path / "day_3.tsv"), str(tmp_path / "holdout.tsv"), "--out-dir", str(tmp_path / "o"), "--no-progress"])
+    assert not (tmp_path / "o").exists()
+    main([str(tmp_path / "day_3.tsv"), str(tmp_path / "holdout.tsv"), "--days", "3", "4", "--out-dir", str(tmp_path / "o"), "--no-progress"])
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == [f"day_{d}_{k}.npy" for d in (3, 4) for k in ("dense", "labels", "sparse")]
+
+
 @pytest.mark.parametrize("crlf", [False, True])  # the pyarrow path and the exact line-by-line path
 @pytest.mark.parametrize(
     ("field", "value", "problem"),

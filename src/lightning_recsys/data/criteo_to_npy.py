@@ -20,6 +20,12 @@ def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
         numbers = list(days)
     else:
         found = [re.search(r"day_(\d+)", Path(p).name) for p in paths]
+        if any(found) and not all(found):
+            # Numbering all inputs 0, 1, ... here wrote day_3.gz as day 0 (over any day_0 files already there).
+            unnamed = ", ".join(p for p, m in zip(paths, found) if m is None)
+            raise SystemExit(
+                f"{unnamed}: no day_N in the name, while other inputs have one; rename it, or number every input with --days."
+            )
         numbers = [int(m.group(1)) for m in found] if all(found) else list(range(len(paths)))  # type: ignore[union-attr]
     # One day's npy files per input: a repeated day would be overwritten by the later input.
     for day in sorted(set(numbers)):
