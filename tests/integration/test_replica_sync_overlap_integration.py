@@ -144,6 +144,7 @@ def test_compressed_deltas_keep_replicas_bit_identical_and_close_to_fp32_sync():
 # ----------------------------------------------------------------- through Lightning: save/resume, a dead rank
 STEPS_PER_EPOCH = 3  # every_n_steps=2: the epoch-end save at step 3 is mid-interval, with a sync in flight
 SYNC = ReplicaSyncConfig(every_n_steps=2, overlap=True, precision="bf16")
+GATHER_SYNC = ReplicaSyncConfig(every_n_steps=2, overlap=True, precision="fp8", exchange="all_gather")
 PG_TIMEOUT = 20
 
 
@@ -162,11 +163,11 @@ def _strategy(sync: ReplicaSyncConfig, **kwargs) -> TwoDRecStrategy:
     )
 
 
-def _fit(rank: int, world: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None) -> dict:
+def _fit(rank: int, world: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None, sync: ReplicaSyncConfig = SYNC) -> dict:
     losses = _Losses()
     trainer = Trainer(
         accelerator="cpu", devices=PER_NODE, num_nodes=world // PER_NODE, max_epochs=max_epochs, limit_val_batches=0,
-        strategy=_strategy(SYNC, process_group_timeout=60, checkpoint_io=DCPCheckpointIO()),
+        strategy=_strategy(sync, process_group_timeout=60, checkpoint_io=DCPCheckpointIO()),
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1), losses],
     )
@@ -179,10 +180,11 @@ def _fit(rank: int, world: int, ckpt_dir: str, max_epochs: int, ckpt_path: str |
     return {"losses": losses.losses, "shards": shards_of(model)}
 
 
-def test_checkpoint_saved_mid_interval_with_a_sync_in_flight_resumes_exactly(tmp_path):
-    full = run_ranks(_fit, WORLD, str(tmp_path / "full"), 2, None, timeout=300, ranks_per_node=PER_NODE)
-    run_ranks(_fit, WORLD, str(tmp_path / "resumed"), 1, None, timeout=300, ranks_per_node=PER_NODE)
-    resumed = run_ranks(_fit, WORLD, str(tmp_path / "resumed"), 2, "last", timeout=300, ranks_per_node=PER_NODE)
+@pytest.mark.parametrize("sync", [SYNC, GATHER_SYNC], ids=["all-reduce-bf16", "all-gather-fp8"])
+def test_checkpoint_saved_mid_interval_with_a_sync_in_flight_resumes_exactly(tmp_path, sync):
+    full = run_ranks(_fit, WORLD, str(tmp_path / "full"), 2, None, sync, timeout=300, ranks_per_node=PER_NODE)
+    run_ranks(_fit, WORLD, str(tmp_path / "resumed"), 1, None, sync, timeout=300, ranks_per_node=PER_NODE)
+    resumed = run_ranks(_fit, WORLD, str(tmp_path / "resumed"), 2, "last", sync, timeout=300, ranks_per_node=PER_NODE)
     for rank in range(WORLD):
         assert resumed[rank]["losses"] == full[rank]["losses"][STEPS_PER_EPOCH:], rank
         for key, pieces in full[rank]["shards"].items():
