@@ -29,10 +29,10 @@ CONFIG = SyntheticClickLogConfig(
 Shards = dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]
 
 
-def make_model(embedding_device: str | None = None, seed: int | None = 1234) -> DLRMRanker:
+def make_model(embedding_device: str | None = None, seed: int | None = 1234, cls: type[DLRMRanker] = DLRMRanker) -> DLRMRanker:
     if seed is not None:
         torch.manual_seed(seed)
-    return DLRMRanker(
+    return cls(
         table_sizes=CONFIG.table_sizes,
         num_dense_features=CONFIG.num_dense_features,
         embedding_dim=8,
@@ -78,12 +78,13 @@ def fit_sharded(
     num_nodes: int = 1,
     callbacks: list[Callback] | None = None,
     embedding_device: str | None = None,
+    model_class: type[DLRMRanker] = DLRMRanker,
 ) -> tuple[DLRMRanker, Trainer, torch.Tensor]:
     """Fit the oracle's model with ``strategy``; return it, the trainer and this rank's validation predictions.
 
     ``embedding_device="meta"`` leaves table initialization to TorchRec, with this rank's RNG state.
     """
-    model = make_model(embedding_device, seed=None if embedding_device == "meta" else 1234)
+    model = make_model(embedding_device, seed=None if embedding_device == "meta" else 1234, cls=model_class)
     trainer = Trainer(
         accelerator=accelerator,
         devices=devices or world_size,

@@ -1,4 +1,5 @@
-"""Lightning features on TwoDRecStrategy: mixed precision, LR schedules on the tables, gradient clipping, an empty fit."""
+"""Lightning features on TwoDRecStrategy: mixed precision, LR schedules on the tables, gradient clipping, an empty fit,
+manual optimization."""
 
 from __future__ import annotations
 
@@ -6,10 +7,12 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 from multiprocess import run_ranks
+from oracle import assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
-from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.planner.config import PlanningConfig
@@ -126,6 +129,41 @@ def test_a_fit_that_got_no_batch_says_so():
     warned = run_ranks(_fit_without_batches, 2, timeout=180)
     assert len(warned[0]) == 1 and "global_batch_size" in warned[0][0], warned[0]
     assert warned[1] == []  # rank 0 speaks for all
+
+
+class _ManualRanker(DLRMRanker):
+    """Steps its own optimizer (``automatic_optimization = False``), as GAN-style or custom loops do."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.manual_backward(loss)
+        optimizer.step()
+        return loss
+
+
+def _fit_manually(rank: int, world_size: int) -> dict:
+    # One table data_parallel: its gradient goes through the same DDP as the dense layers'.
+    planning = PlanningConfig(
+        sharding_types=["row_wise", "data_parallel"],
+        table_constraints={"t_sparse_2": TableConstraints(sharding_types=["data_parallel"])},
+    )
+    model, trainer, predictions = fit_sharded(rank, world_size, sgd_strategy(planning=planning), model_class=_ManualRanker)
+    return {"shards": shards_of(model), "predictions": predictions, "steps": trainer.global_step}
+
+
+def test_manual_optimization_all_reduces_the_dense_gradients_and_equals_unsharded_sgd():
+    # Before: manual_backward ran inside DDP's forward, before its reducer was prepared; every rank
+    # stepped its own dense gradient (the replicas of the dense layers drifted apart).
+    expected_state, expected_predictions = train_unsharded()
+    results = run_ranks(_fit_manually, 2, timeout=180)
+    assert [r["steps"] for r in results] == [3, 3]
+    assert_matches([r["shards"] for r in results], [r["predictions"] for r in results], expected_state, expected_predictions)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,7 @@ placements are remapped to global ranks; the dense part is wrapped in DDP over t
 import copy
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +57,12 @@ class ShardedModel:
 
     def is_embedding_param(self, param: nn.Parameter) -> bool:
         return id(param) in self.embedding_param_ids
+
+    @property
+    def dense_ddp(self) -> Optional[DistributedDataParallel]:
+        """The DDP that all-reduces the dense (and data-parallel table) gradients; None if DMP made none."""
+        wrapped = self.dmp._dmp_wrapped_module
+        return wrapped if isinstance(wrapped, DistributedDataParallel) else None
 
 
 def find_embedding_modules(module: nn.Module) -> dict[str, nn.Module]:
