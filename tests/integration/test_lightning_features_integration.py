@@ -35,6 +35,19 @@ class _ScheduledRanker(DLRMRanker):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, gamma=0.5), "interval": "step"}}
 
 
+class _PlateauRanker(DLRMRanker):
+    """ReduceLROnPlateau on a metric that never improves: the rate halves after every step but the first."""
+
+    def training_step(self, batch, batch_idx):
+        self.log("flat", 1.0)
+        return super().training_step(batch, batch_idx)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, factor=0.5, patience=0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": plateau, "interval": "step", "monitor": "flat"}}
+
+
 def _model(cls=DLRMRanker) -> DLRMRanker:
     torch.manual_seed(0)
     return cls(table_sizes=CONFIG.table_sizes, num_dense_features=4, embedding_dim=8, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[8, 1])
@@ -68,7 +81,7 @@ class _EmbeddingLr(Callback):
         self.seen.append(trainer.strategy.embedding_learning_rate.fused_lrs())
 
 
-def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None) -> dict:
+def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None, ranker: type = _ScheduledRanker) -> dict:
     seen = _EmbeddingLr()
     strategy = TwoDRecStrategy(
         process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4, lr_follows_scheduler=follows),
@@ -80,7 +93,7 @@ def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_model(_ScheduledRanker), datamodule=SyntheticClickLogDataModule(CONFIG))
+        trainer.fit(_model(ranker), datamodule=SyntheticClickLogDataModule(CONFIG))
     clip_warnings = [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)]
     return {"seen": seen.seen, "clip_warnings": clip_warnings}
 
@@ -93,6 +106,13 @@ def test_embedding_lr_follows_the_first_scheduler_when_asked():
         assert all(len(set(lrs)) == 1 for lrs in result["seen"])  # every fused module got it
     fixed = run_ranks(_fit_scheduled, 2, False, None, timeout=180)
     assert [lrs[0] for lrs in fixed[0]["seen"]] == pytest.approx([0.4] * 4)
+
+
+def test_embedding_lr_follows_reduce_lr_on_plateau():
+    # ReduceLROnPlateau sets no initial_lr; the factor was lr / lr = 1 and the tables kept 0.4 throughout.
+    results = run_ranks(_fit_scheduled, 2, True, None, _PlateauRanker, timeout=180)
+    for result in results:
+        assert [lrs[0] for lrs in result["seen"]] == pytest.approx([0.4, 0.4, 0.2, 0.1])
 
 
 def test_gradient_clipping_warns_once_that_fused_tables_are_not_clipped():

@@ -65,8 +65,9 @@ class EmbeddingOptimizerConfig:
         beta1: Adam's first-moment decay, in [0, 1).
         beta2: Adam's second-moment decay, in [0, 1).
         lr_follows_scheduler: the tables' learning rate follows the first LR scheduler: ``lr`` times
-            that scheduler's factor (its optimizer's current lr over its ``initial_lr``), set before
-            every training step. Off by default: schedulers then move only the dense optimizers.
+            that scheduler's factor (its optimizer's current lr over its ``initial_lr``; for a
+            scheduler that sets none, such as ``ReduceLROnPlateau``, over the lr it started from),
+            set before every training step. Off by default: schedulers then move only the dense optimizers.
     """
 
     name: EmbeddingOptimizerName = "rowwise_adagrad"

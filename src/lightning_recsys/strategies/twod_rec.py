@@ -170,6 +170,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         self._setup: Optional[ShardedSetup] = None
         self._runtime: Optional[ShardedRuntime] = None
         self._forward_redirection = _DenseDDPForwardRedirection(self)
+        self._scheduler_base_lr: Optional[float] = None
 
     # ----------------------------------------------------------------- ranks and devices
     @property
@@ -322,6 +323,12 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         if removed:
             log.debug("TwoDRecStrategy: removed %d embedding parameters from the dense optimizers", removed)
         self.runtime.make_table_optimizers()
+        # The rate the first scheduler starts from: LRScheduler records it as initial_lr, but
+        # ReduceLROnPlateau records none, and its reductions would never reach the tables.
+        self._scheduler_base_lr = None
+        if trainer.lr_scheduler_configs:
+            group = trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]
+            self._scheduler_base_lr = group.get("initial_lr", group["lr"])
         if self.embedding_optimizer_config.lr_follows_scheduler and not trainer.lr_scheduler_configs:
             rank_zero_warn(
                 "EmbeddingOptimizerConfig(lr_follows_scheduler=True), but configure_optimizers returned no LR "
@@ -334,12 +341,13 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         return _available(self.runtime.embedding_lr, "embedding_learning_rate", "set up the optimizers")
 
     def _scheduler_factor(self) -> Optional[float]:
-        """The first LR scheduler's factor (lr / initial_lr), when the tables follow it."""
+        """The first LR scheduler's factor (lr / initial_lr, or the lr it started from), when the tables follow it."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if not self.embedding_optimizer_config.lr_follows_scheduler or trainer is None or not trainer.lr_scheduler_configs:
             return None
         group = trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]
-        return group["lr"] / group.get("initial_lr", group["lr"])
+        base = group.get("initial_lr", self._scheduler_base_lr)
+        return group["lr"] / (base if base else group["lr"])
 
     @override
     def optimizer_step(
