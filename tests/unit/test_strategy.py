@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, ModelCheckpoint
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 
@@ -51,6 +51,18 @@ def test_gradient_accumulation_is_refused():
     strategy.precision_plugin = Precision()
     with pytest.raises(ValueError, match=r"accumulate_grad_batches=4\) is not supported"):
         check_trainer_settings(_fake_trainer(accumulate_grad_batches=4), strategy.precision_plugin, strategy.checkpoint_io)
+
+
+def test_a_gradient_accumulation_schedule_is_refused():
+    # It raised the accumulation only at epoch 1's start, after setup's check: the dense layers then
+    # accumulated over 2 batches while FBGEMM went on updating the tables every batch.
+    strategy = TwoDRecStrategy()
+    strategy.precision_plugin = Precision()
+    scheduled = _fake_trainer(callbacks=[GradientAccumulationScheduler(scheduling={0: 1, 1: 2})])
+    with pytest.raises(ValueError, match=r"GradientAccumulationScheduler\(scheduling=\{0: 1, 1: 2\}\) is not supported"):
+        check_trainer_settings(scheduled, strategy.precision_plugin, strategy.checkpoint_io)
+    ones = _fake_trainer(callbacks=[GradientAccumulationScheduler(scheduling={0: 1})])
+    check_trainer_settings(ones, strategy.precision_plugin, strategy.checkpoint_io)  # accumulates nothing: fine
 
 
 def test_checkpoints_go_through_dcp_on_every_rank():

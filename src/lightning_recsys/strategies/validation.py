@@ -6,6 +6,7 @@ from typing import Optional
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -52,6 +53,14 @@ def check_trainer_settings(trainer: Trainer, precision: Precision, checkpoint_io
             "embedding optimizer updates the tables in every backward pass. Use accumulate_grad_batches=1 "
             "and a larger batch instead."
         )
+    for callback in getattr(trainer, "callbacks", []):
+        # It sets trainer.accumulate_grad_batches at each epoch's start, after the check above ran.
+        if isinstance(callback, GradientAccumulationScheduler) and any(f != 1 for f in callback.scheduling.values()):
+            raise ValueError(
+                f"GradientAccumulationScheduler(scheduling={callback.scheduling}) is not supported: the fused embedding "
+                "optimizer updates the tables in every backward pass, so only the dense layers would accumulate. "
+                "Remove the callback (or schedule 1 for every epoch) and use a larger batch instead."
+            )
     if not isinstance(checkpoint_io, DCPCheckpointIO):
         raise ValueError(
             f"TwoDRecStrategy needs checkpoint_io=DCPCheckpointIO (the default); got "
