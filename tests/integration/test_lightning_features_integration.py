@@ -186,6 +186,45 @@ def test_manual_optimization_all_reduces_the_dense_gradients_and_equals_unsharde
     assert_matches([r["shards"] for r in results], [r["predictions"] for r in results], expected_state, expected_predictions)
 
 
+class _EvenBatchStepper(_ManualRanker):
+    """Steps its optimizer on even batches only; FBGEMM still updates the tables in every backward."""
+
+    def training_step(self, batch, batch_idx):
+        optimizer = self.optimizers()
+        loss = F.binary_cross_entropy_with_logits(self(batch), batch.labels)
+        self.manual_backward(loss)
+        if batch_idx % 2 == 0:
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+
+def _fit_2d_manually(rank: int, world_size: int) -> dict:
+    strategy = TwoDRecStrategy(
+        process_group_timeout=60, sharding_group_size=2, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.3),
+        planning=PlanningConfig(sharding_types=["table_wise"]),
+    )
+    model = _model(_EvenBatchStepper)
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, max_steps=-1, limit_train_batches=4, max_epochs=1, limit_val_batches=0,
+        logger=False, strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    return {"shards": shards_of(model), "syncs": strategy.runtime.sync_totals.syncs}
+
+
+def test_manual_optimization_syncs_the_replicas_after_every_batch_whatever_the_optimizer_did():
+    # Before: the step ended at the first optimizer's step; batch 3 (not stepped) updated the tables
+    # unseen by the replica sync, and fit ended with replicas 0.1 apart.
+    results = run_ranks(_fit_2d_manually, 4, timeout=180)
+    for rank, replica in ((0, 2), (1, 3)):
+        assert results[rank]["shards"].keys() == results[replica]["shards"].keys()
+        for key, pieces in results[rank]["shards"].items():
+            for (_, mine), (_, theirs) in zip(pieces, results[replica]["shards"][key]):
+                torch.testing.assert_close(mine, theirs, rtol=0, atol=0)
+    assert [r["syncs"] for r in results] == [4] * 4  # one per batch
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="16-mixed needs CUDA: Lightning's fp16 AMP with a GradScaler runs on CUDA only")
 def test_16_mixed_on_cuda_fits_with_unscaled_table_updates():

@@ -358,11 +358,16 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         **kwargs: Any,
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self.optimizers and _unwrap_optimizer(optimizer) is _unwrap_optimizer(self.optimizers[0]):
-            if self.runtime.checks_finite:
-                self.runtime.check_finite(self._global_step(), before_update=False)
-            self.runtime.after_optimizer_step()
+        automatic = self.lightning_module is None or self.lightning_module.automatic_optimization
+        if automatic and self.optimizers and _unwrap_optimizer(optimizer) is _unwrap_optimizer(self.optimizers[0]):
+            self._end_step(loss=None)
         return output
+
+    def _end_step(self, *, loss: Any) -> None:
+        """The step's updates are applied: check them, step the data-parallel tables, let the replica sync run."""
+        if self.runtime.checks_finite:
+            self.runtime.check_finite(self._global_step(), before_update=False, loss=loss)
+        self.runtime.after_optimizer_step()
 
     @override
     def pre_backward(self, closure_loss: torch.Tensor) -> None:
@@ -454,8 +459,15 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
-        if self._runtime is not None and self._runtime.checks_finite:
-            loss = output.get("loss") if isinstance(output, Mapping) else output
+        if self._runtime is None:
+            return output
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
+            # Manual optimization: backward (so FBGEMM's table update) and the optimizer steps ran inside
+            # the step, and whether the first optimizer stepped is the module's choice. The step ends
+            # here, once per batch: the replica sync must see every batch's table updates.
+            self._end_step(loss=loss)
+        elif self._runtime.checks_finite:
             self._runtime.check_finite(self._global_step(), before_update=True, loss=loss)
         return output
 
