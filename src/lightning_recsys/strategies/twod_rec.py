@@ -19,17 +19,14 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.overrides.distributed import prepare_for_backward
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn import Module
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -56,6 +53,7 @@ from lightning_recsys.planner import PlanningConfig, PlanReport
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
+from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
 from lightning_recsys.strategies.validation import check_device_support, check_trainer_settings
 
@@ -63,7 +61,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelStrategy):
+class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGroupCollectives, ParallelStrategy):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
 
     The strategy finds every ``EmbeddingBagCollection``/``EmbeddingCollection`` in the module, plans
@@ -169,7 +167,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
         self._coordination_group: Optional[dist.ProcessGroup] = None
         self._setup: Optional[ShardedSetup] = None
         self._runtime: Optional[ShardedRuntime] = None
-        self._forward_redirection = _DenseDDPForwardRedirection(self)
+        self._forward_redirection = DenseDDPForwardRedirection(self)
         self._scheduler_base_lr: Optional[float] = None
 
     # ----------------------------------------------------------------- ranks and devices
@@ -369,30 +367,6 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
             self.runtime.check_finite(self._global_step(), before_update=False, loss=loss)
         self.runtime.after_optimizer_step()
 
-    @override
-    def pre_backward(self, closure_loss: torch.Tensor) -> None:
-        # Manual optimization runs backward inside DDP's forward (Lightning redirects training_step
-        # through the wrapper), before DDP's post-forward prepared its reducer: without this the dense
-        # gradients were never all-reduced and every rank stepped its own (as Lightning's DDPStrategy does).
-        ddp = self._manual_dense_ddp()
-        if ddp is not None:
-            prepare_for_backward(ddp, closure_loss)
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        # DMP's DDP has a static graph: its first backward must flush the delayed all-reduce, which
-        # DDP queues from its output hook, and that hook is not reached when backward runs in forward.
-        ddp = self._manual_dense_ddp()
-        if ddp is not None and ddp.static_graph and not ddp._static_graph_delay_allreduce_enqueued:
-            ddp.reducer._delay_all_reduce()
-            ddp._static_graph_delay_allreduce_enqueued = True
-
-    def _manual_dense_ddp(self) -> Optional[DistributedDataParallel]:
-        """The dense DDP when the module optimizes manually (under automatic optimization backward runs after DDP's forward)."""
-        if self._setup is None or self.lightning_module is None or self.lightning_module.automatic_optimization:
-            return None
-        return self.sharded_model.dense_ddp
-
     def sync_replicas(self) -> None:
         """Average the embedding shards (and fused optimizer state) over the replica groups now.
 
@@ -516,30 +490,6 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ProcessGroupCollectives, ParallelS
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register(strategy_registry)  # the one registration, also used at import (lightning_recsys._registration)
-
-
-class _DenseDDPForwardRedirection(_ForwardRedirection):
-    """Lightning's DDP forward redirection, for the DDP inside DistributedModelParallel.
-
-    Under manual optimization the step's backward already ran inside the forward; DDP's post-forward
-    must not prepare its reducer for another backward, or the next forward fails ("initialize_buckets
-    must NOT be called during autograd execution"). ``pre_backward`` prepares it instead.
-    """
-
-    def __init__(self, strategy: TwoDRecStrategy) -> None:
-        self._strategy = strategy
-
-    @override
-    def on_after_inner_forward(self, wrapper_module: Module, original_module: LightningModule) -> None:
-        ddp = self._strategy._manual_dense_ddp()
-        if ddp is not None:
-            ddp.require_backward_grad_sync = False
-
-    @override
-    def on_after_outer_forward(self, wrapper_module: Module, original_module: LightningModule) -> None:
-        ddp = self._strategy._manual_dense_ddp()
-        if ddp is not None:
-            ddp.require_backward_grad_sync = True
 
 
 def _available(value: Optional[_T], attribute: str, after: str) -> _T:
