@@ -84,6 +84,7 @@ class GatheredSync:
         """``rows[k]``: the sorted table-local rows this replica touched in ``tables[k]`` (their bases captured)."""
         self._tables = tables
         self._num_replicas = num_replicas
+        self._me = dist.get_rank(group)  # this replica's buffer in the gathered list
         self._overlap = overlap
         self._count_aware = count_aware
         device = tables[0].tensors[0].device
@@ -147,32 +148,23 @@ class GatheredSync:
             divisor: torch.Tensor | int = self._num_replicas
             if self._count_aware:
                 divisor = torch.bincount(inverse, minlength=union.numel()).float()
-            own = torch.searchsorted(union, self._rows[k])
+            own = pieces[self._me]  # this replica's rows, as positions in the union
             captured, captured_values = table.bases() if self._overlap else (None, None)
+            moved_at: Optional[torch.Tensor] = None  # union positions of rows touched since launch (overlap)
+            hit: Optional[torch.Tensor] = None
+            if captured is not None and captured.numel():
+                where, hit = _lookup(union, captured)
+                moved_at = where[hit] if bool(hit.any()) else None
             for i, t in enumerate(table.tensors):
                 summed = torch.zeros((union.numel(), *t.shape[1:]), dtype=torch.float32, device=t.device)
                 for per_replica, where in zip(decoded, pieces):
                     summed.index_add_(0, where, per_replica[k][1][i])  # one replica's rows are distinct: no race
                 average = summed.div_(divisor.view(-1, *([1] * (t.dim() - 1))) if isinstance(divisor, torch.Tensor) else divisor)
-                current = t.index_select(0, union)  # the one random gather of the apply (memory-bound on big tables)
-                moved: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # rows touched since launch, and their value then
-                if captured is not None and captured.numel():
-                    assert captured_values is not None
-                    where, hit = _lookup(union, captured)
-                    if bool(hit.any()):
-                        moved = (where[hit], captured_values[i][hit])
-                # A row's base: its value at the last sync; for rows others touched, its value at launch.
-                base = current.clone() if moved is not None else current  # without moved rows, current is not needed again
-                if moved is not None:
-                    base[moved[0]] = moved[1]
-                base[own] = self._bases[k][i]
-                synced = base.float().add_(average).to(t.dtype)
-                new = synced
-                if moved is not None:  # keep what changed since launch; untouched rows did not change
-                    table.rebase(i, union, synced)
-                    new = synced.clone()
-                    new[moved[0]] = current[moved[0]].sub_(moved[1]).add_(synced[moved[0]])
-                t.index_copy_(0, union, new)
+                moved = None
+                if moved_at is not None:
+                    assert captured_values is not None and hit is not None
+                    moved = (moved_at, captured_values[i][hit])  # and their value at launch
+                _write_average(table, i, union, own, self._bases[k][i], average, moved)
         self.rows_synced = union_rows
 
     def _decode(self, buffer: torch.Tensor, counts: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -190,6 +182,54 @@ class GatheredSync:
                 offset = _aligned(offset + size)
             out.append((ids, deltas))
         return out
+
+
+def _write_average(
+    table: Table,
+    index: int,
+    union: torch.Tensor,
+    own: torch.Tensor,
+    own_base: torch.Tensor,
+    average: torch.Tensor,
+    moved: Optional[tuple[torch.Tensor, torch.Tensor]],
+) -> None:
+    """``row = base + average`` on the union rows of ``table.tensors[index]``, keeping changes made since launch.
+
+    ``own``: positions in ``union`` of this replica's rows, whose base is ``own_base``; every other
+    row's base is its value at launch. ``moved``: positions of rows touched since launch and their
+    value then; their change since is kept, and their captured bases become the synced value.
+    """
+    t = table.tensors[index]
+    others = torch.ones(union.numel(), dtype=torch.bool, device=union.device)
+    others[own] = False
+    synced_own = own_base.float().add_(average[own]).to(t.dtype)
+    if t.dtype == torch.float32:
+        # Rows others touched hold their base (or, if moved, base plus the change since launch): one
+        # in-place add, fl(base + average), the same bits the replicas that touched them compute.
+        t.index_add_(0, union[others], average[others])
+        new_own = synced_own
+    else:  # fl(base + average) in fp32, then rounded once, as the replicas that touched them do
+        current = t.index_select(0, union[others])
+        at_launch = current.clone()
+        if moved is not None:
+            launch = torch.full((union.numel(),), -1, dtype=torch.long, device=union.device)
+            launch[moved[0]] = torch.arange(moved[0].numel(), device=union.device)
+            pick = launch[others]
+            at_launch[pick >= 0] = moved[1][pick[pick >= 0]]
+        synced = at_launch.float().add_(average[others]).to(t.dtype)
+        t.index_copy_(0, union[others], current.sub_(at_launch).add_(synced))
+        new_own = synced_own
+    if moved is not None:
+        is_own = ~others[moved[0]]
+        rank_in_own = torch.full((union.numel(),), -1, dtype=torch.long, device=union.device)
+        rank_in_own[own] = torch.arange(own.numel(), device=union.device)
+        mine = rank_in_own[moved[0][is_own]]  # own rows touched since launch: keep their change too
+        new_own = synced_own.clone()
+        new_own[mine] = t.index_select(0, union[own[mine]]).sub_(moved[1][is_own]).add_(synced_own[mine])
+        synced_moved = moved[1].float().add_(average[moved[0]]).to(t.dtype)  # others' rows: base (= value at launch) + average
+        synced_moved[is_own] = synced_own[mine]
+        table.rebase(index, union[moved[0]], synced_moved)  # the next sync sends only the change since
+    t.index_copy_(0, union[own], new_own)
 
 
 def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:
