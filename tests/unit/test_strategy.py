@@ -129,3 +129,38 @@ def test_trainer_accepts_the_2d_arguments():
     assert trainer.strategy is strategy and strategy.num_nodes == 2
     with pytest.raises(RuntimeError, match=r"topology is available only after"):
         strategy.topology
+
+
+@pytest.mark.parametrize(
+    ("devices", "num_nodes", "env", "expected"),
+    [
+        # torchrun --nproc-per-node 2, Trainer(devices=1, num_nodes=2): rank 1 indexed past the devices (IndexError).
+        (1, 2, {"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"}, "Set devices=2 and num_nodes=1"),
+        # torchrun 2 nodes x 2, Trainer(devices=4, num_nodes=1): silently 1D across both nodes.
+        (4, 1, {"RANK": "2", "LOCAL_RANK": "0", "GROUP_RANK": "1"}, "Set devices=2 and num_nodes=2"),
+    ],
+    ids=["devices-1-of-2-per-node", "devices-4-on-2x2"],
+)
+def test_devices_that_disagree_with_torchruns_processes_per_node_are_refused_before_any_process_group(
+    monkeypatch, devices, num_nodes, env, expected
+):
+    import torch.distributed as dist
+    from lightning.fabric.plugins.environments import TorchElasticEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from multiprocess import free_port
+
+    world = devices * num_nodes
+    for name, value in {
+        "WORLD_SIZE": str(world), "LOCAL_WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x", "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()), **env,
+    }.items():
+        monkeypatch.setenv(name, value)
+    strategy = TwoDRecStrategy(
+        accelerator=CPUAccelerator(), parallel_devices=[torch.device("cpu")] * devices,
+        cluster_environment=TorchElasticEnvironment(), process_group_timeout=3,
+    )
+    strategy.num_nodes = num_nodes
+    with pytest.raises(ValueError, match=rf"Trainer\(devices={devices}, num_nodes={num_nodes}\) does not match the launch: "
+                       rf"torchrun started 2 processes per node \(LOCAL_WORLD_SIZE=2\) of {world} in all.*{expected}"):
+        strategy.setup_environment()
+    assert not dist.is_initialized()

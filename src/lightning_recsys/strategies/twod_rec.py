@@ -55,7 +55,7 @@ from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
-from lightning_recsys.strategies.validation import check_device_support, check_trainer_settings
+from lightning_recsys.strategies.validation import check_device_support, check_launch_layout, check_trainer_settings
 
 log = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -247,6 +247,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
     @override
     def setup_environment(self) -> None:
         silence_known_upstream_warnings()  # before planning and sharding, where most of them come from
+        assert self.cluster_environment is not None
+        check_launch_layout(self.cluster_environment, devices=self.num_processes, num_nodes=self.num_nodes)
         super().setup_environment()
         self.set_world_ranks()
         topology = ParallelTopology.for_world(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
-from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.environments import TorchElasticEnvironment
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import MixedPrecision, Precision
@@ -31,6 +33,36 @@ def check_device_support(
     for table, constraints in planning.table_constraints.items():
         argument = f"table_constraints[{table!r}].sharding_types"
         validate_sharding_types(constraints.sharding_types or [], device_type, argument, two_d=two_d)
+
+
+def check_launch_layout(environment: ClusterEnvironment, *, devices: int, num_nodes: int) -> None:
+    """Raise when ``Trainer(devices, num_nodes)`` splits the world differently from the launcher.
+
+    Lightning checks only the product against the world size, but the strategy builds its node
+    layout (the default sharding group is one node, and the plan's intra-node traffic) from
+    ``devices``: ``devices=4, num_nodes=1`` under a 2 x 2 torchrun trained 1D across both nodes
+    without a word, and ``devices=1`` under 2 processes per node failed with an IndexError on rank 1.
+    Runs before any process group exists; torchrun's LOCAL_WORLD_SIZE is the same on every rank, so
+    every rank raises alike.
+    """
+    world = environment.world_size()
+    launched = os.environ.get("LOCAL_WORLD_SIZE") if isinstance(environment, TorchElasticEnvironment) else None
+    if launched is not None and launched.isdigit() and int(launched) != devices:
+        per_node = int(launched)
+        nodes = f"num_nodes={world // per_node}" if per_node and world % per_node == 0 else "num_nodes=WORLD_SIZE/LOCAL_WORLD_SIZE"
+        raise ValueError(
+            f"TwoDRecStrategy: Trainer(devices={devices}, num_nodes={num_nodes}) does not match the launch: torchrun "
+            f"started {per_node} processes per node (LOCAL_WORLD_SIZE={per_node}) of {world} in all (WORLD_SIZE={world}). "
+            f"Set devices={per_node} and {nodes} (or torchrun --nproc-per-node {devices} --nnodes {num_nodes}): "
+            "the strategy's node layout and default sharding_group_size come from devices."
+        )
+    local_rank, node_rank = environment.local_rank(), environment.node_rank()
+    if local_rank >= devices or node_rank >= num_nodes:
+        raise ValueError(
+            f"TwoDRecStrategy: this process has local rank {local_rank} on node {node_rank}, but Trainer(devices={devices}, "
+            f"num_nodes={num_nodes}) allows local ranks 0..{devices - 1} and nodes 0..{num_nodes - 1}. Set devices to the "
+            "processes the launcher starts per node and num_nodes to the number of nodes."
+        )
 
 
 def check_trainer_settings(trainer: Trainer, precision: Precision, checkpoint_io: CheckpointIO) -> None:
