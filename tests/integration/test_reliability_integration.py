@@ -177,6 +177,37 @@ def test_an_exception_in_one_ranks_step_fails_that_rank_at_once(pipeline):
     assert error_0 == "RuntimeError"  # its collective lost the peer
 
 
+# ----------------------------------------------------------------- SIGTERM (preemption) on one rank
+class _SigtermOnRank1(Callback):
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 1 and trainer.global_step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _sigterm_on_rank_1(rank: int, world_size: int) -> tuple[str, int, float]:
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=sgd_strategy(process_group_timeout=PG_TIMEOUT), max_steps=100, max_epochs=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[_SigtermOnRank1()],
+    )
+    start = time.monotonic()
+    try:
+        trainer.fit(make_model(), datamodule=_DataModule([20, 20]))
+    except SIGTERMException:  # Lightning's stop on SIGTERM (a SystemExit)
+        return "SIGTERMException", trainer.global_step, time.monotonic() - start
+    return "no stop", trainer.global_step, time.monotonic() - start
+
+
+def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step():
+    # Lightning's handler broadcast from rank 0 inside the signal handler, on the signalled rank only:
+    # its collectives then mismatched its peer's (a hang for process_group_timeout, or gloo aborting).
+    results = run_ranks(_sigterm_on_rank_1, 2, timeout=PG_TIMEOUT + 60)
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert results[0][1] == results[1][1] < 20, results  # the same step, well before the epoch's end
+    assert all(seconds < PG_TIMEOUT for _, _, seconds in results), results
+
+
 # ----------------------------------------------------------------- uneven and empty batches
 def _uneven(rank: int, world_size: int, sharding_type: str) -> int:
     def edit(r: int, i: int, batch: RecBatch) -> RecBatch:

@@ -260,6 +260,7 @@ class RankBatch:
     size: int  # examples; -1 when the batch carries no KeyedJaggedTensor to count
     problems: int
     fatal: int  # how many of the problems no validate_inputs setting may downgrade
+    stop: bool = False  # the rank was asked to stop (SIGTERM): every rank stops on this step
 
 
 class CoordinatedBatches:
@@ -280,6 +281,8 @@ class CoordinatedBatches:
     ``progress()``: the training loop's steps run in this epoch, and whether it counts the epoch as
     complete; with it, ``state_dict`` / ``load_state_dict`` resume a mid-epoch checkpoint at the next
     batch (``LoaderPosition``; a loader with its own ``state_dict`` keeps it instead).
+    ``stop_requested()``: whether this rank was asked to stop (its SIGTERM); it rides in the handshake,
+    and ``on_stop(ranks)`` runs on every rank at the same step once any rank asked.
     """
 
     def __init__(
@@ -293,8 +296,12 @@ class CoordinatedBatches:
         pipeline: SparseDistPipeline | None = None,
         training: Callable[[], bool] = lambda: False,
         progress: Progress | None = None,
+        stop_requested: Callable[[], bool] = lambda: False,
+        on_stop: Callable[[list[int]], None] = lambda ranks: None,
     ) -> None:
         self.loader = loader
+        self._stop_requested = stop_requested
+        self._on_stop = on_stop
         self._position = LoaderPosition(progress)
         self.pipeline = pipeline
         self._training = training
@@ -351,6 +358,9 @@ class CoordinatedBatches:
             for index in itertools.count():
                 others = pending.result()
                 in_flight = None
+                stopping = [rank for rank, r in enumerate(others) if r.stop]
+                if stopping:
+                    self._on_stop(stopping)
                 if any(r.problems for r in others):  # first: a rank whose loader raised must not stop silently
                     self._report(pending.problems, fatal=any(r.fatal for r in others), own_error=pending.error)
                 if not all(r.has_batch for r in others):
@@ -389,7 +399,7 @@ class CoordinatedBatches:
         else:
             problems, size = self.check(batch, index) if batch is not _END else ([], -1)
         fatal = sum(p.fatal for p in problems)
-        mine = torch.tensor([int(batch is not _END), size, len(problems), fatal], dtype=torch.int64)
+        mine = torch.tensor([int(batch is not _END), size, len(problems), fatal, int(self._stop_requested())], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
         with comm_purpose("batch_handshake"), comm_for_batch(token):
             work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
@@ -460,7 +470,9 @@ class _Handshake:
 
     def result(self) -> list[RankBatch]:
         self.work.wait()
-        return [RankBatch(bool(has), size, problems, fatal) for has, size, problems, fatal in (t.tolist() for t in self.gathered)]
+        return [
+            RankBatch(bool(has), size, problems, fatal, bool(stop)) for has, size, problems, fatal, stop in (t.tolist() for t in self.gathered)
+        ]
 
     def drain(self) -> None:
         """Wait for the exchange without using it; a failure here (a peer gone) is left to the caller's error."""

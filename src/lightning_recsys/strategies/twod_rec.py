@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -23,6 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
@@ -40,6 +42,7 @@ from lightning_recsys.parallel.input_pipeline import PIPELINE_MODES, PipelineMod
 from lightning_recsys.parallel.process_group import (
     destroy_process_group_at_exit,
     looks_like_lost_peer,
+    raised_on_every_rank,
     report_lost_ranks,
     was_raised_on_every_rank,
 )
@@ -169,6 +172,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
         self._runtime: Optional[ShardedRuntime] = None
         self._forward_redirection = DenseDDPForwardRedirection(self)
         self._scheduler_base_lr: Optional[float] = None
+        self._sigterm_pending = False  # this rank got SIGTERM; told to the others in the next batch handshake
+        self._sigterm_agreed = False  # every rank knows, and stops on the same step
 
     # ----------------------------------------------------------------- ranks and devices
     @property
@@ -289,6 +294,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
         check_trainer_settings(trainer, self.precision_plugin, self.checkpoint_io)
         self._shard(self.lightning_module)
         self.model = self.sharded_model.dmp
+        self._coordinate_sigterm(trainer)
         self.runtime.start()
         scaler = getattr(self.precision_plugin, "scaler", None)  # fp16 loss scaling (16-mixed)
         self.runtime.install_output_hooks(
@@ -424,7 +430,43 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
             pipeline=self._input_pipeline,
             training=lambda: self.lightning_module is not None and self.lightning_module.training,
             progress=self._epoch_progress,
+            stop_requested=lambda: self._sigterm_pending,
+            on_stop=self._stop_on_every_rank,
         )
+
+    def _coordinate_sigterm(self, trainer: Trainer) -> None:
+        """Make a SIGTERM (preemption) stop every rank on the same step instead of hanging them.
+
+        Lightning's own handler broadcasts from rank 0 inside the signal handler, wherever the rank
+        is, and sets the stop flag on that rank only: its collectives then mismatch its peers' (a
+        hang until ``process_group_timeout``, or gloo aborting). Here the handler only notes the
+        signal; the next batch handshake tells every rank, which then sets Lightning's flag together,
+        so Lightning raises ``SIGTERMException`` on every rank after the same step.
+        """
+        connector = getattr(trainer, "_signal_connector", None)
+        if connector is None:  # a Lightning without the connector: leave its handling alone
+            return
+        self._sigterm_pending = self._sigterm_agreed = False
+
+        def note_sigterm(signum: int, frame: object) -> None:
+            log.info("TwoDRecStrategy: rank %d received signal %d; every rank stops after the next agreed step", self.global_rank, signum)
+            launcher = self.launcher
+            if not self._sigterm_pending and launcher is not None:
+                launcher.kill(signal.Signals(signum))  # as Lightning does: pass it on to the processes this one started
+            self._sigterm_pending = True
+
+        # register_signal_handlers (after strategy.setup) installs connector._sigterm_notifier_fn.
+        connector._sigterm_notifier_fn = note_sigterm
+
+    def _stop_on_every_rank(self, ranks: list[int]) -> None:
+        if self._sigterm_agreed:
+            return
+        self._sigterm_agreed = True
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None:
+            trainer._signal_connector.received_sigterm = True
+        if self.global_rank == min(ranks):
+            log.warning("TwoDRecStrategy: SIGTERM on rank(s) %s: every rank stops after this step", ranks)
 
     def _epoch_progress(self) -> tuple[int, bool]:
         """Training steps run in this epoch (their updates are in the model) and whether the loop counts it complete."""
@@ -452,6 +494,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
 
     @override
     def on_exception(self, exception: BaseException) -> None:
+        if isinstance(exception, SIGTERMException) and self._sigterm_agreed:
+            raised_on_every_rank(exception)  # the handshake stopped every rank on the same step
         if self._input_pipeline is not None and not was_raised_on_every_rank(exception):
             # This rank failed alone (its own step, or a collective): its peers are not at the batch
             # distributions it started, and finishing them at teardown would wait out the timeout.
