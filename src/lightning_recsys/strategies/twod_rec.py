@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import logging
-import signal
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, Callable, Optional, TypeVar, Union
@@ -57,6 +56,7 @@ from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
+from lightning_recsys.strategies.preemption import CoordinatedSigterm
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
 from lightning_recsys.strategies.validation import check_device_support, check_launch_layout, check_trainer_settings
 
@@ -64,7 +64,7 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGroupCollectives, ParallelStrategy):
+class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, CoordinatedSigterm, ProcessGroupCollectives, ParallelStrategy):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
 
     The strategy finds every ``EmbeddingBagCollection``/``EmbeddingCollection`` in the module, plans
@@ -172,8 +172,6 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
         self._runtime: Optional[ShardedRuntime] = None
         self._forward_redirection = DenseDDPForwardRedirection(self)
         self._scheduler_base_lr: Optional[float] = None
-        self._sigterm_pending = False  # this rank got SIGTERM; told to the others in the next batch handshake
-        self._sigterm_agreed = False  # every rank knows, and stops on the same step
 
     # ----------------------------------------------------------------- ranks and devices
     @property
@@ -433,40 +431,6 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, ProcessGr
             stop_requested=lambda: self._sigterm_pending,
             on_stop=self._stop_on_every_rank,
         )
-
-    def _coordinate_sigterm(self, trainer: Trainer) -> None:
-        """Make a SIGTERM (preemption) stop every rank on the same step instead of hanging them.
-
-        Lightning's own handler broadcasts from rank 0 inside the signal handler, wherever the rank
-        is, and sets the stop flag on that rank only: its collectives then mismatch its peers' (a
-        hang until ``process_group_timeout``, or gloo aborting). Here the handler only notes the
-        signal; the next batch handshake tells every rank, which then sets Lightning's flag together,
-        so Lightning raises ``SIGTERMException`` on every rank after the same step.
-        """
-        connector = getattr(trainer, "_signal_connector", None)
-        if connector is None:  # a Lightning without the connector: leave its handling alone
-            return
-        self._sigterm_pending = self._sigterm_agreed = False
-
-        def note_sigterm(signum: int, frame: object) -> None:
-            log.info("TwoDRecStrategy: rank %d received signal %d; every rank stops after the next agreed step", self.global_rank, signum)
-            launcher = self.launcher
-            if not self._sigterm_pending and launcher is not None:
-                launcher.kill(signal.Signals(signum))  # as Lightning does: pass it on to the processes this one started
-            self._sigterm_pending = True
-
-        # register_signal_handlers (after strategy.setup) installs connector._sigterm_notifier_fn.
-        connector._sigterm_notifier_fn = note_sigterm
-
-    def _stop_on_every_rank(self, ranks: list[int]) -> None:
-        if self._sigterm_agreed:
-            return
-        self._sigterm_agreed = True
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None:
-            trainer._signal_connector.received_sigterm = True
-        if self.global_rank == min(ranks):
-            log.warning("TwoDRecStrategy: SIGTERM on rank(s) %s: every rank stops after this step", ranks)
 
     def _epoch_progress(self) -> tuple[int, bool]:
         """Training steps run in this epoch (their updates are in the model) and whether the loop counts it complete."""
