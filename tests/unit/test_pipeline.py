@@ -137,3 +137,21 @@ def test_a_dim_the_fused_kernels_cannot_take_is_refused_before_planning_naming_t
     # A table that may only be data_parallel takes any dim (it does not use the fused kernels).
     data_parallel = PlanningConfig(table_constraints={name: TableConstraints(sharding_types=["data_parallel"]) for name in ("t_sparse_0", "t_sparse_1")})
     assert _pipeline(data_parallel).run(_model(dim=6)).plan is not None
+
+
+@pytest.mark.parametrize("planner", ["torchrec", "balanced"])
+@pytest.mark.parametrize(
+    ("allowed", "constraint", "asked"),
+    [
+        (["table_wise"], TableConstraints(sharding_types=["row_wise"]), r"sharding_types=\['row_wise'\]"),  # conflicts with the allow-list
+        (None, TableConstraints(compute_kernels=["fused_uvm"]), r"compute_kernels=\['fused_uvm'\]"),  # a CUDA-only kernel on CPU
+    ],
+)
+def test_a_table_that_no_allowed_sharding_fits_is_named_with_its_constraint_before_planning(planner, allowed, constraint, asked):
+    # TorchRec's enumerator raised a RuntimeError ("No available sharding type and compute kernel combination
+    # ... search above for warning logs") that named neither the constraint nor what the planner could use.
+    config = PlanningConfig(planner=planner, sharding_types=allowed, table_constraints={"t_sparse_1": constraint})
+    sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params(), allowed)
+    pipeline = PlanningPipeline(config, sharders=sharders, topology=TOPOLOGY, compute_device="cpu")
+    with pytest.raises(ValueError, match=rf"table 't_sparse_1' \(EmbeddingBagCollection\): no sharding type and compute kernel.*{asked}"):
+        pipeline.run(_model())

@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from torch import nn
+from torchrec import EmbeddingBagCollection
 from torchrec.distributed.planner import ParameterConstraints
-from torchrec.distributed.types import ShardingType
+from torchrec.distributed.types import ModuleSharder, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_recsys.parallel.sharders import ALL_SHARDING_TYPES
@@ -139,3 +141,52 @@ def torchrec_constraints(
             pc.sharding_types = [ShardingType.ROW_WISE.value]
         constraints[table.name] = pc
     return constraints
+
+
+def check_table_options(
+    module: nn.Module,
+    sharders: Sequence[ModuleSharder[nn.Module]],
+    compute_device: str,
+    *,
+    table_constraints: Mapping[str, TableConstraints] | None = None,
+    hash_partitions: Mapping[str, int] | None = None,
+    default_compute_kernels: Sequence[str] | None = None,
+) -> None:
+    """Raise ``ValueError`` for a table that no (sharding type, compute kernel) the planner may use fits.
+
+    The sharders carry the allow-list (``PlanningConfig.sharding_types``, the 2D default) and what the
+    device and module type offer; the table's ``TableConstraints`` and hash partitions narrow them.
+    TorchRec's enumerator only raises "No available sharding type and compute kernel combination ...
+    search above for warning logs" for such a table, naming neither the constraint nor what was left.
+    """
+    by_type = {sharder.module_type: sharder for sharder in sharders}
+    for sub in module.modules():
+        sharder = by_type.get(type(sub))
+        if sharder is None:
+            continue
+        configs = sub.embedding_bag_configs() if isinstance(sub, EmbeddingBagCollection) else getattr(sub, "embedding_configs", list)()
+        offered = {t: list(sharder.compute_kernels(t, compute_device)) for t in sharder.sharding_types(compute_device)}
+        for table in configs:
+            given = (table_constraints or {}).get(table.name)
+            types = list(offered)
+            if given is not None and given.sharding_types is not None:
+                types = [t for t in types if t in given.sharding_types]
+            if table.name in (hash_partitions or {}):
+                types = [t for t in types if t == ShardingType.ROW_WISE.value]
+            kernels = given.compute_kernels if given is not None and given.compute_kernels is not None else default_compute_kernels
+            if any(kernels is None or set(offered[t]) & set(kernels) for t in types):
+                continue
+            asked = []
+            if given is not None and given.sharding_types is not None:
+                asked.append(f"sharding_types={given.sharding_types}")
+            if given is not None and given.compute_kernels is not None:
+                asked.append(f"compute_kernels={given.compute_kernels}")
+            if table.name in (hash_partitions or {}):
+                asked.append(f"row_wise only (hash_partitions[{table.name!r}])")
+            raise ValueError(
+                f"table {table.name!r} ({type(sub).__name__}): no sharding type and compute kernel are left for it on "
+                f"{compute_device!r}. The planner may use {offered} there (PlanningConfig(sharding_types) and, under 2D, "
+                f"its default already applied), and the table asks for {', '.join(asked) or 'nothing more'}. Widen "
+                f"table_constraints[{table.name!r}] or PlanningConfig(sharding_types) so that they share a sharding type "
+                "and a compute kernel offered there."
+            )

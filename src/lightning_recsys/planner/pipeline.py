@@ -28,9 +28,10 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 from lightning_recsys.parallel.reshape import apply_reshape
 from lightning_recsys.parallel.topology import ParallelTopology
 from lightning_recsys.planner.balanced import BalancedPlanner
+from lightning_recsys.planner.balanced.planner import DEFAULT_COMPUTE_KERNELS
 from lightning_recsys.planner.collective import Broadcast, no_broadcast, on_rank_zero
 from lightning_recsys.planner.config import PLANNERS, PlannerName, PlanningConfig
-from lightning_recsys.planner.constraints import check_hash_partitions
+from lightning_recsys.planner.constraints import check_hash_partitions, check_table_options
 from lightning_recsys.planner.report import PlanReport, build_plan_report
 from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
 from lightning_recsys.planner.shard_cost import CommCosts
@@ -137,6 +138,11 @@ class PlanningPipeline:
 
         def plan_and_report() -> ShardingPlan:
             check_embedding_dims(embedding_tables(module), self.config)
+            check_table_options(
+                module, self.sharders, self.compute_device, table_constraints=self.config.table_constraints,
+                hash_partitions=self.config.hash_partitions,
+                default_compute_kernels=DEFAULT_COMPUTE_KERNELS if name == "balanced" else None,
+            )
             plan = self._planner(name, module, inputs).plan(module, self.sharders)
             reports.append(self._report(plan, module, inputs, PLANNER_LABELS[name]))  # before DMP changes the module
             return plan
