@@ -13,7 +13,7 @@ from lightning_recsys import (
     TwoDRecStrategy,
 )
 from lightning_recsys.data import SyntheticClickLogConfig
-from lightning_recsys.models import DLRMRanker
+from lightning_recsys.models import DCNRanker, DLRMRanker
 
 # Each row: the constructor, the bad keyword arguments, and the error it must raise.
 _INVALID_CONSTRUCTIONS = [
@@ -47,6 +47,8 @@ _INVALID_CONSTRUCTIONS = [
     (DLRMRanker, {"table_sizes": []}, r"table_sizes=\[\] gives the model no embedding table"),
     (DLRMRanker, {"table_sizes": [5], "embedding_dim": 8, "dense_arch_layer_sizes": [16, 4]}, r"must end in embedding_dim=8"),
     (DLRMRanker, {"table_sizes": [5], "over_arch_layer_sizes": [8, 2]}, r"over_arch_layer_sizes=\[8, 2\] must end in 1"),
+    (DLRMRanker, {"table_sizes": [5], "over_arch_layer_sizes": [1]}, r"over_arch_layer_sizes=\[1\] must have at least two layers"),
+    (DCNRanker, {"table_sizes": [5], "over_arch_layer_sizes": [1]}, r"over_arch_layer_sizes=\[1\] must have at least two layers"),
     (DLRMRanker, {"table_sizes": [5, 6], "feature_names": ["a"]}, r"feature_names has 1 entries but table_sizes has 2"),
     (DLRMRanker, {"table_sizes": [5], "dense_optimizer": "lbfgs"}, r"dense_optimizer='lbfgs' is not one of"),
 ]

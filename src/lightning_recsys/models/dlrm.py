@@ -86,6 +86,10 @@ def build_dlrm_parts(
         )
     if over_sizes[-1] != 1:
         raise ValueError(f"over_arch_layer_sizes={over_sizes} must end in 1 (one logit per example).")
+    if len(over_sizes) < 2:  # TorchRec's OverArch asserts it ("OverArch must have multiple layers.")
+        raise ValueError(
+            f"over_arch_layer_sizes={over_sizes} must have at least two layers (TorchRec's OverArch), ending in 1: e.g. [16, 1]."
+        )
     try:
         device = torch.device(embedding_device) if embedding_device else None
     except RuntimeError as err:  # torch's own message does not name our argument
@@ -111,7 +115,7 @@ class DLRMRanker(RankerModule):
         num_dense_features: width of ``batch.dense``.
         embedding_dim: the dimension of every table; must equal ``dense_arch_layer_sizes[-1]``.
         dense_arch_layer_sizes: the dense MLP.
-        over_arch_layer_sizes: the top MLP; must end in 1.
+        over_arch_layer_sizes: the top MLP; at least two layers, ending in 1.
         feature_names: sparse feature names, default ``sparse_0 .. sparse_{n-1}``.
         embedding_device: where the tables are built. ``"meta"`` allocates nothing: the sharding
             strategy materializes only this rank's shards (randomly initialized by TorchRec).
