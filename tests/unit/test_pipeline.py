@@ -155,3 +155,18 @@ def test_a_table_that_no_allowed_sharding_fits_is_named_with_its_constraint_befo
     pipeline = PlanningPipeline(config, sharders=sharders, topology=TOPOLOGY, compute_device="cpu")
     with pytest.raises(ValueError, match=rf"table 't_sparse_1' \(EmbeddingBagCollection\): no sharding type and compute kernel.*{asked}"):
         pipeline.run(_model())
+
+
+@pytest.mark.parametrize("planner", ["torchrec", "balanced"])
+def test_the_plan_report_gives_each_table_its_own_size_when_two_modules_share_a_table_name(planner):
+    # A two-tower model whose towers each name their table "t": the report looked tables up by name,
+    # so both rows showed the last module's rows x dim (64 x 16 twice) while 40 x 8 was sharded too.
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    model = nn.Module()
+    model.user = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=8, num_embeddings=40, feature_names=["u"])], device=torch.device("meta"))
+    model.item = EmbeddingBagCollection(tables=[EmbeddingBagConfig(name="t", embedding_dim=16, num_embeddings=64, feature_names=["i"])], device=torch.device("meta"))
+    report = _pipeline(PlanningConfig(planner=planner)).run(model).report
+    assert sorted((t.name, t.rows, t.dim) for t in report.tables) == [("t", 40, 8), ("t", 64, 16)]
+    assert "40 x 8" in report.to_table() and "64 x 16" in report.to_table()

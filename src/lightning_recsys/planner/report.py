@@ -256,7 +256,6 @@ def build_plan_report(
 ) -> PlanReport:
     """Measure ``plan`` (group-local ranks) for ``module``; works for plans from any TorchRec planner."""
     tables = embedding_tables(module)
-    by_name = {t.name: t for t in tables}
     resolved, assumed = resolve_table_stats(tables, stats, pooling_factor_defaults(table_constraints))
     topology = torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device)
     comm = comm_costs or CommCosts.from_sharders(sharders)
@@ -317,12 +316,13 @@ def build_plan_report(
                     step_time_ms=shard.perf.total if shard.perf is not None else 0.0,
                 )
             )
-        config = by_name[option.name]
+        # The option's own tensor, not a lookup by name: two embedding modules may each have a table of that name.
+        rows, dim = (int(size) for size in option.tensor.shape)
         table_reports.append(
             TableReport(
                 name=option.name,
-                rows=config.num_embeddings,
-                dim=config.embedding_dim,
+                rows=rows,
+                dim=dim,
                 sharding_type=option.sharding_type,
                 num_shards=len(option.shards),
                 pooling_factor=table_stats.pooling_factor,
