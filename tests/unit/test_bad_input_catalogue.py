@@ -118,7 +118,7 @@ CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] 
      ValueError, r"name='sgd', weight_decay=0.01\) is not supported: FBGEMM's fused EXACT_SGD kernel has no weight decay"),
     ("weight decay on CPU fused tables",
      lambda t: _check_device(_strategy_on(1, 1, embedding_optimizer=EmbeddingOptimizerConfig(weight_decay=0.01))),
-     ValueError, r"weight_decay=0.01\) would be ignored on CPU.*restrict sharding_types to \['data_parallel'\]"),
+     ValueError, r"weight_decay=0.01\) would be ignored on CPU.*make every table data_parallel"),
     ("nccl on CPU", lambda t: _check_device(_strategy_on(1, 1, process_group_backend="nccl")), ValueError,
      r"process_group_backend='nccl' needs CUDA devices"),
     ("unknown precision", lambda t: QCommsConfig(forward="fp4"), ValueError, r"QCommsConfig\(forward='fp4'\) is not one of"),

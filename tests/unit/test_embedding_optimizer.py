@@ -34,7 +34,7 @@ def test_weight_decay_is_refused_where_fbgemm_has_no_l2_decay(name: str, kernel:
 def test_weight_decay_on_cpu_is_refused_for_model_parallel_tables_if_fbgemm_ignores_it(monkeypatch) -> None:
     config = EmbeddingOptimizerConfig(name="rowwise_adagrad", weight_decay=0.1)
     monkeypatch.setattr(embedding_optimizer, "fbgemm_cpu_applies_l2_decay", lambda: False)
-    with pytest.raises(ValueError, match=r"weight_decay=0.1\) would be ignored on CPU.*sharding_types to \['data_parallel'\]"):
+    with pytest.raises(ValueError, match=r"weight_decay=0.1\) would be ignored on CPU.*sharding_types=\[.data_parallel.\]"):
         config.check_device("cpu", None)
     with pytest.raises(ValueError, match="would be ignored on CPU"):
         config.check_device("cpu", ["table_wise", "data_parallel"])
@@ -116,3 +116,39 @@ def test_data_parallel_optimizer_matches_fbgemms_cuda_kernel_with_l2_decay() -> 
         dense(ids, offsets[:-1]).backward(upstream)
         optimizer.step()
     torch.testing.assert_close(dense.weight.detach(), tbe.split_embedding_weights()[0], rtol=1e-5, atol=1e-6)
+
+
+def test_adam_on_cpu_trains_when_every_table_is_constrained_to_data_parallel() -> None:
+    # The CPU check read only PlanningConfig(sharding_types), so a model made all data-parallel through
+    # TableConstraints was refused ("not supported by FBGEMM's fused CPU kernels") though FBGEMM runs nothing.
+    from lightning.pytorch import Trainer
+
+    from lightning_recsys import PlanningConfig, TableConstraints, TwoDRecStrategy
+    from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+    from lightning_recsys.models import DLRMRanker
+
+    config = SyntheticClickLogConfig(table_sizes=[20, 30], num_dense_features=2, global_batch_size=8, train_batches=2, val_batches=1)
+    model = DLRMRanker(table_sizes=config.table_sizes, num_dense_features=2, embedding_dim=4, dense_arch_layer_sizes=[4])
+    every_table = {f"t_sparse_{i}": TableConstraints(sharding_types=["data_parallel"]) for i in range(2)}
+    strategy = TwoDRecStrategy(
+        embedding_optimizer=EmbeddingOptimizerConfig(name="adam"), planning=PlanningConfig(table_constraints=every_table), process_group_timeout=30
+    )
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+    assert trainer.global_step == 2
+    assert {p["sharding_type"] for p in _plan_rows(strategy)} == {"data_parallel"}
+    # One table left free may be model-parallel: still refused before anything is built.
+    partly = PlanningConfig(table_constraints={"t_sparse_0": TableConstraints(sharding_types=["data_parallel"])})
+    from lightning_recsys.strategies.validation import check_device_support
+
+    with pytest.raises(ValueError, match=r"name='adam'\) is not supported by FBGEMM's fused CPU kernels"):
+        check_device_support("cpu", None, EmbeddingOptimizerConfig(name="adam"), partly, two_d=False, table_names=["t_sparse_0", "t_sparse_1"])
+
+
+def _plan_rows(strategy) -> list[dict]:
+    from lightning_recsys.planner import plan_rows
+
+    return plan_rows(strategy.sharded_model.plan)

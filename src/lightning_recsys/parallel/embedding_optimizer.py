@@ -107,15 +107,15 @@ class EmbeddingOptimizerConfig:
         if device_type == "cpu" and self.name in _CPU_UNSUPPORTED and model_parallel_possible:
             raise ValueError(
                 f"EmbeddingOptimizerConfig(name={self.name!r}) is not supported by FBGEMM's fused CPU kernels. "
-                f"On CPU use one of {sorted(set(_FUSED_TYPES) - _CPU_UNSUPPORTED)}, or restrict "
-                "sharding_types to ['data_parallel']; on CUDA every optimizer works."
+                f"On CPU use one of {sorted(set(_FUSED_TYPES) - _CPU_UNSUPPORTED)}, or make every table data_parallel "
+                "(PlanningConfig(sharding_types=['data_parallel']) or a TableConstraints per table); on CUDA every optimizer works."
             )
         if device_type == "cpu" and self.weight_decay > 0 and model_parallel_possible and not fbgemm_cpu_applies_l2_decay():
             raise ValueError(
                 f"EmbeddingOptimizerConfig(weight_decay={self.weight_decay}) would be ignored on CPU: this FBGEMM's CPU "
                 "rowwise_adagrad kernel does not apply weight_decay (measured at startup), so model-parallel tables "
-                "would not decay. On CPU set weight_decay=0, or restrict sharding_types to ['data_parallel']; on CUDA "
-                "the decay works."
+                "would not decay. On CPU set weight_decay=0, or make every table data_parallel (PlanningConfig(sharding_types="
+                "['data_parallel']) or a TableConstraints per table); on CUDA the decay works."
             )
 
     def fused_params(self) -> dict[str, Any]:

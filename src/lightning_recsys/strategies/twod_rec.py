@@ -52,6 +52,7 @@ from lightning_recsys.parallel.runtime import ShardedRuntime
 from lightning_recsys.parallel.topology import Layout, check_topology_arguments
 from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.planner import PlanningConfig, PlanReport
+from lightning_recsys.planner.torchrec_planner import embedding_tables
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
@@ -259,8 +260,10 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
         )
         if topology != self._topology:  # a later fit/validate/test keeps the mesh (and groups) it already has
             self._topology = topology
+        module = self.lightning_module
         check_device_support(
-            self.root_device.type, self._process_group_backend, self.embedding_optimizer_config, self.planning, two_d=not topology.is_1d
+            self.root_device.type, self._process_group_backend, self.embedding_optimizer_config, self.planning, two_d=not topology.is_1d,
+            table_names=[t.name for t in embedding_tables(module)] if module is not None else (),
         )
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
         self._process_group_backend = backend

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Optional
 
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -19,15 +20,24 @@ from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 
 def check_device_support(
-    device_type: str, backend: Optional[str], embedding_optimizer: EmbeddingOptimizerConfig, planning: PlanningConfig, *, two_d: bool
+    device_type: str,
+    backend: Optional[str],
+    embedding_optimizer: EmbeddingOptimizerConfig,
+    planning: PlanningConfig,
+    *,
+    two_d: bool,
+    table_names: Sequence[str] = (),
 ) -> None:
-    """Raise if the device, backend, optimizer or allowed sharding types cannot run together."""
+    """Raise if the device, backend, optimizer or allowed sharding types cannot run together.
+
+    ``table_names``: the model's tables, whose ``TableConstraints`` may narrow what any table can be.
+    """
     if device_type not in ("cpu", "cuda"):
         raise ValueError(f"TwoDRecStrategy runs on accelerator 'cpu' or 'cuda', not {device_type!r}.")
     if device_type == "cpu" and backend == "nccl":
         raise ValueError("process_group_backend='nccl' needs CUDA devices; use 'gloo' (or None) with accelerator='cpu'.")
     allowed = planning.sharding_types
-    embedding_optimizer.check_device(device_type, allowed)
+    embedding_optimizer.check_device(device_type, _types_any_table_may_use(planning, table_names))
     if allowed is not None:
         validate_sharding_types(allowed, device_type, "PlanningConfig(sharding_types)", two_d=two_d)
     for table, constraints in planning.table_constraints.items():
@@ -63,6 +73,22 @@ def check_launch_layout(environment: ClusterEnvironment, *, devices: int, num_no
             f"num_nodes={num_nodes}) allows local ranks 0..{devices - 1} and nodes 0..{num_nodes - 1}. Set devices to the "
             "processes the launcher starts per node and num_nodes to the number of nodes."
         )
+
+
+def _types_any_table_may_use(planning: PlanningConfig, table_names: Sequence[str]) -> Optional[list[str]]:
+    """The sharding types some table may get (None: any): every table constrained to data_parallel makes
+    the model all data-parallel, which CPU-only optimizer rules allow, whatever the global allow-list."""
+    allowed = planning.sharding_types
+    if not table_names:
+        return allowed
+    union: set[str] = set()
+    for name in table_names:
+        constraint = planning.table_constraints.get(name)
+        own = constraint.sharding_types if constraint is not None and constraint.sharding_types else None
+        if own is None and allowed is None:
+            return None
+        union.update(t for t in (own or allowed or []) if allowed is None or t in allowed)
+    return sorted(union)
 
 
 def check_trainer_settings(trainer: Trainer, precision: Precision, checkpoint_io: CheckpointIO) -> None:
