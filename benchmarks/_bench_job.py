@@ -294,6 +294,8 @@ class _PhaseTimer:
         ("apply", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "apply"),
         ("gather_launch", "lightning_recsys.parallel.sync_gather", "GatheredSync", "__init__"),
         ("gather_apply", "lightning_recsys.parallel.sync_gather", "GatheredSync", "apply"),
+        ("gather_wait", "lightning_recsys.parallel.sync_gather", "GatheredSync", "wait"),
+        ("gather_write", "lightning_recsys.parallel.sync_gather", "", "_write_average"),
         ("sync_total", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "step_ended"),
     )
 
@@ -303,9 +305,10 @@ class _PhaseTimer:
         self.steps: list[dict[str, float]] = []
         self._last = 0.0
         for phase, module, cls_name, method in self.WRAPPED:
-            cls = getattr(importlib.import_module(module), cls_name, None)
-            if cls is not None and hasattr(cls, method):  # phases a version lacks are not timed
-                setattr(cls, method, self._timed(phase, getattr(cls, method)))
+            owner = importlib.import_module(module)
+            owner = getattr(owner, cls_name, None) if cls_name else owner  # "": a module-level function
+            if owner is not None and hasattr(owner, method):  # phases a version lacks are not timed
+                setattr(owner, method, self._timed(phase, getattr(owner, method)))
 
     def _timed(self, phase: str, fn: Any) -> Any:
         def timed(*a: Any, **k: Any) -> Any:

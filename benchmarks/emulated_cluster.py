@@ -121,12 +121,14 @@ CONFIGS: tuple[BenchConfig, ...] = (
     # Every 16 kept quality on both quality benchmarks (README). Off by default: it needs --steps and
     # --warmup-steps that are multiples of 16 (e.g. 48 and 16), which doubles every run.
     _touched("2d_touched_overlap_bf16_sync16", "2D touched sync every 16, overlapped, bf16 deltas", 16, overlap=True, precision="bf16"),
+    _touched("2d_gather_overlap_fp8_sync16", "2D touched all-gather every 16, overlapped, fp8 deltas", 16, overlap=True,
+             precision="fp8", exchange="all_gather"),
     # 2D all-to-all optimized keeps the embedding all-to-all inside a node: QComms there only adds codec time.
     BenchConfig("2d_ar_touched", "2D all-reduce opt., touched sync", sharding_group_size=2, layout="all_reduce_optimized"),
 )
 # Not run by default: whole-shard sync of these tables moves ~100 MB per rank per sync (seconds at 200 Mbit/s);
 # every 16 needs longer runs (above).
-DEFAULT_OFF = ("2d_all_sync4", "2d_ar_touched", "2d_touched_overlap_bf16_sync16")
+DEFAULT_OFF = ("2d_all_sync4", "2d_ar_touched", "2d_touched_overlap_bf16_sync16", "2d_gather_overlap_fp8_sync16")
 TARGET, MOONSHOT = 1.25, 1.10  # best 2D cluster step / best unshaped step of any configuration
 
 

@@ -164,7 +164,10 @@ class GatheredSync:
                 if moved_at is not None:
                     assert captured_values is not None and hit is not None
                     moved = (moved_at, captured_values[i][hit])  # and their value at launch
-                _write_average(table, i, union, own, self._bases[k][i], average, moved)
+                synced_moved = _write_average(t, union, own, self._bases[k][i], average, moved)
+                if synced_moved is not None:
+                    assert captured_values is not None and hit is not None
+                    captured_values[i][hit] = synced_moved  # rebased: the next sync sends only the change since
         self.rows_synced = union_rows
 
     def _decode(self, buffer: torch.Tensor, counts: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -185,21 +188,20 @@ class GatheredSync:
 
 
 def _write_average(
-    table: Table,
-    index: int,
+    t: torch.Tensor,
     union: torch.Tensor,
     own: torch.Tensor,
     own_base: torch.Tensor,
     average: torch.Tensor,
     moved: Optional[tuple[torch.Tensor, torch.Tensor]],
-) -> None:
-    """``row = base + average`` on the union rows of ``table.tensors[index]``, keeping changes made since launch.
+) -> Optional[torch.Tensor]:
+    """``row = base + average`` on the union rows of ``t``, keeping changes made since launch.
 
     ``own``: positions in ``union`` of this replica's rows, whose base is ``own_base``; every other
     row's base is its value at launch. ``moved``: positions of rows touched since launch and their
-    value then; their change since is kept, and their captured bases become the synced value.
+    value then; their change since is kept, and the synced value of each (their new captured base)
+    is returned.
     """
-    t = table.tensors[index]
     others = torch.ones(union.numel(), dtype=torch.bool, device=union.device)
     others[own] = False
     synced_own = own_base.float().add_(average[own]).to(t.dtype)
@@ -228,8 +230,10 @@ def _write_average(
         new_own[mine] = t.index_select(0, union[own[mine]]).sub_(moved[1][is_own]).add_(synced_own[mine])
         synced_moved = moved[1].float().add_(average[moved[0]]).to(t.dtype)  # others' rows: base (= value at launch) + average
         synced_moved[is_own] = synced_own[mine]
-        table.rebase(index, union[moved[0]], synced_moved)  # the next sync sends only the change since
+        t.index_copy_(0, union[own], new_own)
+        return synced_moved
     t.index_copy_(0, union[own], new_own)
+    return None
 
 
 def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:

@@ -9,7 +9,7 @@ as of the last sync (O(rows touched) memory; the fused update runs later, in bac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -29,6 +29,7 @@ class Table:
     # Delta syncs: rows first touched since the last sync (table-local ids) and their values then, per tensor.
     base_rows: list[torch.Tensor] = field(default_factory=list)
     base_values: list[list[torch.Tensor]] = field(default_factory=list)
+    _compacted: Optional[torch.Tensor] = field(default=None, repr=False)  # the one sorted piece bases() made
 
     def take_bases(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The captured rows (sorted) and their values per tensor; clears the store."""
@@ -41,11 +42,14 @@ class Table:
         device = self.tensors[0].device
         if not self.base_rows:
             return torch.empty(0, dtype=torch.long, device=device), [t.new_empty((0, *t.shape[1:])) for t in self.tensors]
+        if len(self.base_rows) == 1 and self.base_rows[0] is self._compacted:
+            return self.base_rows[0], self.base_values[0]  # compacted already, nothing captured since
         rows = torch.cat(self.base_rows)
         order = torch.argsort(rows)
         values = [torch.cat([piece[j] for piece in self.base_values])[order] for j in range(len(self.tensors))]
         rows = rows[order]
         self.base_rows, self.base_values = [rows], [values]
+        self._compacted = rows
         return rows, values
 
     def rebase(self, index: int, rows: torch.Tensor, synced: torch.Tensor) -> None:
