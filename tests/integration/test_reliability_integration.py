@@ -19,6 +19,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys import TwoDRecStrategy
+from lightning_recsys.checkpoint import is_committed
 from lightning_recsys.data import RecBatch, SyntheticClickLog, slice_batch
 from lightning_recsys.parallel.input_guard import InputValidator
 from lightning_recsys.strategies import sharding as strategy_sharding
@@ -315,3 +316,76 @@ def test_soak_2d_memory_stays_flat():
         warm, end = samples[200], samples[steps]
         print(f"soak rank {rank}: RSS {warm:.1f} MiB at step 200 -> {end:.1f} MiB at step {steps} ({(end / warm - 1) * 100:+.2f}%)")
         assert end < warm * 1.10, samples
+
+
+# ----------------------------------------------------------------- SLURM auto-requeue (SIGUSR1)
+def _fake_slurm(rank: int, world_size: int, tmp: Path) -> None:
+    """srun's variables for one node of ``world_size`` tasks (Lightning then picks SLURMEnvironment, auto_requeue on),
+    and a fake ``scontrol`` on PATH that logs its arguments."""
+    bin_dir = tmp / "bin"
+    os.environ.update(
+        SLURM_JOB_ID="4242", SLURM_JOB_NAME="recsys-2d", SLURM_NTASKS=str(world_size), SLURM_NTASKS_PER_NODE=str(world_size),
+        SLURM_NNODES="1", SLURM_NODELIST="localhost", SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+        PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
+    if rank == 0:
+        bin_dir.mkdir(exist_ok=True)
+        script = bin_dir / "scontrol"
+        script.write_text(f'#!/bin/sh\necho "$@" >> "{tmp}/scontrol.log"\n')
+        script.chmod(0o755)
+
+
+class _SignalAt(Callback):
+    def __init__(self, ranks: tuple[int, ...], step: int, signum: int) -> None:
+        self.ranks, self.step, self.signum = ranks, step, signum
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank in self.ranks and trainer.global_step == self.step:
+            os.kill(os.getpid(), self.signum)
+
+
+class _FirstStep(Callback):
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.step = trainer.global_step
+
+
+def _requeue_signal(rank: int, world_size: int, tmp: str, ranks: tuple[int, ...]) -> tuple[str, int, float, int, int]:
+    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    _fake_slurm(rank, world_size, Path(tmp))
+
+    def trainer(*callbacks: Callback) -> Trainer:
+        return Trainer(
+            accelerator="cpu", devices=world_size, strategy=sgd_strategy(process_group_timeout=PG_TIMEOUT), max_steps=100, max_epochs=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp,
+            callbacks=list(callbacks),
+        )
+
+    first = trainer(_SignalAt(ranks, 2, signal.SIGUSR1))
+    assert isinstance(first.strategy.cluster_environment, SLURMEnvironment) and first.strategy.cluster_environment.auto_requeue
+    start, outcome = time.monotonic(), "no stop"
+    try:
+        first.fit(make_model(), datamodule=_DataModule([20, 20]))
+    except SIGTERMException:
+        outcome = "SIGTERMException"
+    seconds = time.monotonic() - start
+    # The requeued job: fit under SLURM resumes from the newest hpc_ckpt_N.ckpt in default_root_dir by itself.
+    second = trainer(resumed := _FirstStep())
+    second.fit(make_model(seed=99), datamodule=_DataModule([20, 20]))
+    return outcome, first.global_step, seconds, resumed.step, second.global_step
+
+
+@pytest.mark.parametrize("ranks", [(1,), (0, 1)], ids=["rank-1", "every-rank"])
+def test_slurm_requeue_signal_saves_on_every_rank_requeues_once_and_stops_every_rank(ranks, tmp_path):
+    # Lightning's handler saved the checkpoint inside the signal handler, on the signalled rank only: DCP's
+    # collectives then mismatched its peer's (rank 1 of 2 signalled: both failed after process_group_timeout,
+    # nothing saved, no requeue; every rank signalled: saved, but training went on to the epoch's end).
+    results = run_ranks(_requeue_signal, 2, str(tmp_path), ranks, timeout=PG_TIMEOUT + 60)
+    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    stopped = results[0][1]
+    assert results[1][1] == stopped < 20, results  # the same step, well before the epoch's end
+    assert all(r[2] < PG_TIMEOUT for r in results), results
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # rank 0 requeued, once
+    assert is_committed(tmp_path / "hpc_ckpt_1.ckpt") and not (tmp_path / "hpc_ckpt_2.ckpt").exists()
+    assert [r[3:] for r in results] == [(stopped, 20)] * 2, results  # the requeued run resumed at that step

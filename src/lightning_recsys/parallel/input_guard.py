@@ -16,8 +16,10 @@ raises on its own rank: whatever goes wrong becomes a problem every rank learns 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import logging
+import operator
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -260,7 +262,7 @@ class RankBatch:
     size: int  # examples; -1 when the batch carries no KeyedJaggedTensor to count
     problems: int
     fatal: int  # how many of the problems no validate_inputs setting may downgrade
-    stop: bool = False  # the rank was asked to stop (SIGTERM): every rank stops on this step
+    stop: int = 0  # the rank was asked to stop, why as the caller's bit flags (SIGTERM, a requeue): every rank stops on this step
 
 
 class CoordinatedBatches:
@@ -281,8 +283,9 @@ class CoordinatedBatches:
     ``progress()``: the training loop's steps run in this epoch, and whether it counts the epoch as
     complete; with it, ``state_dict`` / ``load_state_dict`` resume a mid-epoch checkpoint at the next
     batch (``LoaderPosition``; a loader with its own ``state_dict`` keeps it instead).
-    ``stop_requested()``: whether this rank was asked to stop (its SIGTERM); it rides in the handshake,
-    and ``on_stop(ranks)`` runs on every rank at the same step once any rank asked.
+    ``stop_requested()``: whether, and why, this rank was asked to stop (non-zero bit flags of the
+    caller's: its SIGTERM, a requeue signal); it rides in the handshake, and ``on_stop(ranks, requests)``
+    (the ranks that asked, their flags or-ed) runs on every rank at the same step once any rank asked.
     """
 
     def __init__(
@@ -296,8 +299,8 @@ class CoordinatedBatches:
         pipeline: SparseDistPipeline | None = None,
         training: Callable[[], bool] = lambda: False,
         progress: Progress | None = None,
-        stop_requested: Callable[[], bool] = lambda: False,
-        on_stop: Callable[[list[int]], None] = lambda ranks: None,
+        stop_requested: Callable[[], int] = lambda: 0,
+        on_stop: Callable[[list[int], int], None] = lambda ranks, requests: None,
     ) -> None:
         self.loader = loader
         self._stop_requested = stop_requested
@@ -360,7 +363,7 @@ class CoordinatedBatches:
                 in_flight = None
                 stopping = [rank for rank, r in enumerate(others) if r.stop]
                 if stopping:
-                    self._on_stop(stopping)
+                    self._on_stop(stopping, functools.reduce(operator.or_, (r.stop for r in others)))
                 if any(r.problems for r in others):  # first: a rank whose loader raised must not stop silently
                     self._report(pending.problems, fatal=any(r.fatal for r in others), own_error=pending.error)
                 if not all(r.has_batch for r in others):
@@ -471,7 +474,7 @@ class _Handshake:
     def result(self) -> list[RankBatch]:
         self.work.wait()
         return [
-            RankBatch(bool(has), size, problems, fatal, bool(stop)) for has, size, problems, fatal, stop in (t.tolist() for t in self.gathered)
+            RankBatch(bool(has), size, problems, fatal, stop) for has, size, problems, fatal, stop in (t.tolist() for t in self.gathered)
         ]
 
     def drain(self) -> None:

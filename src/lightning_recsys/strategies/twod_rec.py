@@ -431,7 +431,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
             pipeline=self._input_pipeline,
             training=lambda: self.lightning_module is not None and self.lightning_module.training,
             progress=self._epoch_progress,
-            stop_requested=lambda: self._sigterm_pending,
+            stop_requested=self._stop_requests,
             on_stop=self._stop_on_every_rank,
         )
 
@@ -463,6 +463,8 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and self._sigterm_agreed:
             raised_on_every_rank(exception)  # the handshake stopped every rank on the same step
+            if self._requeue_agreed and self.lightning_module is not None:
+                self._save_and_requeue(self.lightning_module.trainer)  # SLURM's requeue signal, on every rank at this step
         if self._input_pipeline is not None and not was_raised_on_every_rank(exception):
             # This rank failed alone (its own step, or a collective): its peers are not at the batch
             # distributions it started, and finishing them at teardown would wait out the timeout.
