@@ -185,7 +185,7 @@ class _SigtermOnRank1(Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _sigterm_on_rank_1(rank: int, world_size: int) -> tuple[str, int, float]:
+def _sigterm_on_rank_1(rank: int, world_size: int) -> tuple[str, int, float, object]:
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
     trainer = Trainer(
@@ -195,9 +195,9 @@ def _sigterm_on_rank_1(rank: int, world_size: int) -> tuple[str, int, float]:
     start = time.monotonic()
     try:
         trainer.fit(make_model(), datamodule=_DataModule([20, 20]))
-    except SIGTERMException:  # Lightning's stop on SIGTERM (a SystemExit)
-        return "SIGTERMException", trainer.global_step, time.monotonic() - start
-    return "no stop", trainer.global_step, time.monotonic() - start
+    except SIGTERMException as stop:  # Lightning's stop on SIGTERM (a SystemExit)
+        return "SIGTERMException", trainer.global_step, time.monotonic() - start, stop.code
+    return "no stop", trainer.global_step, time.monotonic() - start, None
 
 
 def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step():
@@ -206,7 +206,8 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step():
     results = run_ranks(_sigterm_on_rank_1, 2, timeout=PG_TIMEOUT + 60)
     assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
     assert results[0][1] == results[1][1] < 20, results  # the same step, well before the epoch's end
-    assert all(seconds < PG_TIMEOUT for _, _, seconds in results), results
+    assert all(seconds < PG_TIMEOUT for _, _, seconds, _ in results), results
+    assert [r[3] for r in results] == [143] * 2, results  # the exit status says the run was stopped (it was 0)
 
 
 # ----------------------------------------------------------------- uneven and empty batches
@@ -367,8 +368,8 @@ def _requeue_signal(rank: int, world_size: int, tmp: str, ranks: tuple[int, ...]
     start, outcome = time.monotonic(), "no stop"
     try:
         first.fit(make_model(), datamodule=_DataModule([20, 20]))
-    except SIGTERMException:
-        outcome = "SIGTERMException"
+    except SIGTERMException as stop:
+        outcome = f"SIGTERMException({stop.code})"
     seconds = time.monotonic() - start
     # The requeued job: fit under SLURM resumes from the newest hpc_ckpt_N.ckpt in default_root_dir by itself.
     second = trainer(resumed := _FirstStep())
@@ -382,7 +383,7 @@ def test_slurm_requeue_signal_saves_on_every_rank_requeues_once_and_stops_every_
     # collectives then mismatched its peer's (rank 1 of 2 signalled: both failed after process_group_timeout,
     # nothing saved, no requeue; every rank signalled: saved, but training went on to the epoch's end).
     results = run_ranks(_requeue_signal, 2, str(tmp_path), ranks, timeout=PG_TIMEOUT + 60)
-    assert [r[0] for r in results] == ["SIGTERMException"] * 2, results
+    assert [r[0] for r in results] == ["SIGTERMException(143)"] * 2, results
     stopped = results[0][1]
     assert results[1][1] == stopped < 20, results  # the same step, well before the epoch's end
     assert all(r[2] < PG_TIMEOUT for r in results), results

@@ -16,6 +16,9 @@ log = logging.getLogger(__name__)
 # What a rank asks for in the batch handshake (bit flags of its stop integer).
 STOP = 1  # SIGTERM: stop
 REQUEUE = 2  # SLURM's requeue signal (SIGUSR1): save the HPC checkpoint, requeue the job, stop
+# The exit status of a run every rank stopped this way (Lightning's SIGTERMException is a SystemExit with no code: 0,
+# which a scheduler's script cannot tell from a finished run); 128 + SIGTERM, as a process killed by SIGTERM reports.
+PREEMPTED_EXIT_CODE = 128 + signal.SIGTERM
 
 
 class CoordinatedSigterm:

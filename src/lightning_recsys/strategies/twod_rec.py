@@ -57,7 +57,7 @@ from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
-from lightning_recsys.strategies.preemption import CoordinatedSigterm
+from lightning_recsys.strategies.preemption import PREEMPTED_EXIT_CODE, CoordinatedSigterm
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
 from lightning_recsys.strategies.validation import check_device_support, check_launch_layout, check_trainer_settings
 
@@ -463,6 +463,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
     def on_exception(self, exception: BaseException) -> None:
         if isinstance(exception, SIGTERMException) and self._sigterm_agreed:
             raised_on_every_rank(exception)  # the handshake stopped every rank on the same step
+            exception.code = PREEMPTED_EXIT_CODE  # not 0: the run did not finish
             if self._requeue_agreed and self.lightning_module is not None:
                 self._save_and_requeue(self.lightning_module.trainer)  # SLURM's requeue signal, on every rank at this step
         if self._input_pipeline is not None and not was_raised_on_every_rank(exception):
