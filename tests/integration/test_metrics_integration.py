@@ -8,38 +8,50 @@ import torch.distributed as dist
 from multiprocess import run_ranks
 from torchmetrics import Metric
 
-from lightning_recsys.models import Calibration, LogLoss, NormalizedEntropy
+from lightning_recsys.models import AUC, Calibration, LogLoss, NormalizedEntropy
 
 LOGITS = torch.tensor([1.5, -0.5, 0.3, -2.0, 0.8, -1.2])
 # Rank 1 (the last three) sees no click: its own Calibration is undefined, so the synced value is only
 # right if the sums are reduced before the division.
 LABELS = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 0.0])
-METRICS: dict[str, type[Metric]] = {"ne": NormalizedEntropy, "calibration": Calibration, "logloss": LogLoss}
+METRICS: dict[str, type[Metric]] = {"auc": AUC, "ne": NormalizedEntropy, "calibration": Calibration, "logloss": LogLoss}
 WORLD_SIZE = 2
 
 
-def _rank_slice(rank: int) -> slice:
-    size = len(LABELS) // WORLD_SIZE
-    return slice(rank * size, (rank + 1) * size)
+# Examples per rank: even, uneven, and a rank that saw nothing (its cat state is empty).
+SPLITS = {"even": (3, 3), "uneven": (4, 2), "empty": (6, 0)}
 
 
-def _metrics_on_rank(rank: int, world_size: int) -> dict[str, float]:
+def _rank_slice(rank: int, split: str = "even") -> slice:
+    sizes = SPLITS[split]
+    start = sum(sizes[:rank])
+    return slice(start, start + sizes[rank])
+
+
+def _metrics_on_rank(rank: int, world_size: int) -> dict[str, dict[str, float]]:
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        values = {}
-        for name, metric_type in METRICS.items():
-            metric = metric_type()
-            metric.update(LOGITS[_rank_slice(rank)], LABELS[_rank_slice(rank)])
-            values[name] = metric.compute().item()
+        values: dict[str, dict[str, float]] = {split: {} for split in SPLITS}
+        for split in SPLITS:
+            for name, metric_type in METRICS.items():
+                metric = metric_type()
+                if SPLITS[split][rank]:  # an empty rank never updates, as in an evaluation it got no batch of
+                    metric.update(LOGITS[_rank_slice(rank, split)], LABELS[_rank_slice(rank, split)])
+                values[split][name] = metric.compute().item()
         return values
     finally:
         dist.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
-def synced() -> list[dict[str, float]]:
-    # One spawn for all metrics: process start-up dominates on a 2-core machine.
+def all_synced() -> list[dict[str, dict[str, float]]]:
+    # One spawn for all metrics and splits: process start-up dominates on a 2-core machine.
     return run_ranks(_metrics_on_rank, WORLD_SIZE, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def synced(all_synced) -> list[dict[str, float]]:
+    return [values["even"] for values in all_synced]
 
 
 def _single_process(name: str, part: slice = slice(None)) -> float:
@@ -55,6 +67,13 @@ def test_metric_syncs_across_ranks(synced, name):
     local_only = _single_process(name, _rank_slice(0))
     assert abs(local_only - expected) > 1e-3  # the test would notice a missing sync
     assert [values[name] for values in synced] == pytest.approx([expected] * WORLD_SIZE, rel=1e-12)
+
+
+@pytest.mark.parametrize("split", ["uneven", "empty"])
+@pytest.mark.parametrize("name", list(METRICS))
+def test_metric_syncs_uneven_and_empty_ranks(all_synced, name, split):
+    expected = _single_process(name)
+    assert [values[split][name] for values in all_synced] == pytest.approx([expected] * WORLD_SIZE, rel=1e-12)
 
 
 def test_calibration_is_defined_when_only_one_rank_saw_a_click(synced):

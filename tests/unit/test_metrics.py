@@ -148,3 +148,58 @@ def test_ranker_logs_calibration_and_log_loss_per_epoch(stage):
     assert {f"{stage}/{name}" for name in ("loss", "auc", "ne", "calibration", "logloss")} <= set(logged)
     for name, value in expected.items():
         assert logged[name] == pytest.approx(value, rel=1e-5), name
+
+
+def _pair_count_auc(scores: list[float], labels: list[float]) -> float:
+    pairs = [(p, n) for p, yp in zip(scores, labels) if yp for n, yn in zip(scores, labels) if not yn]
+    return sum(1.0 if p > n else 0.5 if p == n else 0.0 for p, n in pairs) / len(pairs)
+
+
+def test_ranker_auc_ranks_confident_logits_that_a_float32_sigmoid_would_tie():
+    # Every logit is above 16.6, where float32 sigmoid rounds to 1.0: AUC of sigmoid(logits) was 0.5.
+    logits = torch.tensor([30.0, 18.0, 25.0, 17.0, 20.0, 19.0])
+    labels = torch.tensor([1.0, 0.0, 1.0, 0.0, 0.0, 1.0])
+    auc = DLRMRanker(table_sizes=[4]).metrics["val_auc"]
+    auc.update(logits, labels)
+    assert auc.compute().item() == pytest.approx(_pair_count_auc(logits.tolist(), labels.tolist()), rel=1e-12)
+
+
+class _ConfidentDLRM(DLRMRanker):
+    def forward(self, batch):
+        # Informative (the labels nudge the logits) and confident: every probability rounds to 1.0 in float32.
+        return super().forward(batch) * 10 + 40 + batch.labels
+
+
+def test_validate_logs_the_auc_of_the_logits_not_of_their_float32_sigmoid():
+    config = SyntheticClickLogConfig(table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=2)
+    torch.manual_seed(0)
+    model = _ConfidentDLRM(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
+    data = SyntheticClickLogDataModule(config)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    logged = trainer.validate(model, datamodule=data, verbose=False)[0]
+    batches = [data.log.global_batch("val", i) for i in range(2)]
+    with torch.no_grad():
+        logits = torch.cat([model(b) for b in batches]).double()
+    labels = torch.cat([b.labels for b in batches])
+    expected = _pair_count_auc(logits.tolist(), labels.tolist())
+    assert abs(expected - 0.5) > 0.02  # the test would notice every prediction tied
+    assert logged["val/auc"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize(
+    ("logits", "labels", "warning"),
+    [
+        ([0.5, float("nan"), -1.0, 2.0], [1.0, 0.0, 0.0, 1.0], "NaN predictions"),
+        ([0.5, 0.1, -1.0, 2.0], [1.0, 1.0, 1.0, 1.0], "every label is 1"),
+        ([0.5, 0.1, -1.0, 2.0], [0.0, 0.0, 0.0, 0.0], "every label is 0"),
+        ([0.5, 0.1, -1.0, 2.0], [2.0, 0.0, 1.0, 0.0], "labels of 0 or 1, got 2;"),
+        ([0.5, 0.1, -1.0, 2.0], [0.7, 0.0, 1.0, 0.0], "labels of 0 or 1, got 0.7"),
+    ],
+)
+def test_ranker_auc_is_nan_where_it_is_undefined(logits, labels, warning):
+    # BinaryAUROC(sigmoid(logits), labels.long()) gave 0.67 with a NaN prediction, 0.0 for one class,
+    # and silently truncated a soft label of 0.7 to 0.
+    auc = DLRMRanker(table_sizes=[4]).metrics["val_auc"]
+    auc.update(torch.tensor(logits), torch.tensor(labels))
+    with pytest.warns(UserWarning, match=warning):
+        assert math.isnan(auc.compute().item())

@@ -14,18 +14,17 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.model_helpers import _restricted_classmethod
 from torch import nn
 from torchmetrics import Metric
-from torchmetrics.classification import BinaryAUROC
 from typing_extensions import Self
 
 from lightning_recsys.checkpoint import to_lightning_checkpoint
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.models.metrics import Calibration, LogLoss, NormalizedEntropy
+from lightning_recsys.models.metrics import AUC, Calibration, LogLoss, NormalizedEntropy
 
 DenseOptimizerName = Literal["sgd", "adagrad", "adam"]
 
-# Epoch metrics logged as ``{stage}/{name}`` on validation and test; all but AUC take logits.
+# Epoch metrics logged as ``{stage}/{name}`` on validation and test; all take logits.
 _EPOCH_METRICS: dict[str, Callable[[], Metric]] = {
-    "auc": BinaryAUROC,
+    "auc": AUC,
     "ne": NormalizedEntropy,
     "calibration": Calibration,
     "logloss": LogLoss,
@@ -133,10 +132,7 @@ class RankerModule(LightningModule):
         self.log(f"{stage}/loss", loss, batch_size=batch.batch_size, sync_dist=True)
         for name in _EPOCH_METRICS:
             metric = self.metrics[f"{stage}_{name}"]
-            if name == "auc":
-                metric.update(torch.sigmoid(logits), batch.labels.long())
-            else:
-                metric.update(logits, batch.labels)
+            metric.update(logits, batch.labels)
             # Logging the Metric object (not a value) lets Lightning compute, sync and reset it per epoch.
             self.log(f"{stage}/{name}", metric, prog_bar=name in ("auc", "ne"), on_step=False, on_epoch=True)
         return loss

@@ -16,6 +16,72 @@ def _flatten_logits_and_labels(logits: torch.Tensor, labels: torch.Tensor) -> tu
     return logits, labels
 
 
+def _rank_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """ROC AUC as the Mann-Whitney statistic: the share of (positive, negative) pairs ranked right, ties 1/2."""
+    order = scores.argsort()
+    _, group, counts = torch.unique_consecutive(scores[order], return_inverse=True, return_counts=True)
+    ends = counts.cumsum(0).double()
+    ranks = (ends - (counts.double() - 1) / 2)[group]  # 1-based, tied scores share their average rank
+    positives = labels.sum()
+    negatives = labels.numel() - positives
+    return ((ranks * labels[order]).sum() - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+class AUC(Metric):
+    """ROC AUC of logits against 0/1 labels, exact over every example seen (synced across ranks).
+
+    Ranks the logits themselves in float64: AUC depends only on their order, and a float32
+    ``sigmoid`` (what ``BinaryAUROC(sigmoid(logits))`` sees) rounds every logit above ~16.6 to 1.0
+    and ties the confident predictions. Takes logits; probabilities give the same value. Undefined
+    cases return NaN with a warning, like NE and calibration: no example, only one class, a NaN
+    logit, or a label other than 0 or 1.
+    """
+
+    is_differentiable = False
+    higher_is_better = True
+    full_state_update = False
+
+    logits: list[torch.Tensor]
+    labels: list[torch.Tensor]
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.add_state("logits", default=[], dist_reduce_fx="cat")
+        self.add_state("labels", default=[], dist_reduce_fx="cat")
+        self.set_dtype(torch.float64)  # an empty rank's placeholder in the sync then matches the others' float64
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        logits, labels = _flatten_logits_and_labels(logits, labels)
+        self.logits.append(logits)
+        self.labels.append(labels)
+
+    def compute(self) -> torch.Tensor:
+        logits, labels = _concatenated(self.logits), _concatenated(self.labels)
+        nan = torch.tensor(float("nan"), dtype=torch.float64)
+        if logits.numel() == 0:
+            rank_zero_warn("AUC.compute() was called before any update; returning NaN.")
+            return nan
+        if torch.isnan(logits).any():
+            rank_zero_warn(f"AUC is undefined with NaN predictions ({int(torch.isnan(logits).sum())} of {logits.numel()}); returning NaN.")
+            return nan
+        if not ((labels == 0) | (labels == 1)).all():
+            other = labels[(labels != 0) & (labels != 1)][0].item()
+            rank_zero_warn(f"AUC needs labels of 0 or 1, got {other:.4g}; returning NaN.")
+            return nan
+        positives = int(labels.sum())
+        if positives in (0, labels.numel()):
+            rank_zero_warn(f"AUC is undefined when every label is {int(labels[0])}; returning NaN.")
+            return nan
+        return _rank_auc(logits, labels)
+
+
+def _concatenated(state: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+    """A cat state as one tensor: a list before the sync, one tensor after it."""
+    if isinstance(state, torch.Tensor):
+        return state.reshape(-1)
+    return torch.cat(state) if state else torch.zeros(0, dtype=torch.float64)
+
+
 class NormalizedEntropy(Metric):
     """Normalized entropy: mean binary cross-entropy divided by the entropy of the base CTR.
 
