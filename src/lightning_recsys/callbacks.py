@@ -59,7 +59,8 @@ class RunSummary(Callback):
 
     Args:
         json_path: also write the summary to this file (rank 0).
-        warmup_steps: steps left out of the timing averages (the first ones pay for setup).
+        warmup_steps: the first steps of each fit (a resumed one too) left out of the timing averages
+            (they pay for setup).
     """
 
     def __init__(self, json_path: str | None = None, warmup_steps: int = 2) -> None:
@@ -68,13 +69,20 @@ class RunSummary(Callback):
         self.json_path = json_path
         self.warmup_steps = warmup_steps
         self.summary: dict[str, Any] = {}
+        self._reset()
+
+    def _reset(self) -> None:
         self._marks: dict[str, float] = {}
         self._totals = {"step": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+        self._fit_steps = 0  # steps of this fit: a resumed fit starts at a global step > 0
         self._timed_steps = 0
         self._timed_examples = 0
         self._wall_seconds = 0.0
         self._validated_at_step: int | None = None
         self._last_step_end: float | None = None
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._reset()  # the summary describes this fit, not an earlier one with the same callback
 
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         self._marks = {"start": time.perf_counter()}
@@ -94,13 +102,14 @@ class RunSummary(Callback):
         if trainer.strategy.root_device.type == "cuda":
             torch.cuda.synchronize(trainer.strategy.root_device)
         end = time.perf_counter()
+        self._fit_steps += 1
         previous_end, self._last_step_end = self._last_step_end, end
         step_time = end - marks["start"]
         examples = int(getattr(batch, "batch_size", 0)) * trainer.world_size
         wall = end - previous_end if previous_end is not None else None
         if wall and examples:
             pl_module.log("examples_per_sec", examples / wall, prog_bar=True, on_step=True, on_epoch=False, logger=False)
-        if trainer.global_step <= self.warmup_steps or wall is None:
+        if self._fit_steps <= self.warmup_steps or wall is None:
             return
         self._timed_steps += 1
         self._timed_examples += examples
