@@ -29,7 +29,8 @@ class SyncStats:
     touched since the last sync under ``rows="touched"``, every row under ``rows="all"``. ``union``
     says how the replicas agreed on it (``"bitmap"``: an all-gather of 1-bit row masks,
     ``"indices"``: an all-gather of the touched row ids, ``"none"``: nothing touched anywhere,
-    ``"all"``: whole shards, ``"gather"``: none, each replica all-gathered its own touched rows). ``payload_bytes`` is what this rank handed to the collectives.
+    ``"all"``: whole shards, ``"gather"``: none, each replica all-gathered its own touched rows).
+    ``payload_bytes`` is what this rank handed to the collectives.
     ``overlapped``: launched in the background and applied at the end of the interval's last step
     (just before the next sync), or by a forced sync.
     """
