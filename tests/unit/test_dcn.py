@@ -1,18 +1,18 @@
 """DCNRanker (DCN-v2 on TorchRec's DLRM_DCN) and the bring-your-own-ranker example, on one process."""
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Trainer, seed_everything
-from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-from torchrec.modules.mlp import MLP
 
-from lightning_recsys.data import RecBatch, SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule
-from lightning_recsys.models import DCNRanker, DLRMRanker, RankerModule
+from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.models import DCNRanker, DLRMRanker
 
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 CONFIG = SyntheticClickLogConfig(table_sizes=[50, 80, 120], num_dense_features=4, global_batch_size=64, seed=3)
 SMALL = dict(table_sizes=CONFIG.table_sizes, num_dense_features=4, embedding_dim=8, dense_arch_layer_sizes=[16, 8])
 
@@ -92,25 +92,11 @@ def test_dlrm_shares_the_same_checks(kwargs, message):
 
 
 def test_bring_your_own_ranker_snippet_trains():
-    # --- the README's "bring your own ranker" snippet, verbatim (imports are at the top of this file) ---
-    class ConcatMLPRanker(RankerModule):
-        """Pooled embeddings and dense features, concatenated, through one MLP."""
-
-        def __init__(self, table_sizes: list[int], num_dense_features: int, embedding_dim: int = 8) -> None:
-            super().__init__(dense_optimizer="adagrad", dense_lr=0.05)
-            self.save_hyperparameters()
-            # Feature names must match the batch's KJT keys (the built-in data uses sparse_0, sparse_1, ...).
-            tables = [
-                EmbeddingBagConfig(name=f"t{i}", embedding_dim=embedding_dim, num_embeddings=rows, feature_names=[f"sparse_{i}"])
-                for i, rows in enumerate(table_sizes)
-            ]
-            self.ebc = EmbeddingBagCollection(tables=tables)
-            in_size = len(table_sizes) * embedding_dim + num_dense_features
-            self.mlp = nn.Sequential(MLP(in_size, [32, 16]), nn.Linear(16, 1))  # no ReLU on the logit
-
-        def forward(self, batch: RecBatch) -> torch.Tensor:
-            pooled = self.ebc(batch.sparse).values()  # [B, F * D], features in table order
-            return self.mlp(torch.cat([pooled, batch.dense], dim=1)).squeeze(-1)  # logits [B]
+    # The README's "bring your own ranker" block, run as it stands there.
+    (code,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "class ConcatMLPRanker(RankerModule):" in b]
+    namespace: dict = {}
+    exec(code, namespace)
+    ConcatMLPRanker = namespace["ConcatMLPRanker"]
 
     seed_everything(0)
     config = SyntheticClickLogConfig(table_sizes=[100, 100], num_dense_features=4, global_batch_size=256, train_batches=20, val_batches=4)
@@ -118,7 +104,6 @@ def test_bring_your_own_ranker_snippet_trains():
     trainer = Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     trainer.fit(model, data)
     print({name: round(value.item(), 4) for name, value in trainer.callback_metrics.items()})
-    # --- end of snippet ---
     metrics = trainer.callback_metrics
     assert trainer.global_step == 20
     assert math.isfinite(metrics["val/calibration"].item())
