@@ -80,6 +80,18 @@ def _head(src: Path, dst: Path, lines: int) -> None:
             fout.write(line)
 
 
+def _cpu_model() -> str:
+    """The CPU's model name (rates differ across machines of the same core count), or the platform's guess."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (the DataLoader's workers, once joined)."""
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -238,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
         load = None
     result = {
         "benchmark": "readers",
-        "machine": {"cpus": os.cpu_count(), "load_average_1_5_15": load, "python": platform.python_version()},
+        "machine": {"cpus": os.cpu_count(), "cpu_model": _cpu_model(), "load_average_1_5_15": load, "python": platform.python_version()},
         "global_batch_size": GLOBAL_BATCH,
         "table_rows": TABLE_ROWS,
         "terabyte_lines": TERABYTE_LINES,

@@ -210,6 +210,36 @@ def test_sigterm_on_one_rank_stops_every_rank_after_the_same_step():
     assert [r[3] for r in results] == [143] * 2, results  # the exit status says the run was stopped (it was 0)
 
 
+class _CountBroadcasts(Callback):
+    """Counts ``torch.distributed.broadcast`` calls from the first training step's start to the last one's end."""
+
+    def __init__(self) -> None:
+        self.calls, self._original = 0, dist.broadcast
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if batch_idx == 0:
+            def counting(*args, **kwargs):
+                self.calls += 1
+                return self._original(*args, **kwargs)
+
+            dist.broadcast = counting
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        dist.broadcast = self._original
+
+
+def _broadcasts_during_steps(rank: int, world_size: int) -> tuple[int, int]:
+    counter = _CountBroadcasts()
+    trainer = _fit(world_size, _DataModule([6, 6]), sgd_strategy(process_group_timeout=PG_TIMEOUT), callbacks=[counter])
+    return counter.calls, trainer.global_step
+
+
+def test_no_per_step_sigterm_broadcast_remains():
+    # Lightning 2.6 broadcast rank 0's SIGTERM flag before every step (a blocking collective, a host-device
+    # sync on CUDA); the batch handshake carries SIGTERM already (test above), so it is gone.
+    assert run_ranks(_broadcasts_during_steps, 2, timeout=120) == [(0, 6), (0, 6)]
+
+
 # ----------------------------------------------------------------- uneven and empty batches
 def _uneven(rank: int, world_size: int, sharding_type: str) -> int:
     def edit(r: int, i: int, batch: RecBatch) -> RecBatch:

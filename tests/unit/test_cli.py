@@ -87,6 +87,20 @@ def test_a_configured_logger_is_kept(tmp_path):
     assert cli.trainer.logger is None
 
 
+def test_summary_json_outside_fit_is_said_to_be_ignored(tmp_path, monkeypatch):
+    """validate/test/predict took --summary-json and wrote nothing, without a word."""
+    from lightning.pytorch.cli import LightningCLI
+
+    from lightning_recsys.callbacks import RunSummary
+
+    cli = _build("synthetic_dlrm.yaml", "--summary-json", str(tmp_path / "s.json"), "--trainer.default_root_dir", str(tmp_path))
+    cli.subcommand, cli.config_init = "validate", {"validate": cli.config_init}  # as a `validate` run's parse leaves them
+    monkeypatch.setattr(LightningCLI, "instantiate_trainer", lambda self, **kwargs: kwargs)  # the Trainer's arguments
+    with pytest.warns(UserWarning, match=r"--summary-json .*s\.json is ignored by validate: .* fit only"):
+        kwargs = cli.instantiate_trainer()
+    assert not any(isinstance(c, RunSummary) for c in kwargs["callbacks"])
+
+
 def test_help_lists_the_trainer_subcommands_and_plan(capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--help"])

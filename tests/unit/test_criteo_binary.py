@@ -222,6 +222,14 @@ def test_converter_refuses_two_inputs_for_one_day(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_converter_refuses_a_negative_day_number(tmp_path):
+    """--days -1 wrote day_-1_*.npy, which no CriteoBinaryDataModule split (day numbers >= 0) can read."""
+    (tmp_path / "a.tsv").write_text("1" + "\t" * 39 + "\n")
+    with pytest.raises(SystemExit, match=r"--days -1: day numbers must be >= 0 \(got \[-1\]\)"):
+        main([str(tmp_path / "a.tsv"), "--days", "-1", "--out-dir", str(tmp_path / "o"), "--no-progress"])
+    assert not (tmp_path / "o").exists()
+
+
 def test_converter_refuses_inputs_of_which_only_some_are_named_day_n(tmp_path):
     """day_3.gz next to holdout.tsv was written as day 0 (the 0, 1, ... numbering), over any day_0 files there."""
     for name in ("day_3.tsv", "holdout.tsv"):

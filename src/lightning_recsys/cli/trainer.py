@@ -15,6 +15,7 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_recsys.callbacks import RunSummary
 
@@ -58,6 +59,11 @@ class RecSysCLI(LightningCLI):
             callbacks.append(RichProgressBar())
         if self.subcommand == "fit":
             callbacks.append(RunSummary(json_path=config.get("summary_json")))
+        elif config.get("summary_json"):
+            rank_zero_warn(
+                f"--summary-json {config.get('summary_json')} is ignored by {self.subcommand}: the run summary (step times, "
+                "bytes per step, final metrics) is written by fit only. The metrics of this run are in the logger's files."
+            )
         if config["trainer"].get("logger") in (None, True):
             # Lightning's default logger, but CSV whether or not tensorboard is installed; it writes under
             # trainer.default_root_dir as Lightning's own default does (the working directory if unset).

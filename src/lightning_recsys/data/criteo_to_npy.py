@@ -18,6 +18,10 @@ def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
         if len(days) != len(paths):
             raise SystemExit(f"--days has {len(days)} numbers for {len(paths)} input files; give one per file.")
         numbers = list(days)
+        negative = [d for d in numbers if d < 0]
+        if negative:
+            # day_-1_*.npy would be written, and CriteoBinaryDataModule's *_days (day numbers >= 0) never reads it.
+            raise SystemExit(f"--days {' '.join(map(str, numbers))}: day numbers must be >= 0 (got {negative}).")
     else:
         found = [re.search(r"day_(\d+)", Path(p).name) for p in paths]
         if any(found) and not all(found):

@@ -63,6 +63,13 @@ class CoordinatedSigterm:
         # Workaround: Lightning 2.6's _SignalConnector._slurm_sigusr_handler_fn calls trainer.save_checkpoint inside the
         # handler on the signalled rank only (trainer/connectors/signal_connector.py): DCP's collective save mismatches.
         connector._slurm_sigusr_handler_fn = note_requeue
+        # Workaround: Lightning 2.6's _TrainingEpochLoop.advance broadcasts rank 0's SIGTERM flag and reads it with
+        # .item() before every step (loops/training_epoch_loop.py, _broadcast_sigterm_tensor): a blocking collective and,
+        # on CUDA, a host-device sync per step. Here the handshake sets the flag on every rank at the same step already,
+        # and the loop raises SIGTERMException at that step's end (on_advance_end), so the broadcast is redundant.
+        epoch_loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+        if hasattr(epoch_loop, "_broadcast_sigterm_tensor"):
+            epoch_loop._broadcast_sigterm_tensor = _flag_set_by_the_handshake
 
     def _stop_requests(self) -> int:
         """This rank's stop integer for the batch handshake (bit flags: STOP, REQUEUE)."""
@@ -103,3 +110,7 @@ class CoordinatedSigterm:
             log.warning("TwoDRecStrategy: saved %s and requeued SLURM job %s", path, job_id)
         else:
             log.warning("TwoDRecStrategy: saved %s; requeuing SLURM job %s failed with exit code %d", path, job_id, result)
+
+
+def _flag_set_by_the_handshake() -> None:
+    """Stands in for Lightning's per-step SIGTERM broadcast: the batch handshake already agreed the flag on every rank."""
