@@ -129,3 +129,39 @@ def test_small_sequence_tables_are_not_planned_data_parallel_on_cpu():
     # construct_jagged_tensors ("split_with_sizes expects split_sizes to sum exactly to ...").
     for sharding in run_ranks(_fit_sequence_model_with_the_balanced_planner, WORLD_SIZE, timeout=300):
         assert sharding["s1"] != "data_parallel", sharding
+
+
+class BufferedRanker(ConcatRanker):
+    """Dense buffers next to the tables: a BatchNorm's running statistics and a constant shift drawn per rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)
+        self.register_buffer("shift", torch.randn(4))  # each rank draws its own, as a model built without a common seed
+
+    def forward(self, batch: RecBatch) -> torch.Tensor:
+        dense = self.norm(batch.dense - self.shift)
+        return self.mlp(torch.cat([self.ebc(batch.sparse).values(), dense], dim=1)).squeeze(-1)
+
+
+def _fit_buffered_then_validate(rank: int, world_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(rank)
+    model = BufferedRanker()
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=TwoDRecStrategy(process_group_timeout=60), max_steps=STEPS,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    data = SyntheticClickLogDataModule(CONFIG)
+    trainer.fit(model, datamodule=data)
+    shift = model.shift.clone()
+    trainer.validate(model, datamodule=data, verbose=False)
+    return {"shift": shift, "running_mean": model.norm.running_mean.clone(), "running_var": model.norm.running_var.clone()}
+
+
+def test_dense_buffers_are_rank_zeros_on_every_rank_as_under_ddp():
+    # DMP's DDP was built with broadcast_buffers=False: buffers were neither synced at the start nor before each
+    # forward, so every rank kept its own running statistics (and its own initial buffers) and evaluated another model.
+    results = run_ranks(_fit_buffered_then_validate, WORLD_SIZE, timeout=300)
+    assert not torch.equal(results[0]["running_mean"], torch.zeros(4))  # the statistics did move
+    for key in ("shift", "running_mean", "running_var"):
+        torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")

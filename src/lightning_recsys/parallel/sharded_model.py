@@ -24,6 +24,7 @@ from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
     ModuleSharder,
+    ShardedModule,
     ShardingEnv,
     ShardingPlan,
 )
@@ -163,6 +164,39 @@ class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
     def __init__(self, dense_grads_precision: str = "fp32") -> None:
         super().__init__()
         self._hook = dense_grads_hook(dense_grads_precision)
+
+    def _ddp_wrap(
+        self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device, ddp_ignore_param_names: set[str]
+    ) -> None:
+        """DDP as TorchRec builds it, but with the dense buffers synced from rank 0 as Lightning's DDP does.
+
+        TorchRec passes ``broadcast_buffers=False``, which also skips the initial sync: a dense
+        buffer (a BatchNorm's running statistics, a running mean) then started and stayed different
+        on every rank, so the ranks evaluated different models. Here the floating-point buffers
+        outside the sharded modules are broadcast from rank 0 at construction and before each
+        forward that computes gradients (DDP's ``forward_sync_buffers``). The sharded modules' buffers
+        (FBGEMM's per-shard state) are rank-local, and integer buffers (counters, index constants such
+        as DLRM's ``triu_indices``) are equal everywhere, so neither is broadcast.
+        """
+        module = dmp._dmp_wrapped_module
+        if not set(dict(dmp.named_parameters())) - ddp_ignore_param_names:
+            return  # nothing dense to wrap (TorchRec's rule)
+        sharded = [fqn for fqn, sub in module.named_modules() if isinstance(sub, ShardedModule)]
+        rank_local = {
+            name for name, buffer in module.named_buffers()
+            if not buffer.is_floating_point() or any(name.startswith(f"{fqn}.") for fqn in sharded)
+        }
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, ddp_ignore_param_names | rank_local)
+        dmp._dmp_wrapped_module = DistributedDataParallel(
+            module.to(device),
+            device_ids=None if device.type == "cpu" else [device],
+            process_group=env.process_group,
+            gradient_as_bucket_view=True,
+            forward_sync_buffers=True,
+            static_graph=self._static_graph,
+            find_unused_parameters=self._find_unused_parameters,
+            bucket_cap_mb=self._bucket_cap_mb,
+        )
 
     def wrap(self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device) -> None:
         world = dist.group.WORLD
