@@ -6,11 +6,12 @@ import warnings
 
 import pytest
 import torch
-from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_ranks
 from oracle import make_model, sgd_strategy, shards_of
 from torch.utils.data import DataLoader, IterableDataset
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 
 from lightning_recsys import ReplicaSyncConfig
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
@@ -249,3 +250,72 @@ def test_on_cuda_the_copy_and_distribution_run_on_side_streams_and_match_off() -
     assert on["pipelined"] == {"dlrm.sparse_arch.embedding_bag_collection"}
     torch.testing.assert_close(torch.tensor(on["losses"]), torch.tensor(off["losses"]), rtol=1e-6, atol=1e-7)
     assert on["copies"] == off["copies"] > 0  # one copy per batch: Lightning's transfer finds it on the device
+
+
+class _DictBatches(IterableDataset):
+    """This rank's slices of the global batches, as dicts."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.local = rank, CONFIG.global_batch_size // world_size
+
+    def __iter__(self):
+        log = SyntheticClickLog(CONFIG)
+        for step in range(CONFIG.train_batches):
+            batch = slice_batch(log.global_batch("train", step), self.rank * self.local, (self.rank + 1) * self.local)
+            yield {"dense": batch.dense, "sparse": batch.sparse, "labels": batch.labels}
+
+
+class _BranchingRanker(LightningModule):
+    """Reads dict batches and RecBatches alike: fx tracing follows the RecBatch branch (``isinstance`` is False
+    for a proxy), so the traced path to the module's input (``batch.sparse``) does not apply to the real batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ebc = EmbeddingBagCollection(tables=[
+            EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"sparse_{i}"])
+            for i, rows in enumerate(CONFIG.table_sizes)
+        ])
+        self.head = torch.nn.Linear(8 * len(CONFIG.table_sizes) + CONFIG.num_dense_features, 1)
+
+    def forward(self, batch) -> torch.Tensor:
+        if isinstance(batch, dict):
+            dense, sparse = batch["dense"], batch["sparse"]
+        else:
+            dense, sparse = batch.dense, batch.sparse
+        return self.head(torch.cat([self.ebc(sparse).values(), dense], dim=1)).squeeze(-1)
+
+    def training_step(self, batch, batch_idx):
+        return torch.nn.functional.binary_cross_entropy_with_logits(self(batch), batch["labels"])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return DataLoader(_DictBatches(self.global_rank, self.trainer.world_size), batch_size=None)
+
+
+def _fit_branching(rank: int, world_size: int) -> dict:
+    results = {}
+    for pipeline in ("off", "sparse_dist"):
+        torch.manual_seed(0)
+        record = _Record()
+        trainer = Trainer(
+            accelerator="cpu", devices=world_size, strategy=sgd_strategy(pipeline=pipeline), max_steps=CONFIG.train_batches,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        )
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(_BranchingRanker())
+        results[pipeline] = {"losses": record.losses, "warnings": [str(w.message) for w in caught if "pipeline=" in str(w.message)]}
+    return results
+
+
+def test_a_traced_input_path_that_the_batch_does_not_have_falls_back_to_off_with_a_warning() -> None:
+    # The trace succeeded, but reading the module's input from the first real batch raised
+    # AttributeError ('dict' object has no attribute 'sparse') out of the dataloader on every rank.
+    for rank, result in enumerate(run_ranks(_fit_branching, 2, timeout=300)):
+        assert len(result["off"]["losses"]) == CONFIG.train_batches
+        assert result["sparse_dist"]["losses"] == result["off"]["losses"], rank
+        if rank == 0:
+            (warning,) = result["sparse_dist"]["warnings"]
+            assert "'ebc'" in warning and "AttributeError" in warning and "pipeline='off' avoids this" in warning, warning

@@ -123,13 +123,15 @@ class SparseDistPipeline:
         if not self.enabled or (not self._attached and not self._attach(batch)):
             _settle(handshake_token, account)
             return StartedBatch(batch, None)
+        first = not self._original_kjt_dist_forwards
+        expected_inputs = self._expected_inputs(batch, first=first)
+        if expected_inputs is None:  # the first batch: nothing started, the model has its forwards back
+            _settle(handshake_token, account)
+            return StartedBatch(batch, None)
         self._send_pending()  # an earlier batch whose step never ran a forward (another loop took over)
         context = _BatchContext(index=self._index, version=1, account=account, handshake_token=handshake_token, batch=batch)
+        context.expected_inputs = expected_inputs
         self._index += 1
-        for module in self._modules:
-            forward: PipelinedForward = module.forward  # type: ignore[assignment]
-            context.expected_inputs[forward.name] = forward.args.build_args_kwargs(batch)
-        first = not self._original_kjt_dist_forwards
         with self._stream(self._dist_stream), comm_for_batch(context.token if account else None):
             if self._memcpy_stream is not None:
                 torch.cuda.current_stream(self._device).wait_stream(self._memcpy_stream)
@@ -143,6 +145,30 @@ class SparseDistPipeline:
         else:
             self._next = context
         return StartedBatch(batch, context)
+
+    def _expected_inputs(self, batch: Any, *, first: bool) -> Optional[dict[str, tuple[list[Any], dict[str, Any]]]]:
+        """Each pipelined module's inputs, read from ``batch`` along the path the trace recorded.
+
+        The trace follows one branch of ``forward`` (``isinstance(batch, dict)`` is False for fx's proxy),
+        so that path may not exist in the real batch. On the first batch nothing has started yet: the
+        pipeline turns itself off (None) and the model runs unpipelined. Later, TorchRec's input
+        distributions are already replaced, so it raises, naming the module."""
+        expected: dict[str, tuple[list[Any], dict[str, Any]]] = {}
+        for module in self._modules:
+            forward: PipelinedForward = module.forward  # type: ignore[assignment]
+            try:
+                expected[forward.name] = forward.args.build_args_kwargs(batch)
+            except Exception as error:  # noqa: BLE001 - any step of the recorded path (attribute, item, call) may fail
+                why = (
+                    f"the input of sharded module {forward.name!r}, as fx tracing recorded it, cannot be read from the "
+                    f"batch ({type(error).__name__}: {error}); forward probably branches on the batch's type or content"
+                )
+                if first:
+                    self.close()
+                    self._disable(why)
+                    return None
+                raise RuntimeError(f"TwoDRecStrategy(pipeline='sparse_dist'): {why}. Use pipeline='off' for this model.") from error
+        return expected
 
     def consume(self, name: str, args: list[Any], kwargs: dict[str, Any]) -> Optional[_BatchContext]:
         """The started batch whose inputs for module ``name`` are these tensors, ready to read; None if none is."""
