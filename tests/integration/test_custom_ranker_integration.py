@@ -7,11 +7,12 @@ from lightning.pytorch import Trainer
 from multiprocess import run_ranks
 from oracle import train_plain_sgd
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import RankerModule
+from lightning_recsys.parallel.input_guard import InvalidInputError
 from lightning_recsys.parallel.sharded_model import local_shards
 from lightning_recsys.planner import plan_rows
 
@@ -165,3 +166,37 @@ def test_dense_buffers_are_rank_zeros_on_every_rank_as_under_ddp():
     assert not torch.equal(results[0]["running_mean"], torch.zeros(4))  # the statistics did move
     for key in ("shift", "running_mean", "running_var"):
         torch.testing.assert_close(results[1][key], results[0][key], rtol=0, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+RAW_IDS = SyntheticClickLogConfig(
+    table_sizes=[4000, 6400], num_dense_features=4, pooling_factors=[2.0, 2.0], global_batch_size=16, train_batches=2, val_batches=1, seed=3
+)
+
+
+class HashingRanker(ConcatRanker):
+    """Maps raw ids into its tables in ``on_before_batch_transfer``, a usual place for host-side batch preparation."""
+
+    def on_before_batch_transfer(self, batch: RecBatch, dataloader_idx: int) -> RecBatch:
+        kjt = batch.sparse
+        values = torch.cat([kjt[key].values() % rows for key, rows in zip(kjt.keys(), CONFIG.table_sizes)])
+        return RecBatch(batch.dense, KeyedJaggedTensor.from_lengths_sync(keys=kjt.keys(), values=values, lengths=kjt.lengths()), batch.labels)
+
+
+def _fit_hashing(rank: int, world_size: int) -> str:
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=TwoDRecStrategy(process_group_timeout=60, pipeline="off"), max_steps=2,
+        limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    try:
+        trainer.fit(HashingRanker(), datamodule=SyntheticClickLogDataModule(RAW_IDS))
+    except InvalidInputError as error:
+        return str(error)
+    return ""
+
+
+def test_an_id_error_says_that_batch_transfer_hooks_run_after_the_check():
+    # The ids are checked as the dataloader yields them, before the module's on_before_batch_transfer; the
+    # error said only "Set validate_inputs='warn' ... (FBGEMM clamps such ids to row 0)", which is wrong here.
+    for message in run_ranks(_fit_hashing, WORLD_SIZE, timeout=300):
+        assert "has 40 rows" in message or "has 64 rows" in message, message
+        assert "['HashingRanker.on_before_batch_transfer']" in message and "collate_fn" in message and "validate_inputs='off'" in message, message

@@ -283,6 +283,8 @@ class CoordinatedBatches:
     ``progress()``: the training loop's steps run in this epoch, and whether it counts the epoch as
     complete; with it, ``state_dict`` / ``load_state_dict`` resume a mid-epoch checkpoint at the next
     batch (``LoaderPosition``; a loader with its own ``state_dict`` keeps it instead).
+    ``checked_before``: the caller's batch hooks that change a batch after this check (a Lightning
+    module's ``on_before_batch_transfer``, ...); a report of bad input names them.
     ``stop_requested()``: whether, and why, this rank was asked to stop (non-zero bit flags of the
     caller's: its SIGTERM, a requeue signal); it rides in the handshake, and ``on_stop(ranks, requests)``
     (the ranks that asked, their flags or-ed) runs on every rank at the same step once any rank asked.
@@ -301,8 +303,10 @@ class CoordinatedBatches:
         progress: Progress | None = None,
         stop_requested: Callable[[], int] = lambda: 0,
         on_stop: Callable[[list[int], int], None] = lambda ranks, requests: None,
+        checked_before: tuple[str, ...] = (),
     ) -> None:
         self.loader = loader
+        self._checked_before = checked_before
         self._stop_requested = stop_requested
         self._on_stop = on_stop
         self._position = LoaderPosition(progress)
@@ -432,6 +436,12 @@ class CoordinatedBatches:
             raise raised_on_every_rank(own_error)  # this rank's dataloader failed; the others raise InvalidInputError naming it
         lines = [f"rank {rank}: {m}" for rank, rank_problems in enumerate(everyone) for m, _ in rank_problems]
         message = "invalid sparse input (TwoDRecStrategy validate_inputs=" + repr(self._validate) + "):\n  " + "\n  ".join(lines)
+        if self._checked_before:
+            message += (
+                f"\nThe batches are checked as the dataloader yields them, before {list(self._checked_before)} run, so ids "
+                "mapped into range there (hashing, remapping) are checked unmapped, and what those hooks change is not "
+                "checked. Map the ids in the dataset or its collate_fn instead, or set GuardConfig(validate_inputs='off')."
+            )
         if fatal:
             raise raised_on_every_rank(InvalidInputError(
                 message + "\nThese problems stop training whatever validate_inputs says: no clamp can make such a batch right."

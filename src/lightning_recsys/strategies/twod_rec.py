@@ -24,6 +24,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
@@ -433,6 +434,18 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
             progress=self._epoch_progress,
             stop_requested=self._stop_requests,
             on_stop=self._stop_on_every_rank,
+            checked_before=self._batch_hooks_after_the_check(),
+        )
+
+    def _batch_hooks_after_the_check(self) -> tuple[str, ...]:
+        """The module's and DataModule's batch-transfer hooks that are overridden: they run after the batch check."""
+        module = self.lightning_module
+        datamodule = getattr(module.trainer, "datamodule", None) if module is not None and module._trainer is not None else None
+        return tuple(
+            f"{type(owner).__name__}.{hook}"
+            for owner in (module, datamodule) if owner is not None
+            for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
+            if is_overridden(hook, owner)
         )
 
     def _epoch_progress(self) -> tuple[int, bool]:
