@@ -108,6 +108,27 @@ def test_resume_from_last_equals_uninterrupted_training(tmp_path):
         )
 
 
+def _fit_then_save(rank, world_size, ckpt_dir, ckpt_path, name):
+    strategy = TwoDRecStrategy(process_group_timeout=60)
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+    trainer.save_checkpoint(os.path.join(ckpt_dir, name))  # as a training script ends
+    return trainer.global_step
+
+
+def test_a_save_after_resuming_a_finished_run_succeeds(tmp_path):
+    """A rerun of a finished job: fit(ckpt_path=<its final save>) has nothing left to train, then the script saves."""
+    assert run_ranks(_fit_then_save, WORLD_SIZE, str(tmp_path), None, "final.ckpt", timeout=240) == [STEPS_PER_EPOCH] * WORLD_SIZE
+    # The loop restored "3 steps ran in this epoch" but the loader handed on no batch: the save raised
+    # "loader position: ... the loop and the loader disagree on what was trained".
+    steps = run_ranks(_fit_then_save, WORLD_SIZE, str(tmp_path), str(tmp_path / "final.ckpt"), "again.ckpt", timeout=240)
+    assert steps == [STEPS_PER_EPOCH] * WORLD_SIZE
+    assert read_meta(tmp_path / "again.ckpt").step == STEPS_PER_EPOCH
+
+
 def test_async_save_commits_a_loadable_checkpoint(tmp_path):
     run_ranks(_first_epoch_async, WORLD_SIZE, str(tmp_path), timeout=240)
     assert is_committed(tmp_path / "last.ckpt") and read_meta(tmp_path / "last.ckpt").step == STEPS_PER_EPOCH

@@ -64,6 +64,16 @@ def test_an_epoch_that_ended_resumes_with_a_fresh_epoch(one_rank_group):
     assert _numbers(resumed) == [0, 1]
 
 
+def test_a_save_right_after_resuming_a_finished_epoch_keeps_it_finished():
+    # fit(ckpt_path=...) from an end-of-epoch checkpoint, already at max_steps/max_epochs: the loop restores
+    # "3 steps ran in this epoch" and starts the loader, which hands on nothing; a save then raised
+    # "the loop and the loader disagree" (trainer.save_checkpoint after such a fit).
+    position = LoaderPosition(lambda: (3, True))
+    position.load_state_dict({"trained_batches": 3, "source_batches": 3, "epoch_done": True})
+    assert position.start() == (0, 0)  # a finished epoch resumes with a fresh one
+    assert position.state_dict() == {"trained_batches": 3, "source_batches": 3, "epoch_done": True}
+
+
 def test_a_loader_with_its_own_state_keeps_it(one_rank_group):
     class Stateful(list):
         loaded = None

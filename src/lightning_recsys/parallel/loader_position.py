@@ -53,6 +53,11 @@ class LoaderPosition:
         for count, source in reversed(self._after):
             if count == trained:
                 return {"trained_batches": trained, "source_batches": source, "epoch_done": loop_says_done or self._exhausted}
+        if loop_says_done:
+            # The loop counts the epoch complete, but this iteration handed on none of its steps' batches: it was
+            # restored from an end-of-epoch checkpoint and ran no step since (a fit already at max_steps or
+            # max_epochs). Nothing of this epoch is left to resume, so the position inside it does not matter.
+            return {"trained_batches": trained, "source_batches": max(trained, self._after[-1][1]), "epoch_done": True}
         raise RuntimeError(
             f"loader position: {trained} steps ran in this epoch, but the batches handed on cover steps "
             f"{self._after[0][0]}-{self._after[-1][0]}; the loop and the loader disagree on what was trained."
