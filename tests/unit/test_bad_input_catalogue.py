@@ -92,6 +92,27 @@ def _uncommitted_checkpoint(tmp: Path) -> None:
     load_unsharded(tmp / "half", DLRMRanker(table_sizes=[5]))
 
 
+
+def _directory_of_checkpoints(tmp: Path) -> None:
+    from lightning_recsys.checkpoint.directory import CheckpointMeta, commit, prepare_temporary
+
+    for step in (2, 4):
+        final = tmp / "checkpoints" / f"step={step}.ckpt"
+        meta = CheckpointMeta(step=step, world_size=1, sharding_group_size=1, num_replicas=1, layout="all_to_all_optimized", written_by_ranks=[0])
+        commit(prepare_temporary(final), final, meta)
+    load_unsharded(tmp / "checkpoints", DLRMRanker(table_sizes=[5]))
+
+
+def _empty_directory(tmp: Path) -> None:
+    (tmp / "empty").mkdir()
+    load_unsharded(tmp / "empty", DLRMRanker(table_sizes=[5]))
+
+
+def _trainer_ckpt_path_of_a_wrong_type(tmp: Path) -> None:
+    from lightning_recsys import DCPCheckpointIO
+
+    DCPCheckpointIO().load_checkpoint(3)  # what Trainer.fit/validate/test/predict(ckpt_path=3) hands on
+
 CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] = [
     ("id out of range", lambda t: _raise_problems(_kjt(values=(1, 2, 25))), ValueError,
      r"batch 7: feature 'sparse_1' has id 25 at example 1, but table 't_sparse_1' has 20 rows \(valid ids are 0..19\)"),
@@ -130,6 +151,13 @@ CATALOGUE: list[tuple[str, Callable[[Path], object], type[BaseException], str]] 
     ("malformed data line", lambda t: _read_criteo(t, "1\t2\tthree"), MalformedLineError, r"day.gz.*line 1"),
     ("batch not divisible by the world", lambda t: SyntheticClickLogConfig(global_batch_size=0), ValueError, r"global_batch_size=0 must be >= 1"),
     ("half-written checkpoint", _uncommitted_checkpoint, UncommittedCheckpointError, r"half"),
+    ("a directory of checkpoints instead of one", _directory_of_checkpoints, UncommittedCheckpointError,
+     r"checkpoints' is a directory of checkpoints, not one: it holds \['step=2.ckpt', 'step=4.ckpt'\]. Pass one of them, e.g. the newest, '.*step=4.ckpt' \(latest_checkpoint"),
+    ("an empty directory as a checkpoint", _empty_directory, UncommittedCheckpointError, r"empty' is an empty directory, not a checkpoint"),
+    ("a checkpoint path of a wrong type", lambda t: load_unsharded(7, DLRMRanker(table_sizes=[5])), TypeError,  # type: ignore[arg-type]
+     r"path=7 is an int, not a checkpoint path: pass a str or os.PathLike"),
+    ("a Trainer ckpt_path of a wrong type", _trainer_ckpt_path_of_a_wrong_type, TypeError,
+     r"ckpt_path=3 is an int, not a checkpoint path: pass a str or os.PathLike.*'last'"),
     ("duplicate KJT keys", lambda t: _raise_problems(_kjt(**_DUPLICATE)), ValueError,
      r"batch 7: the KeyedJaggedTensor has duplicate key\(s\): 'sparse_0' at key positions \[0, 2\].*merge the ids into one key"),
     ("duplicate KJT keys with a bad id in the second copy", lambda t: _raise_problems(_kjt(**_DUPLICATE_OUT_OF_RANGE)), ValueError,

@@ -27,6 +27,7 @@ from lightning_recsys.checkpoint.directory import (
     HOST_STATE_FILE,
     CheckpointMeta,
     UncommittedCheckpointError,
+    checkpoint_path,
     commit,
     prepare_temporary,
     read_meta,
@@ -267,7 +268,7 @@ def load_checkpoint(
     ``UncommittedCheckpointError`` before anything is written. Returns the host state and meta.
     """
     _require_process_group("load_checkpoint")
-    directory = Path(path)
+    directory = checkpoint_path(path)
     group = topology.sharding_process_group()
     targets: dict[str, Any] = {}
     reads: StateReads | None = None

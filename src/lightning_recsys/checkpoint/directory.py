@@ -160,6 +160,20 @@ def utc_now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
+def checkpoint_path(path: Any, *, argument: str = "path", also: str = "") -> Path:
+    """``path`` as a ``Path``; a ``TypeError`` naming ``argument`` for anything but a str or os.PathLike.
+
+    ``also``: the other values the caller accepts, for the message (e.g. Lightning's ``'last'``).
+    """
+    if isinstance(path, (str, os.PathLike)):
+        return Path(path)
+    article = "an" if type(path).__name__[:1].lower() in "aeiou" else "a"
+    raise TypeError(
+        f"{argument}={path!r} is {article} {type(path).__name__}, not a checkpoint path: pass a str or os.PathLike naming "
+        f"a checkpoint directory TwoDRecStrategy saved (e.g. 'lightning_logs/version_0/checkpoints/last.ckpt'){also}."
+    )
+
+
 def is_committed(path: str | os.PathLike[str]) -> bool:
     """True if ``path`` is a directory holding a commit marker (written last by a finished save)."""
     return (Path(path) / MARKER_FILE).is_file()
@@ -181,6 +195,7 @@ def _read_meta_at(path: Path) -> CheckpointMeta:
     if not path.is_dir():
         raise UncommittedCheckpointError(f"checkpoint {str(path)!r} does not exist (or is not a directory).")
     if not is_committed(path):
+        _refuse_a_directory_that_holds_checkpoints(path)
         raise UncommittedCheckpointError(
             f"{str(path)!r} is not a committed checkpoint: it has no {MARKER_FILE} marker, so its save never "
             "finished (a crash or a save still in progress). Load an earlier checkpoint, e.g. "
@@ -191,6 +206,24 @@ def _read_meta_at(path: Path) -> CheckpointMeta:
     except (OSError, json.JSONDecodeError) as error:
         raise UncommittedCheckpointError(f"{path / META_FILE} cannot be read ({error}); the checkpoint is damaged.") from error
     return CheckpointMeta.from_dict(data, source=path)
+
+
+def _refuse_a_directory_that_holds_checkpoints(path: Path) -> None:
+    """A clear error for an empty directory, or one that holds checkpoints (a ModelCheckpoint dirpath), given as one."""
+    children = sorted(c for c in path.iterdir() if not _is_helper(c.name))
+    if not children and not any(path.iterdir()):
+        raise UncommittedCheckpointError(
+            f"{str(path)!r} is an empty directory, not a checkpoint (it has no {MARKER_FILE} marker). Pass a checkpoint "
+            "directory TwoDRecStrategy saved, e.g. latest_checkpoint(parent_directory) ('.../checkpoints/last.ckpt')."
+        )
+    held = [c.name for c in children if is_committed(c)]
+    if held:
+        shown = held if len(held) <= 6 else [*held[:6], "..."]
+        newest = latest_checkpoint(path)
+        raise UncommittedCheckpointError(
+            f"{str(path)!r} is a directory of checkpoints, not one: it holds {shown}. Pass one of them, e.g. the newest, "
+            f"{str(newest)!r} (latest_checkpoint({str(path)!r}) finds it)."
+        )
 
 
 _OrderKey = tuple[int, int, str, float]
@@ -215,7 +248,7 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     under a helper name; it is newer than ``path``'s, and a resume must not go back behind it.
     Ties go to ``path`` itself. Paths that are helper directories are returned as they are.
     """
-    path = Path(path)
+    path = checkpoint_path(path)
     if _is_helper(path.name):
         return path
     best, best_key = path, _order_key(path)

@@ -16,7 +16,7 @@ from lightning_recsys.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from lightning_recsys.checkpoint.directory import remove_checkpoint
+from lightning_recsys.checkpoint.directory import checkpoint_path, remove_checkpoint
 from lightning_recsys.parallel.topology import ParallelTopology
 
 
@@ -89,6 +89,8 @@ class DCPCheckpointIO(CheckpointIO):
         self, path: _PATH, map_location: Optional[Callable] = None, weights_only: Optional[bool] = None
     ) -> dict[str, Any]:
         """Load the sharded state in place (resharding as needed) and return the rest of the checkpoint."""
+        # Lightning hands ckpt_path on as it was given; name it, not pathlib's "expected str, bytes or os.PathLike".
+        path = checkpoint_path(path, argument="ckpt_path", also=", or 'last', 'best' or 'hpc'")
         source = self._require_source("load")
         self.wait()
         loaded = load_checkpoint(
