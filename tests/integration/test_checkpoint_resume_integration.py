@@ -129,6 +129,31 @@ def test_a_save_after_resuming_a_finished_run_succeeds(tmp_path):
     assert read_meta(tmp_path / "again.ckpt").step == STEPS_PER_EPOCH
 
 
+def _fit_with(rank, world_size, ckpt_dir, optimizer, ckpt_path):
+    strategy = TwoDRecStrategy(process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name=optimizer, lr=0.1))
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+    )
+    try:
+        trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+    except ValueError as error:
+        return str(error)
+    trainer.save_checkpoint(os.path.join(ckpt_dir, f"{optimizer}.ckpt"))
+    return None
+
+
+def test_resuming_with_another_embedding_optimizer_says_what_to_do_under_a_trainer(tmp_path):
+    assert run_ranks(_fit_with, WORLD_SIZE, str(tmp_path), "sgd", None, timeout=240) == [None] * WORLD_SIZE
+    errors = run_ranks(_fit_with, WORLD_SIZE, str(tmp_path), "rowwise_adagrad", str(tmp_path / "sgd.ckpt"), timeout=240)
+    for error in errors:
+        assert "saved with embedding optimizer 'sgd'" in error, error
+        # The Trainer-free remedies (strict=False, load_embedding_optimizer_state=False) cannot be passed to
+        # Trainer.fit: the error must say what works there.
+        assert "Under a Trainer" in error and "strict_loading = False" in error, error
+        assert "EmbeddingOptimizerConfig(name='sgd')" in error and "load_unsharded" in error, error
+
+
 def test_async_save_commits_a_loadable_checkpoint(tmp_path):
     run_ranks(_first_epoch_async, WORLD_SIZE, str(tmp_path), timeout=240)
     assert is_committed(tmp_path / "last.ckpt") and read_meta(tmp_path / "last.ckpt").step == STEPS_PER_EPOCH

@@ -12,8 +12,10 @@ from typing_extensions import override
 from lightning_recsys.checkpoint import (
     AsyncCheckpointHandle,
     AsyncCheckpointSaver,
+    CheckpointMismatchError,
     ShardedState,
     load_checkpoint,
+    read_meta,
     save_checkpoint,
 )
 from lightning_recsys.checkpoint.directory import checkpoint_path, remove_checkpoint
@@ -93,16 +95,21 @@ class DCPCheckpointIO(CheckpointIO):
         path = checkpoint_path(path, argument="ckpt_path", also=", or 'last', 'best' or 'hpc'")
         source = self._require_source("load")
         self.wait()
-        loaded = load_checkpoint(
-            path,
-            state=source.sharded_checkpoint_state(),
-            topology=source.topology,
-            strict=source.load_strictly(),
-            # validate/test/predict have no optimizers to restore (data-parallel tables get none then)
-            load_embedding_optimizer_state=source.restores_optimizer_state(),
-            weights_only=weights_only,
-            require_host_state=True,
-        )
+        state = source.sharded_checkpoint_state()
+        try:
+            loaded = load_checkpoint(
+                path,
+                state=state,
+                topology=source.topology,
+                strict=source.load_strictly(),
+                # validate/test/predict have no optimizers to restore (data-parallel tables get none then)
+                load_embedding_optimizer_state=source.restores_optimizer_state(),
+                weights_only=weights_only,
+                require_host_state=True,
+            )
+        except CheckpointMismatchError as error:
+            # Its remedies name load_checkpoint()'s arguments, which a Trainer call cannot pass.
+            raise CheckpointMismatchError(f"{error}\n{_trainer_remedies(path, state.embedding_optimizer.name)}") from error
         assert loaded.host_state is not None
         return dict(loaded.host_state)
 
@@ -128,3 +135,20 @@ class DCPCheckpointIO(CheckpointIO):
                 "use it as TwoDRecStrategy's checkpoint_io (the default), not with another strategy."
             )
         return self._source
+
+
+def _trainer_remedies(path: Any, optimizer: str) -> str:
+    """What a Trainer user can do about a ``CheckpointMismatchError`` (the Trainer-free remedies are arguments)."""
+    try:
+        saved = read_meta(path).embedding_optimizer.get("name")
+    except Exception:  # noqa: BLE001 - only for the message
+        saved = None
+    lines = ["Under a Trainer: strict=False is the LightningModule's `strict_loading = False`."]
+    if saved is not None and saved != optimizer:
+        lines.append(
+            f"The checkpoint's embedding optimizer is {saved!r}, this strategy's {optimizer!r}, and fit(ckpt_path=...) restores "
+            f"optimizer state: resume with EmbeddingOptimizerConfig(name={saved!r}), or start a new fit from its weights only "
+            "(build the model with real, not meta, tables, lightning_recsys.checkpoint.load_unsharded(path, model), then "
+            "fit without ckpt_path). validate/test/predict(ckpt_path=...) read the weights only."
+        )
+    return " ".join(lines)
