@@ -140,6 +140,24 @@ def test_a_dim_the_fused_kernels_cannot_take_is_refused_before_planning_naming_t
 
 
 @pytest.mark.parametrize("planner", ["torchrec", "balanced"])
+def test_row_wise_tables_that_leave_a_rank_no_rows_are_refused_on_cpu(planner):
+    # TorchRec cut 3- and 5-row tables over 4 ranks into blocks of 1 and 2 rows, so rank 3 got only empty
+    # shards; FBGEMM's CPU kernel then raised "weights[0] must be a GPU or MTIA tensor" at the first step.
+    config = PlanningConfig(planner=planner, sharding_types=["row_wise"])
+    sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params(), ["row_wise"])
+    four = ParallelTopology(world_size=4, sharding_group_size=4, ranks_per_node=4)
+
+    def run(table_sizes, device="cpu"):
+        return PlanningPipeline(config, sharders=sharders, topology=four, compute_device=device).run(_model(table_sizes))
+
+    with pytest.raises(ValueError, match=r"the row_wise tables 't_sparse_0' \(3 rows\), 't_sparse_1' \(5 rows\) \(compute kernel fused\) "
+                       r"leave rank\(s\) \[3\] of each sharding group of 4 ranks with 0 rows"):
+        run((3, 5))
+    assert run((3, 40)).plan is not None  # rank 3 has rows of the larger table: one kernel, not empty
+    assert run((3, 5), device="cuda").plan is not None  # FBGEMM's CUDA kernels take an empty shard
+
+
+@pytest.mark.parametrize("planner", ["torchrec", "balanced"])
 @pytest.mark.parametrize(
     ("allowed", "constraint", "asked"),
     [

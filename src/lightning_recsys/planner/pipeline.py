@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import nn
-from torchrec.distributed.types import ModuleSharder, ShardingPlan, ShardingPlanner
+from torchrec.distributed.types import (
+    EmbeddingModuleShardingPlan,
+    EnumerableShardingSpec,
+    ModuleSharder,
+    ShardingPlan,
+    ShardingPlanner,
+    ShardingType,
+)
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_recsys.parallel.reshape import apply_reshape
@@ -144,6 +151,8 @@ class PlanningPipeline:
                 default_compute_kernels=DEFAULT_COMPUTE_KERNELS if name == "balanced" else None,
             )
             plan = self._planner(name, module, inputs).plan(module, self.sharders)
+            if self.compute_device == "cpu":
+                check_row_shards_have_rows(plan)
             reports.append(self._report(plan, module, inputs, PLANNER_LABELS[name]))  # before DMP changes the module
             return plan
 
@@ -228,3 +237,43 @@ def check_embedding_dims(tables: list[BaseEmbeddingConfig], config: PlanningConf
             "kernels, which every sharding type but data_parallel uses. Round the dim up to a multiple of 4, or "
             "constrain the table to data_parallel (TableConstraints(sharding_types=['data_parallel']))."
         )
+
+
+_ROW_SPLIT = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
+
+def check_row_shards_have_rows(plan: ShardingPlan) -> None:
+    """Refuse a CPU plan that leaves some rank a row-wise embedding kernel of 0 rows.
+
+    TorchRec gives every rank of a row-wise table a shard, of 0 rows when the table has fewer rows
+    than the group has ranks; a rank whose row-wise tables of one module and kernel are all empty
+    builds an FBGEMM table-batched embedding without rows, and FBGEMM's CPU path then raises
+    "weights[0] must be a GPU or MTIA tensor" at the first lookup
+    (``fbgemm_gpu/split_table_batched_embeddings_ops_training.py`` checks ``host_weights.numel() > 0``).
+    """
+    for module_path, module_plan in plan.plan.items():
+        if not isinstance(module_plan, EmbeddingModuleShardingPlan):
+            continue
+        rows: dict[tuple[str, str], dict[int, int]] = {}  # (sharding type, kernel) -> rank -> rows there
+        tables: dict[tuple[str, str], list[str]] = {}
+        for table, sharding in module_plan.items():
+            spec = sharding.sharding_spec
+            if sharding.sharding_type not in _ROW_SPLIT or not isinstance(spec, EnumerableShardingSpec):
+                continue
+            kernel = (sharding.sharding_type, sharding.compute_kernel)
+            per_rank = rows.setdefault(kernel, {})
+            for shard in spec.shards:
+                assert shard.placement is not None
+                per_rank[shard.placement.rank()] = per_rank.get(shard.placement.rank(), 0) + shard.shard_sizes[0]
+            tables.setdefault(kernel, []).append(f"{table!r} ({sum(s.shard_sizes[0] for s in spec.shards)} rows)")
+        for (sharding_type, kernel), per_rank in rows.items():
+            empty = sorted(rank for rank, count in per_rank.items() if count == 0)
+            if empty:
+                raise ValueError(
+                    f"{module_path or 'the model'}: the {sharding_type} tables {', '.join(tables[(sharding_type, kernel)])} "
+                    f"(compute kernel {kernel}) leave rank(s) {empty} of each sharding group of {len(per_rank)} ranks with "
+                    "0 rows, and FBGEMM's CPU kernel cannot look up an empty table batch. Allow another sharding type "
+                    "for these tables (TableConstraints(sharding_types=['table_wise', 'data_parallel'])), give them more rows "
+                    "(TorchRec cuts a row-wise table into blocks of ceil(rows / ranks), so the last ranks may get none), "
+                    "or use a smaller sharding_group_size."
+                )
