@@ -41,6 +41,23 @@ def test_rank_slices_partition_the_global_batch():
     assert _equal(slice_batch(full, 0, 64), full)
 
 
+def test_slice_batch_keeps_each_ids_weight():
+    """A weighted batch's slice lost its weights (an unweighted KJT came back)."""
+    from torchrec import KeyedJaggedTensor
+
+    from lightning_recsys.data import RecBatch
+
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=["a", "b"], values=torch.tensor([1, 2, 3, 4, 5, 6]), lengths=torch.tensor([1, 2, 0, 2, 1, 0]),
+        weights=torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6]),
+    )
+    batch = RecBatch(dense=torch.zeros(3, 1), sparse=sparse, labels=torch.zeros(3))
+    part = slice_batch(batch, 1, 3)  # examples 1 and 2: a's ids [2, 3], b's ids [6]
+    assert part.sparse["a"].values().tolist() == [2, 3] and part.sparse["b"].values().tolist() == [6]
+    assert torch.equal(part.sparse.weights(), torch.tensor([0.2, 0.3, 0.6]))
+    assert slice_batch(RecBatch(dense=batch.dense, sparse=sparse, labels=batch.labels), 0, 3).sparse.weights().numel() == 6
+
+
 def test_ids_are_in_range_zipf_skewed_and_pooled():
     config = SyntheticClickLogConfig(table_sizes=[1000], pooling_factors=3.0, global_batch_size=4096, zipf_exponent=1.1)
     batch = SyntheticClickLog(config).global_batch("train", 0)

@@ -125,12 +125,13 @@ def slice_batch(batch: RecBatch, start: int, stop: int) -> RecBatch:
     kjt = batch.sparse
     lengths = kjt.lengths().view(len(kjt.keys()), -1)
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(kjt.lengths(), 0)])
-    values = []
-    for f in range(len(kjt.keys())):
-        row = f * lengths.shape[1]
-        values.append(kjt.values()[offsets[row + start] : offsets[row + stop]])
+    pieces = [slice(int(offsets[f * lengths.shape[1] + start]), int(offsets[f * lengths.shape[1] + stop])) for f in range(len(kjt.keys()))]
+    weights = kjt.weights_or_none()  # a weighted feature's weights go with its ids
     sparse = KeyedJaggedTensor.from_lengths_sync(
-        keys=kjt.keys(), values=torch.cat(values), lengths=lengths[:, start:stop].reshape(-1)
+        keys=kjt.keys(),
+        values=torch.cat([kjt.values()[p] for p in pieces]),
+        lengths=lengths[:, start:stop].reshape(-1),
+        weights=None if weights is None else torch.cat([weights[p] for p in pieces]),
     )
     return RecBatch(dense=batch.dense[start:stop], sparse=sparse, labels=batch.labels[start:stop])
 
