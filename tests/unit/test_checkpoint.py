@@ -455,3 +455,12 @@ def test_a_plain_lightning_checkpoint_file_is_named_as_such(tmp_path: Path) -> N
     torch.save({"state_dict": {}, "global_step": 3}, tmp_path / "plain.ckpt")
     with pytest.raises(UncommittedCheckpointError, match="is a file, not a checkpoint directory.*state_dict"):
         read_meta(tmp_path / "plain.ckpt")
+
+
+def test_meta_matches_a_table_to_its_own_module_not_one_whose_path_is_a_prefix() -> None:
+    # meta.json gave "ebc2.embedding_bags.t0.weight" the sharding type of module "ebc"'s table t0.
+    from lightning_recsys.checkpoint.dcp_io import in_module
+
+    assert in_module("ebc.embedding_bags.t0.weight", "ebc")
+    assert not in_module("ebc2.embedding_bags.t0.weight", "ebc")
+    assert in_module("embedding_bags.t0.weight", "")  # the model itself is the embedding module

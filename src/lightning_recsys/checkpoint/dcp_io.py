@@ -216,6 +216,11 @@ def _write_host_state(tmp: Path, host_state: Mapping[str, Any] | None) -> None:
             os.fsync(f.fileno())
 
 
+def in_module(key: str, module: str) -> bool:
+    """Whether state-dict ``key`` lies under module path ``module`` (``"ebc2.x"`` is not under ``"ebc"``; ``""`` is the root)."""
+    return not module or key.startswith(module + ".")
+
+
 def _build_meta(
     state: ShardedState,
     optimizer_state: EmbeddingOptimizerState,
@@ -228,7 +233,7 @@ def _build_meta(
     tables = {}
     for key, placement in optimizer_state.tables.items():
         name = table_name(key)
-        sharding_type = next((t for (module, table), t in sharding_types.items() if table == name and key.startswith(module)), None)
+        sharding_type = next((t for (module, table), t in sharding_types.items() if table == name and in_module(key, module)), None)
         tables[key] = {"table": name, "shape": [placement.rows, placement.dim], "sharding_type": sharding_type}
     return CheckpointMeta(
         step=step,
