@@ -163,3 +163,35 @@ def test_plan_cluster_rejects_a_malformed_value_before_planning(capsys):
         plan_main(["--config", str(CONFIGS / "synthetic_dlrm.yaml"), "--cluster", "8-by-8"])
     assert exit_info.value.code == 2
     assert "must look like NODESxGPUS" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "option, value",
+    [
+        ("--batch-size", "0"),
+        ("--batch-size", "-5"),
+        ("--world-size", "0"),
+        ("--ranks-per-node", "0"),
+        ("--ranks-per-node", "-2"),
+        ("--sharding-group-size", "0"),
+        ("--memory-per-rank-gib", "0"),
+        ("--memory-per-rank-gib", "-1"),
+        ("--compute-ms", "0"),
+        ("--profile-batches", "-1"),
+    ],
+)
+def test_plan_refuses_a_non_positive_option_before_planning(option, value, capsys):
+    # 0 was read as "not given" (the config's value was planned instead, silently) and a negative
+    # batch size failed inside TorchRec's estimators with an AssertionError traceback.
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--config", str(CONFIGS / "synthetic_dlrm.yaml"), option, value])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{option} {value}" in err and "must be" in err
+
+
+def test_plan_refuses_a_json_path_in_a_missing_directory_before_planning(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        plan_main(["--config", str(CONFIGS / "synthetic_dlrm.yaml"), "--json", str(tmp_path / "nope" / "plan.json")])
+    assert exit_info.value.code == 2
+    assert "--json" in capsys.readouterr().err

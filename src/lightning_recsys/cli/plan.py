@@ -79,6 +79,7 @@ def plan_main(argv: list[str]) -> int:
     parser = _parser()
     args, overrides = parser.parse_known_args(argv)
     try:
+        _check_options(args)
         hash_partitions = None if args.hash_partitions is None else _parse_partitions(args.hash_partitions)
         if args.cluster is not None:
             parse_cluster(args.cluster)  # a bad value fails before planning
@@ -108,6 +109,31 @@ def plan_main(argv: list[str]) -> int:
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"JSON: {args.json}")
     return 0
+
+
+# Options that must be positive when given (None: not given, the config's value is used).
+_POSITIVE_OPTIONS: tuple[tuple[str, str, str], ...] = (
+    ("world_size", "--world-size", "total ranks"),
+    ("ranks_per_node", "--ranks-per-node", "ranks per node"),
+    ("sharding_group_size", "--sharding-group-size", "ranks per sharding group"),
+    ("batch_size", "--batch-size", "examples per rank per step"),
+    ("memory_per_rank_gib", "--memory-per-rank-gib", "memory per rank in GiB"),
+    ("compute_ms", "--compute-ms", "the model's compute time per step on one GPU"),
+)
+
+
+def _check_options(args: argparse.Namespace) -> None:
+    """Refuse option values that cannot describe a job, before any planning (0 is not "unset")."""
+    for attr, flag, meaning in _POSITIVE_OPTIONS:
+        value = getattr(args, attr)
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} {value} must be > 0 ({meaning}); leave it out to use the config's value.")
+    if args.profile_batches is not None and args.profile_batches < 0:
+        raise ValueError(f"--profile-batches {args.profile_batches} must be >= 0 (0 turns profiling off).")
+    if args.compute_ms is not None and args.cluster is None:
+        raise ValueError(f"--compute-ms {args.compute_ms} is only used with --cluster NODESxGPUS; add --cluster or leave it out.")
+    if args.json is not None and not args.json.parent.is_dir():
+        raise ValueError(f"--json {args.json}: the directory {args.json.parent} does not exist; create it or pick another path.")
 
 
 def _parse_partitions(items: list[str]) -> dict[str, int]:
@@ -149,7 +175,7 @@ def _plan(
         strategy, world_size=world_size, ranks_per_node=ranks_per_node, sharding_group_size=args.sharding_group_size
     )
     sharders, _ = planning_sharders(strategy, compute_device=compute_device, topology=topology)
-    memory = int(args.memory_per_rank_gib * (1 << 30)) if args.memory_per_rank_gib else None
+    memory = int(args.memory_per_rank_gib * (1 << 30)) if args.memory_per_rank_gib is not None else None
     pipeline = PlanningPipeline(config, sharders=sharders, topology=topology, compute_device=compute_device, memory_per_rank=memory)
 
     datamodule = cli.datamodule
