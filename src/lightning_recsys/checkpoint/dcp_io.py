@@ -47,6 +47,7 @@ from lightning_recsys.checkpoint.table_state import (
 )
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, ExpectedEntry, check_entries, model_key, saved_tensors
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
+from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
 from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
 from lightning_recsys.parallel.sharding_plan import plan_rows
 from lightning_recsys.parallel.topology import ParallelTopology
@@ -394,12 +395,16 @@ def load_unsharded(
 
     For offline evaluation and serving: the tables are read whole (any saving topology), the
     optimizer state is not read. ``module`` must have the saved model's structure, with real (not
-    meta) storage. Validation and ``strict`` are as in ``load_checkpoint``.
+    meta) storage. Validation and ``strict`` are as in ``load_checkpoint``. A checkpoint saved with
+    ``PlanningConfig(reshape_tables=True)`` records its reshaped tables; ``module`` (built with the
+    original tables) is reshaped the same way, in place, before it loads.
     """
     directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     meta = read_meta(directory)
     metadata = _read_index(directory)
     host_state = _read_host_state(directory, weights_only)
+    # Saved with reshape_tables=True: rebuild the original tables as they were reshaped for training.
+    apply_recorded_reshape(module, (host_state or {}).get(RESHAPE_CHECKPOINT_KEY))
     model_state = module.state_dict()
     on_meta = sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor) and v.is_meta)
     if on_meta:

@@ -19,6 +19,7 @@ from typing_extensions import Self
 from lightning_recsys.checkpoint import to_lightning_checkpoint
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.metrics import AUC, Calibration, LogLoss, NormalizedEntropy
+from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
 
 DenseOptimizerName = Literal["sgd", "adagrad", "adam"]
 
@@ -90,6 +91,14 @@ class RankerModule(LightningModule):
         return super().load_from_checkpoint(  # type: ignore[misc]
             checkpoint_path, map_location=map_location, hparams_file=hparams_file, strict=strict, weights_only=weights_only, **kwargs
         )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A checkpoint of reshaped tables (``PlanningConfig(reshape_tables=True)``) reshapes an unsharded model first.
+
+        Lightning calls this before it loads ``state_dict`` (``load_from_checkpoint``); a model the
+        strategy already sharded, or reshaped, is left as it is.
+        """
+        apply_recorded_reshape(self, checkpoint.get(RESHAPE_CHECKPOINT_KEY))
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} must implement forward(batch) -> logits of shape [B].")

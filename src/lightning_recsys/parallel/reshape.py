@@ -99,6 +99,16 @@ class ReshapedEmbeddingBagCollection(nn.Module):
         self._restore_dim = restore_dim
         self._feature_table = {f: t.name for t in self._original for f in t.feature_names}
         self._remapped_features = {f for f, t in self._feature_table.items() if t in self._reshaped}
+        # What a checkpoint records (``reshape_record``) so that an unsharded model can be rebuilt to load it.
+        self.reshape_record = [
+            {
+                "table": t.name, "rows": t.num_embeddings, "dim": t.embedding_dim,
+                "new_rows": n.num_embeddings, "new_dim": n.embedding_dim,
+                "id_mapping": id_mapping, "restore_dim": restore_dim,
+            }
+            for t, n in zip(self._original, ebc.embedding_bag_configs())
+            if t.name in self._reshaped
+        ]
         self.projections = nn.ModuleDict()
         if restore_dim:
             for table in self._original:
@@ -201,6 +211,52 @@ def apply_reshape(
     missing = sorted(set(by_table) - found)
     if missing:
         raise ValueError(f"reshape advice names tables that no EmbeddingBagCollection of the model has: {missing}.")
+    return replaced
+
+
+RESHAPE_CHECKPOINT_KEY = "lightning_recsys_reshaped_tables"  # in a checkpoint's host state
+
+
+@dataclasses.dataclass(frozen=True)
+class RecordedReshape:
+    """One reshaped table as a checkpoint records it (see ``reshape_record``)."""
+
+    table: str
+    rows: int
+    dim: int
+    new_rows: int
+    new_dim: int
+    id_mapping: IdMapping = "interleave"
+    restore_dim: bool = True
+
+
+def reshape_record(module: nn.Module) -> list[dict[str, object]]:
+    """The reshaped tables of ``module`` (sharded or not) as plain dicts, for a checkpoint; [] if none."""
+    return [dict(r) for sub in module.modules() if isinstance(sub, ReshapedEmbeddingBagCollection) for r in sub.reshape_record]
+
+
+def apply_recorded_reshape(module: nn.Module, record: Sequence[dict[str, object]] | None) -> list[str]:
+    """Reshape an unsharded ``module`` as a checkpoint's ``record`` says, so that the checkpoint loads into it.
+
+    Does nothing (returns []) without a record, or where the recorded tables are not plain
+    ``EmbeddingBagCollection`` tables of their original shapes (already reshaped, or sharded: the
+    checkpoint's own mismatch check then speaks). Returns the names of the replaced submodules.
+    """
+    if not record:
+        return []
+    recorded = [RecordedReshape(**r) for r in record]  # type: ignore[arg-type]
+    shapes = {
+        c.name: (c.num_embeddings, c.embedding_dim)
+        for fqn, sub in module.named_modules()
+        if isinstance(sub, EmbeddingBagCollection) and not _inside_reshaped(module, fqn)
+        for c in sub.embedding_bag_configs()
+    }
+    if any(shapes.get(r.table) != (r.rows, r.dim) for r in recorded):
+        return []
+    replaced: list[str] = []
+    for options in sorted({(r.id_mapping, r.restore_dim) for r in recorded}):
+        advice = [r for r in recorded if (r.id_mapping, r.restore_dim) == options]
+        replaced += apply_reshape(module, advice, id_mapping=options[0], restore_dim=options[1])
     return replaced
 
 

@@ -10,6 +10,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import ShardedState
+from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, reshape_record
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 
@@ -48,6 +49,9 @@ class ShardedCheckpointHooks:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every rank writes its shards (Lightning's base strategy would call CheckpointIO on rank 0 only)."""
         self._sync_if_pending()  # replicas agree, so the one that writes speaks for all
+        record = reshape_record(self.lightning_module) if self.lightning_module is not None else []
+        if record:  # reshape_tables=True: what an unsharded model needs to load it (load_unsharded, load_from_checkpoint)
+            checkpoint = {**checkpoint, RESHAPE_CHECKPOINT_KEY: record}
         self.checkpoint_io.save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
