@@ -188,3 +188,22 @@ def test_the_plan_report_gives_each_table_its_own_size_when_two_modules_share_a_
     report = _pipeline(PlanningConfig(planner=planner)).run(model).report
     assert sorted((t.name, t.rows, t.dim) for t in report.tables) == [("t", 40, 8), ("t", 64, 16)]
     assert "40 x 8" in report.to_table() and "64 x 16" in report.to_table()
+
+
+def test_reshape_advice_follows_the_table_constraints():
+    # A table that may only be data_parallel sends nothing through the all-to-all, yet the advice
+    # reshaped it (a projection layer and a different model, for a "47%" saving that cannot happen),
+    # and a TableConstraints(pooling_factor=...) the planner used was not used for the advice's bytes.
+    dp_only = {"t_sparse_1": TableConstraints(sharding_types=["data_parallel"])}
+    inputs = _pipeline(PlanningConfig(reshape_tables=True, table_constraints=dp_only)).prepare(_model())
+    assert [a.table for a in inputs.reshape] == ["t_sparse_0"]
+    stats = {"t_sparse_1": TableStats(pooling_factor=2.0)}  # statistics of the data-parallel table do not get in the way
+    with_stats = _pipeline(PlanningConfig(reshape_tables=True, table_constraints=dp_only, table_stats=stats)).prepare(_model())
+    assert [a.table for a in with_stats.reshape] == ["t_sparse_0"]
+    assert _pipeline(PlanningConfig(reshape_tables=True, sharding_types=["data_parallel"])).prepare(_model()).reshape == ()
+    plain = _pipeline(PlanningConfig(reshape_tables=True)).prepare(_model())
+    pooled = _pipeline(
+        PlanningConfig(reshape_tables=True, table_constraints={"t_sparse_0": TableConstraints(pooling_factor=20.0)})
+    ).prepare(_model())
+    before = {a.table: a.bytes_before for a in plain.reshape}
+    assert {a.table: a.bytes_before for a in pooled.reshape}["t_sparse_0"] > before["t_sparse_0"]

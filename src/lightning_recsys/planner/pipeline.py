@@ -38,11 +38,11 @@ from lightning_recsys.planner.balanced import BalancedPlanner
 from lightning_recsys.planner.balanced.planner import DEFAULT_COMPUTE_KERNELS
 from lightning_recsys.planner.collective import Broadcast, no_broadcast, on_rank_zero
 from lightning_recsys.planner.config import PLANNERS, PlannerName, PlanningConfig
-from lightning_recsys.planner.constraints import check_hash_partitions, check_table_options
+from lightning_recsys.planner.constraints import check_hash_partitions, check_table_options, pooling_factor_defaults
 from lightning_recsys.planner.report import PlanReport, build_plan_report
 from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
 from lightning_recsys.planner.shard_cost import CommCosts
-from lightning_recsys.planner.stats import TableStats, profile_datamodule
+from lightning_recsys.planner.stats import TableStats, profile_datamodule, resolve_table_stats
 from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_planner
 
 PLANNER_LABELS: dict[str, str] = {"torchrec": "TorchRec EmbeddingShardingPlanner", "balanced": "BalancedPlanner"}
@@ -176,9 +176,14 @@ class PlanningPipeline:
         batch_size = batch_size or DEFAULT_BATCH_SIZE
         advice: list[ReshapeAdvice] = []
         if config.reshape_tables:
+            # As the planner is told: a table that may only be data_parallel has no all-to-all to cut,
+            # and one without statistics has its TableConstraints pooling factor.
+            tables = [t for t in embedding_tables(module) if not _data_parallel_only(t.name, config)]
+            names = {t.name for t in tables}
+            known = {name: s for name, s in (stats or {}).items() if name in names}
             advice = suggest_reshape(
-                embedding_tables(module),
-                stats=stats,
+                tables,
+                stats=resolve_table_stats(tables, known, pooling_factor_defaults(config.table_constraints))[0],
                 batch_size=batch_size,
                 sharding_group_size=self.topology.sharding_group_size,
                 comm_costs=self.comm_costs,
