@@ -28,6 +28,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 import yaml
 from torchrec.distributed.planner.types import PlannerError
 
@@ -176,7 +177,18 @@ def _plan(
     )
     sharders, _ = planning_sharders(strategy, compute_device=compute_device, topology=topology)
     memory = int(args.memory_per_rank_gib * (1 << 30)) if args.memory_per_rank_gib is not None else None
-    pipeline = PlanningPipeline(config, sharders=sharders, topology=topology, compute_device=compute_device, memory_per_rank=memory)
+
+    def final_sharders(plan: Any) -> list[Any]:
+        """DMP's sharders for the plan, as training builds them; the planner's where this machine cannot
+        build them (FBGEMM's kernels for a CUDA job): the report then counts fp8/int8 scales per row."""
+        try:
+            return planning_sharders(strategy, compute_device=compute_device, topology=topology, plan=plan, device=torch.device(compute_device))[0]
+        except ValueError:
+            return sharders
+
+    pipeline = PlanningPipeline(
+        config, sharders=sharders, topology=topology, compute_device=compute_device, memory_per_rank=memory, final_sharders=final_sharders
+    )
 
     datamodule = cli.datamodule
     if datamodule is not None:

@@ -17,7 +17,7 @@ no plan that fits) is raised on every rank. No Lightning imports.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -83,6 +83,8 @@ class PlanningPipeline:
         rank: this process's global rank; rank 0 plans.
         broadcast: hands rank 0's object to every rank; every rank calls it (default: one process).
         memory_per_rank: HBM (CUDA) or DDR (CPU) bytes per rank; default TorchRec's.
+        final_sharders: the sharders DMP gets for a plan (their QComms codecs know the plan's scale
+            block, and any fallback it forces); the report counts their bytes. Default: ``sharders``.
     """
 
     def __init__(
@@ -95,6 +97,7 @@ class PlanningPipeline:
         rank: int = 0,
         broadcast: Broadcast = no_broadcast,
         memory_per_rank: int | None = None,
+        final_sharders: Callable[[ShardingPlan], Sequence[ModuleSharder[nn.Module]]] | None = None,
     ) -> None:
         self.config = config
         self.sharders = sharders
@@ -104,6 +107,7 @@ class PlanningPipeline:
         self.broadcast = broadcast
         self.memory_per_rank = memory_per_rank
         self.comm_costs = CommCosts.from_sharders(sharders)
+        self.final_sharders = final_sharders
 
     @property
     def _group(self) -> dict[str, Any]:
@@ -153,7 +157,9 @@ class PlanningPipeline:
             plan = self._planner(name, module, inputs).plan(module, self.sharders)
             if self.compute_device == "cpu":
                 check_row_shards_have_rows(plan)
-            reports.append(self._report(plan, module, inputs, PLANNER_LABELS[name]))  # before DMP changes the module
+            # What the plan's codecs send: fp8/int8 scale blocks (or a bf16 fallback) are known only now.
+            comm = CommCosts.from_sharders(self.final_sharders(plan)) if self.final_sharders is not None else self.comm_costs
+            reports.append(self._report(plan, module, inputs, PLANNER_LABELS[name], comm))  # before DMP changes the module
             return plan
 
         plan = on_rank_zero(plan_and_report, rank=self.rank, broadcast=self.broadcast)
@@ -206,7 +212,7 @@ class PlanningPipeline:
             return BalancedPlanner(**told, comm_costs=self.comm_costs)
         return torchrec_planner(module, **told)
 
-    def _report(self, plan: ShardingPlan, module: nn.Module, inputs: PlanningInputs, label: str) -> PlanReport:
+    def _report(self, plan: ShardingPlan, module: nn.Module, inputs: PlanningInputs, label: str, comm: CommCosts) -> PlanReport:
         config = self.config
         return build_plan_report(
             plan,
@@ -217,7 +223,7 @@ class PlanningPipeline:
             stats=inputs.stats,
             table_constraints=config.table_constraints,
             hash_partitions=config.hash_partitions,
-            comm_costs=self.comm_costs,
+            comm_costs=comm,
             planner=label,
             reshape=inputs.reshape,
         )

@@ -136,15 +136,29 @@ def _wire_format(codecs: Any) -> WireFormat:
     return WireFormat(forward=forward, backward=backward, forward_row_bytes=forward_row, backward_row_bytes=backward_row)
 
 
+def _fbgemm_codec_precision(codec: Any) -> str | None:
+    """``"fp8_e4m3"``/``"int8"`` for FBGEMM's fp8/int8 ``QuantizedCommCodec`` (``parallel.codecs.fbgemm_codec``), else None."""
+    name = getattr(getattr(codec, "_comm_precision", None), "name", None)
+    if name == "FP8" and getattr(codec, "_row_dim", -1) > 0:
+        return "fp8_e4m3"
+    return "int8" if name == "INT8" else None
+
+
 def _codec_bytes(codec: Any) -> tuple[float, float]:
     """(bytes per value, extra bytes per row) of a codec, from QComms' one table (``wire_bytes_per_value``)."""
     precision = getattr(codec, "precision", None)
     if precision in BYTE_DTYPES:
-        # One byte per value plus a scale per block; the block is a shard row at best (it is the gcd
-        # of all shard widths, known only once the plan is), so this is a lower bound.
+        block = getattr(codec, "_block_size", None)  # set in the final codecs, made for a plan
+        if block is not None:
+            return wire_bytes_per_value(precision, block), 0.0
+        # The planner's codecs: one byte per value plus a scale per block; the block is a shard row
+        # at best (it is the gcd of all shard widths, known only once the plan is): a lower bound.
         return wire_bytes_per_value(precision), float(SCALE_BYTES)
     if precision is not None:
         return wire_bytes_per_value(precision), 0.0
+    fbgemm = _fbgemm_codec_precision(codec)
+    if fbgemm is not None:  # FBGEMM's fused rowwise codecs (CUDA), 8 bytes of scale and padding per row
+        return wire_bytes_per_value(fbgemm, getattr(codec, "_row_dim", None), fbgemm=True), 0.0
     dtype = getattr(codec, "quantized_dtype", None)  # TorchRec's own (FBGEMM) codecs
     return (float(dtype.itemsize) if dtype is not None else 4.0), 0.0
 

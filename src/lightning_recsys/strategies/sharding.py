@@ -101,6 +101,7 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
     pipeline = PlanningPipeline(
         strategy.planning, sharders=planner_sharders, topology=topology, compute_device=device.type,
         rank=strategy.global_rank, broadcast=strategy.broadcast,
+        final_sharders=lambda plan: planning_sharders(strategy, compute_device=device.type, topology=topology, plan=plan, device=device)[0],
     )
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
     planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
