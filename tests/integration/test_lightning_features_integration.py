@@ -115,6 +115,36 @@ def test_embedding_lr_follows_reduce_lr_on_plateau():
         assert [lrs[0] for lrs in result["seen"]] == pytest.approx([0.4, 0.4, 0.2, 0.1])
 
 
+def _fit_scheduled_twice(rank: int, world_size: int) -> list[list[float]]:
+    """The same module fitted by two Trainers (the README's reuse of a sharded module), the tables following
+    StepLR(gamma=0.5) in both; returns the rate FBGEMM used in each backward of each fit."""
+    model = _model(_ScheduledRanker)
+    seen_by_fit = []
+    for follows in (True, True, False):
+        seen = _EmbeddingLr()
+        strategy = TwoDRecStrategy(
+            process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4, lr_follows_scheduler=follows),
+            planning=PlanningConfig(sharding_types=["table_wise"]),
+        )
+        trainer = Trainer(
+            accelerator="cpu", devices=world_size, max_steps=3, limit_val_batches=0, logger=False, strategy=strategy,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[seen],
+        )
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        seen_by_fit.append([lrs[0] for lrs in seen.seen])
+    return seen_by_fit
+
+
+def test_a_second_fit_of_the_same_module_starts_the_tables_at_the_configured_lr():
+    # Before: the first fit left FBGEMM at 0.4 * 0.25; the next fit's factor started at 1.0, equal to the
+    # one assumed, so it was never applied and the tables trained their first step at 0.1, not 0.4
+    # (and a fit that does not follow a scheduler kept 0.1 throughout).
+    for seen in run_ranks(_fit_scheduled_twice, 2, timeout=180):
+        assert seen[0] == pytest.approx([0.4, 0.2, 0.1])
+        assert seen[1] == pytest.approx([0.4, 0.2, 0.1])
+        assert seen[2] == pytest.approx([0.4, 0.4, 0.4])
+
+
 def test_gradient_clipping_warns_once_that_fused_tables_are_not_clipped():
     results = run_ranks(_fit_scheduled, 2, False, 1.0, timeout=180)
     assert len(results[0]["clip_warnings"]) == 1, results[0]["clip_warnings"]

@@ -21,6 +21,9 @@ class EmbeddingLearningRate:
         self._fused = fused_optimizer
         self._data_parallel = data_parallel_optimizer
         self.factor = 1.0
+        # The fused tables may hold another rate: a sharded module an earlier Trainer fitted keeps the last
+        # one its schedule set. Start every fit at base_lr, or a first factor of 1.0 would never be applied.
+        self._apply()
 
     @property
     def lr(self) -> float:
@@ -32,6 +35,9 @@ class EmbeddingLearningRate:
         if factor == self.factor:
             return
         self.factor = factor
+        self._apply()
+
+    def _apply(self) -> None:
         for group in self._fused.param_groups:
             group["lr"] = self.lr  # type: ignore[index]
         self._fused.step()  # applies the param groups' lr to FBGEMM; the tables were updated in backward
