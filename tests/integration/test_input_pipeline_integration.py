@@ -26,11 +26,14 @@ class _Record(Callback):
     def __init__(self) -> None:
         self.losses: list[float] = []
         self.sparse_ids_bytes: list[int] = []
+        self.handshakes: list[int] = []  # batch handshakes filed under each training step
         self.pipelined: set[str] = set()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.losses.append(float(outputs["loss"]))
         self.sparse_ids_bytes.append(trainer.strategy.comm_accounting.bytes_by(purpose="sparse_ids")[0])
+        last_step = trainer.strategy.comm_accounting.last_step
+        self.handshakes.append(sum(t.calls for k, t in last_step.items() if k.purpose == "batch_handshake"))
         pipeline = trainer.strategy._input_pipeline
         self.pipelined |= set(pipeline.pipelined_modules if pipeline is not None else [])
 
@@ -54,6 +57,7 @@ def _fit(rank: int, world_size: int, pipeline: str, sharding_type: str, **strate
     return {
         "losses": record.losses,
         "sparse_ids_bytes": record.sparse_ids_bytes,
+        "handshakes": record.handshakes,
         "shards": shards_of(model),
         "val": metrics,
         "test": tested,
@@ -93,6 +97,19 @@ def test_pipeline_matches_off_bit_for_bit_in_1d() -> None:
     for rank, result in enumerate(results):
         for kind in kinds:
             _assert_identical(result[(kind, "off")], result[(kind, "sparse_dist")], rank)
+
+
+def test_evaluation_batch_handshakes_are_not_filed_under_the_next_training_step() -> None:
+    # Before: with pipeline="off" the handshakes of the sanity check's and every validation's batches
+    # were kept for the next training step (5 instead of 1 or 2 after each validation here); the
+    # pipeline drops them, as it should: they feed no training step.
+    results = run_ranks(_on_and_off, 2, ["table_wise"], {}, timeout=300)
+    for rank, result in enumerate(results):
+        off, on = result[("table_wise", "off")], result[("table_wise", "sparse_dist")]
+        print(f"rank {rank}: handshakes per step, off {off['handshakes']}, sparse_dist {on['handshakes']}")
+        assert off["handshakes"] == on["handshakes"], rank
+        # Each step's own batch handshake, and an epoch's first step also the one for the batch after it.
+        assert off["handshakes"] == [2, 1, 1, 1] * 2, rank
 
 
 @pytest.mark.slow

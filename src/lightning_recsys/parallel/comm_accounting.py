@@ -7,7 +7,8 @@ through a Python comm hook (``sharded_model`` does that).
 
 Each call is filed under its purpose: code in this package labels its own collectives
 (``dense_grads``, ``replica_sync``, ``metrics``, ``batch_handshake``) with ``comm_purpose``. The batch
-handshake runs when the dataloader yields, between steps, so it is filed under the step that follows. Unlabelled collectives on the
+handshake runs when the dataloader yields, between steps, so it is held under its batch and filed under the
+step that follows (``release_batch_comm``), or dropped for an evaluation batch (``discard_batch_comm``). Unlabelled collectives on the
 sharding group are TorchRec's: ``sparse_ids`` when the payload is int32/int64 (the
 KeyedJaggedTensor ids and lengths), ``embeddings`` otherwise (pooled or sequence embeddings and
 their gradients, in whatever precision QComms put them). Anything else is ``other``.

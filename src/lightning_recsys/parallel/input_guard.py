@@ -21,7 +21,7 @@ import itertools
 import logging
 import operator
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
-from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose
+from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose, discard_batch_comm, release_batch_comm
 from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
 from lightning_recsys.parallel.loader_position import LoaderPosition, Progress, drop_first
 from lightning_recsys.parallel.process_group import raised_on_every_rank
@@ -343,12 +343,22 @@ class CoordinatedBatches:
     def __iter__(self) -> Iterator[Any]:
         first_step, skip = (0, 0) if self._loader_is_stateful() else self._position.start()
         source = drop_first(iter(self.loader), skip, _END) if skip else iter(self.loader)
-        if self.pipeline is None or not self.pipeline.enabled:
-            return self._agreed(source, tagged=False, first_step=first_step, skipped=skip)
         agreed = self._agreed(source, tagged=True, first_step=first_step, skipped=skip)
+        if self.pipeline is None or not self.pipeline.enabled:
+            return self._settled(agreed)
         return pipelined(agreed, self.pipeline, account=self._training)
 
-    def _agreed(self, iterator: Iterator[Any], *, tagged: bool, first_step: int = 0, skipped: int = 0) -> Iterator[Any]:
+    def _settled(self, agreed: Generator[tuple[Any, object], None, None]) -> Iterator[Any]:
+        """The batches, with the handshakes issued up to each one filed under the training step it feeds,
+        or dropped when it feeds none (sanity check, validation, test, predict), as the pipeline does."""
+        try:
+            for batch, token in agreed:
+                (release_batch_comm if self._training() else discard_batch_comm)(token)
+                yield batch
+        finally:
+            agreed.close()  # a loop that stopped early: its handshake in flight completes now (see _agreed)
+
+    def _agreed(self, iterator: Iterator[Any], *, tagged: bool, first_step: int = 0, skipped: int = 0) -> Generator[Any, None, None]:
         """The batches every rank runs.
 
         Double-buffered: batch i+1 is fetched, checked and its handshake started (asynchronously)
