@@ -201,3 +201,46 @@ def test_replicas_stay_identical_when_validation_runs_between_training_steps():
     # their touched rows were no longer tracked, so the replicas silently drifted apart.
     results = run_ranks(_fit_with_validation_mid_training, WORLD_SIZE, timeout=300, ranks_per_node=PER_NODE)
     _assert_replicas_identical(results, [[0, 2], [1, 3]])
+
+
+class _ShardsAtHooks(Callback):
+    """The shards as a callback sees them when training ends and when validation starts."""
+
+    def __init__(self) -> None:
+        self.at: dict[str, Shards] = {}
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        self.at["on_train_end"] = shards_of(pl_module)
+
+    def on_validation_start(self, trainer, pl_module) -> None:
+        if not trainer.sanity_checking:
+            self.at["on_validation_start"] = shards_of(pl_module)
+
+
+def _fit_and_see_hooks(rank: int, world_size: int, sync: ReplicaSyncConfig) -> dict[str, Shards]:
+    from lightning.pytorch import Trainer
+    from oracle import CONFIG, make_model
+
+    from lightning_recsys.data import SyntheticClickLogDataModule
+
+    seen = _ShardsAtHooks()
+    trainer = Trainer(
+        accelerator="cpu", devices=PER_NODE, num_nodes=NODES, max_steps=STEPS, val_check_interval=2, limit_val_batches=1,
+        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        strategy=sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=sync), callbacks=[seen],
+    )
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    return seen.at
+
+
+@pytest.mark.parametrize("sync", [ReplicaSyncConfig(overlap=True), ReplicaSyncConfig(every_n_steps=3)], ids=["overlap", "every_3"])
+def test_callbacks_see_one_synchronized_model_when_training_ends_and_validation_starts(sync):
+    # Before: Lightning calls the callbacks' (and the module's) on_train_end and on_validation_start
+    # before the strategy's, which is where the replicas were synced; a callback exporting or checking
+    # the tables at the end of training saw replicas that differed (an overlapped sync still in flight,
+    # or the steps of a partial interval). Here validation runs after step 2 and training ends after step 3,
+    # both with a sync in flight (overlap) or steps since the last sync (every 3).
+    assert STEPS == 3
+    results = run_ranks(_fit_and_see_hooks, WORLD_SIZE, sync, timeout=300, ranks_per_node=PER_NODE)
+    for hook in ("on_train_end", "on_validation_start"):
+        _assert_replicas_identical([r[hook] for r in results], [[0, 2], [1, 3]])

@@ -17,7 +17,7 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -305,6 +305,9 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
         )
         assert isinstance(self.checkpoint_io, DCPCheckpointIO)
         self.checkpoint_io.connect(self)
+        if not any(isinstance(c, _SyncBeforeHooks) for c in trainer.callbacks):
+            # First, so the user's callbacks (and the module) already see one model in these hooks.
+            trainer.callbacks.insert(0, _SyncBeforeHooks(self))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -519,6 +522,25 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register(strategy_registry)  # the one registration, also used at import (lightning_recsys._registration)
+
+
+class _SyncBeforeHooks(Callback):
+    """Syncs the replicas before any callback's or the module's ``on_train_end`` and evaluation-start hooks.
+
+    Lightning calls a hook on the callbacks, then the LightningModule, then the strategy; the strategy's
+    own sync in these hooks came after user code that reads the tables (an export or a check at the end
+    of training), which saw replicas that differed. The strategy puts this callback first in
+    ``trainer.callbacks``; its hooks remain for the case of a Trainer that lost it.
+    """
+
+    def __init__(self, strategy: TwoDRecStrategy) -> None:
+        self._strategy = strategy
+
+    def _sync(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.strategy is self._strategy:
+            self._strategy._sync_if_pending()
+
+    on_train_end = on_validation_start = on_test_start = on_predict_start = _sync
 
 
 def _available(value: Optional[_T], attribute: str, after: str) -> _T:
