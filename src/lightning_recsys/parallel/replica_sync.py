@@ -120,6 +120,7 @@ class ReplicaSynchronizer:
         rows_total: Optional[int] = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         count_aware: bool = False,
+        own_state: Optional[list[torch.Tensor]] = None,
     ) -> None:
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes={bucket_bytes} must be >= 1.")
@@ -135,6 +136,8 @@ class ReplicaSynchronizer:
         self._num_replicas = dist.get_world_size(replica_group)
         self._bucket_bytes = bucket_bytes
         self._buckets = _buckets(self._tensors, bucket_bytes)
+        # Kept per replica between saves (optimizer_state=False); averaged only by average_own_state().
+        self._own_state_buckets = _buckets(_unique_floating(own_state or []), bucket_bytes)
         # Local table rows (the weights' rows); by default every 2-D tensor counts as a weight.
         self._rows_total = rows_total if rows_total is not None else sum(int(t.shape[0]) for t in self._tensors if t.dim() == 2)
         self._trackers: list[RowTracker] = []
@@ -167,12 +170,13 @@ class ReplicaSynchronizer:
         config = config or ReplicaSyncConfig()
         tensors = [t for module in modules for t in _local_shard_tensors(module.state_dict().values())]
         rows_total = sum(int(t.shape[0]) for t in _unique_floating(tensors))
+        state = [t for param_state in fused_optimizer.state.values() for t in _local_shard_tensors(param_state.values())]
         if config.optimizer_state:
-            tensors += [t for state in fused_optimizer.state.values() for t in _local_shard_tensors(state.values())]
+            tensors += state
         kernels = fused_kernels(modules)
         return cls(
             tensors, replica_group, config=config, kernels=kernels, rows_total=rows_total, bucket_bytes=bucket_bytes,
-            count_aware=count_aware,
+            count_aware=count_aware, own_state=None if config.optimizer_state else state,
         )
 
     @property
@@ -213,6 +217,15 @@ class ReplicaSynchronizer:
             self._run(overlap=False)
             return True
         return False
+
+    @torch.no_grad()
+    def average_own_state(self) -> None:
+        """Average, blocking, what each replica otherwise keeps its own: the fused optimizer state under
+        ``ReplicaSyncConfig(optimizer_state=False)`` (a no-op otherwise). Before a checkpoint save: one replica
+        writes it and every replica resumes from it, so all must hold it. Every replica must call it."""
+        if self._own_state_buckets:
+            with comm_purpose("replica_sync"):
+                self._all_reduce_buckets(self._own_state_buckets)
 
     def reset(self) -> None:
         """Forget the steps and touched rows since the last sync (after every replica loaded the same state)."""

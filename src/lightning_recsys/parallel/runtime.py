@@ -187,6 +187,13 @@ class ShardedRuntime:
         if self.replica_sync is not None:
             self.replica_sync.sync_if_pending()
 
+    def sync_before_save(self) -> None:
+        """``sync_if_pending``, and with ``ReplicaSyncConfig(optimizer_state=False)`` the replicas' optimizer
+        state averaged too: a checkpoint holds one replica's state, and every replica resumes from it."""
+        if self.replica_sync is not None:
+            self.replica_sync.sync_if_pending()
+            self.replica_sync.average_own_state()
+
     def restart_sync_cadence(self) -> None:
         """After a checkpoint load: every replica holds the loaded values, so nothing is pending."""
         if self.replica_sync is not None:

@@ -48,7 +48,7 @@ class ShardedCheckpointHooks:
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """Every rank writes its shards (Lightning's base strategy would call CheckpointIO on rank 0 only)."""
-        self._sync_if_pending()  # replicas agree, so the one that writes speaks for all
+        self._sync_before_save()  # replicas agree (optimizer state too), so the one that writes speaks for all
         record = reshape_record(self.lightning_module) if self.lightning_module is not None else []
         if record:  # reshape_tables=True: what an unsharded model needs to load it (load_unsharded, load_from_checkpoint)
             checkpoint = {**checkpoint, RESHAPE_CHECKPOINT_KEY: record}

@@ -397,6 +397,10 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
         if self._runtime is not None:
             self._runtime.sync_if_pending()
 
+    def _sync_before_save(self) -> None:
+        if self._runtime is not None:
+            self._runtime.sync_before_save()
+
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if self._runtime is not None:
