@@ -17,14 +17,13 @@ from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
 )
-from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,6 +56,7 @@ from lightning_recsys.planner.torchrec_planner import embedding_tables
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
+from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst, batch_hooks_after_the_check
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.preemption import PREEMPTED_EXIT_CODE, CoordinatedSigterm
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
@@ -305,9 +305,9 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
         )
         assert isinstance(self.checkpoint_io, DCPCheckpointIO)
         self.checkpoint_io.connect(self)
-        if not any(isinstance(c, _SyncBeforeHooks) for c in trainer.callbacks):
+        if not any(isinstance(c, SyncReplicasFirst) for c in trainer.callbacks):
             # First, so the user's callbacks (and the module) already see one model in these hooks.
-            trainer.callbacks.insert(0, _SyncBeforeHooks(self))
+            trainer.callbacks.insert(0, SyncReplicasFirst(self))
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
@@ -441,18 +441,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
             progress=self._epoch_progress,
             stop_requested=self._stop_requests,
             on_stop=self._stop_on_every_rank,
-            checked_before=self._batch_hooks_after_the_check(),
-        )
-
-    def _batch_hooks_after_the_check(self) -> tuple[str, ...]:
-        """The module's and DataModule's batch-transfer hooks that are overridden: they run after the batch check."""
-        module = self.lightning_module
-        datamodule = getattr(module.trainer, "datamodule", None) if module is not None and module._trainer is not None else None
-        return tuple(
-            f"{type(owner).__name__}.{hook}"
-            for owner in (module, datamodule) if owner is not None
-            for hook in ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
-            if is_overridden(hook, owner)
+            checked_before=batch_hooks_after_the_check(self.lightning_module),
         )
 
     def _epoch_progress(self) -> tuple[int, bool]:
@@ -526,25 +515,6 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         register(strategy_registry)  # the one registration, also used at import (lightning_recsys._registration)
-
-
-class _SyncBeforeHooks(Callback):
-    """Syncs the replicas before any callback's or the module's ``on_train_end`` and evaluation-start hooks.
-
-    Lightning calls a hook on the callbacks, then the LightningModule, then the strategy; the strategy's
-    own sync in these hooks came after user code that reads the tables (an export or a check at the end
-    of training), which saw replicas that differed. The strategy puts this callback first in
-    ``trainer.callbacks``; its hooks remain for the case of a Trainer that lost it.
-    """
-
-    def __init__(self, strategy: TwoDRecStrategy) -> None:
-        self._strategy = strategy
-
-    def _sync(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.strategy is self._strategy:
-            self._strategy._sync_if_pending()
-
-    on_train_end = on_validation_start = on_test_start = on_predict_start = _sync
 
 
 def _available(value: Optional[_T], attribute: str, after: str) -> _T:
