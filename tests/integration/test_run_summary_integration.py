@@ -57,6 +57,8 @@ def test_examples_per_sec_is_examples_over_the_wall_time_of_the_timed_steps(worl
     expected = len(timed) * CONFIG.global_batch_size / wall
     assert summary["timed_steps"] == len(timed)
     assert summary["examples_per_sec"] == pytest.approx(expected, rel=0.05)
-    # The loader's delay is in the wall clock, not in the forward/backward/optimizer split.
-    assert wall / len(timed) >= LOADER_DELAY_S
+    # The loader's delay is in the wall clock, not in the forward/backward/optimizer split. Up to 3 batches are
+    # loaded ahead of their step (Lightning's prefetch, the handshake's and the pipeline's lookahead), so up to 3 of
+    # the timed steps' sleeps may fall before the window (this bound failed about 1 run in 3 as "per step >= delay").
+    assert wall >= (len(timed) - 3) * LOADER_DELAY_S
     assert summary["step_time_ms"] / 1000 < wall / len(timed)
