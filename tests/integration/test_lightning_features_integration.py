@@ -81,16 +81,21 @@ class _EmbeddingLr(Callback):
         self.seen.append(trainer.strategy.embedding_learning_rate.fused_lrs())
 
 
-def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None, ranker: type = _ScheduledRanker) -> dict:
-    seen = _EmbeddingLr()
+def _scheduled_trainer(world_size: int, follows: bool, max_steps: int, seen: _EmbeddingLr, clip: float | None = None) -> Trainer:
+    """Fused tables at lr 0.4, table-wise, following the module's scheduler when ``follows``; ``seen`` records their rates."""
     strategy = TwoDRecStrategy(
         process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4, lr_follows_scheduler=follows),
         planning=PlanningConfig(sharding_types=["table_wise"]),
     )
-    trainer = Trainer(
-        accelerator="cpu", devices=world_size, max_steps=4, limit_val_batches=0, logger=False, gradient_clip_val=clip,
+    return Trainer(
+        accelerator="cpu", devices=world_size, max_steps=max_steps, limit_val_batches=0, logger=False, gradient_clip_val=clip,
         strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[seen],
     )
+
+
+def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None, ranker: type = _ScheduledRanker) -> dict:
+    seen = _EmbeddingLr()
+    trainer = _scheduled_trainer(world_size, follows, 4, seen, clip)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(_model(ranker), datamodule=SyntheticClickLogDataModule(CONFIG))
@@ -122,14 +127,7 @@ def _fit_scheduled_twice(rank: int, world_size: int) -> list[list[float]]:
     seen_by_fit = []
     for follows in (True, True, False):
         seen = _EmbeddingLr()
-        strategy = TwoDRecStrategy(
-            process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.4, lr_follows_scheduler=follows),
-            planning=PlanningConfig(sharding_types=["table_wise"]),
-        )
-        trainer = Trainer(
-            accelerator="cpu", devices=world_size, max_steps=3, limit_val_batches=0, logger=False, strategy=strategy,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[seen],
-        )
+        trainer = _scheduled_trainer(world_size, follows, 3, seen)
         trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
         seen_by_fit.append([lrs[0] for lrs in seen.seen])
     return seen_by_fit
