@@ -139,6 +139,16 @@ def test_a_dim_the_fused_kernels_cannot_take_is_refused_before_planning_naming_t
     assert _pipeline(data_parallel).run(_model(dim=6)).plan is not None
 
 
+def test_torchrecs_out_of_storage_error_names_the_largest_tables():
+    # TorchRec's PlannerError gave storage totals and a shard size, but named no table.
+    config = PlanningConfig(planner="torchrec")
+    sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params())
+    pipeline = PlanningPipeline(config, sharders=sharders, topology=TOPOLOGY, compute_device="cpu", memory_per_rank=20_000_000)
+    with pytest.raises(PlannerError, match=r"insufficient storage(.|\n)*The largest tables .*: 't_sparse_1' 200000 x 64 \(48.83 MiB\), "
+                       r"'t_sparse_0' 100000 x 64 \(24.41 MiB\)\. Fix: .*planner='balanced'"):
+        pipeline.run(_model(table_sizes=(100_000, 200_000), dim=64))
+
+
 @pytest.mark.parametrize("planner", ["torchrec", "balanced"])
 def test_row_wise_tables_that_leave_a_rank_no_rows_are_refused_on_cpu(planner):
     # TorchRec cut 3- and 5-row tables over 4 ranks into blocks of 1 and 2 rows, so rank 3 got only empty

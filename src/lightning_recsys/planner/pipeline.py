@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from torch import nn
+from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
 from torchrec.distributed.types import (
     EmbeddingModuleShardingPlan,
     EnumerableShardingSpec,
@@ -30,7 +31,7 @@ from torchrec.distributed.types import (
     ShardingPlanner,
     ShardingType,
 )
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
 
 from lightning_recsys.parallel.reshape import apply_reshape
 from lightning_recsys.parallel.topology import ParallelTopology
@@ -41,7 +42,7 @@ from lightning_recsys.planner.config import PLANNERS, PlannerName, PlanningConfi
 from lightning_recsys.planner.constraints import check_hash_partitions, check_table_options, pooling_factor_defaults
 from lightning_recsys.planner.report import PlanReport, build_plan_report
 from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
-from lightning_recsys.planner.shard_cost import CommCosts
+from lightning_recsys.planner.shard_cost import CommCosts, format_bytes
 from lightning_recsys.planner.stats import TableStats, profile_datamodule, resolve_table_stats
 from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_planner
 
@@ -154,7 +155,12 @@ class PlanningPipeline:
                 hash_partitions=self.config.hash_partitions,
                 default_compute_kernels=DEFAULT_COMPUTE_KERNELS if name == "balanced" else None,
             )
-            plan = self._planner(name, module, inputs).plan(module, self.sharders)
+            try:
+                plan = self._planner(name, module, inputs).plan(module, self.sharders)
+            except PlannerError as error:
+                if name != "torchrec" or error.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
+                    raise
+                raise PlannerError(f"{error}\n{largest_tables(embedding_tables(module))}", error.error_type) from error
             if self.compute_device == "cpu":
                 check_row_shards_have_rows(plan)
             # What the plan's codecs send: fp8/int8 scale blocks (or a bf16 fallback) are known only now.
@@ -288,3 +294,19 @@ def check_row_shards_have_rows(plan: ShardingPlan) -> None:
                     "(TorchRec cuts a row-wise table into blocks of ceil(rows / ranks), so the last ranks may get none), "
                     "or use a smaller sharding_group_size."
                 )
+
+
+def largest_tables(tables: list[BaseEmbeddingConfig], shown: int = 5) -> str:
+    """What TorchRec's out-of-storage ``PlannerError`` leaves out: which tables are large, and the ways out."""
+    by_size = sorted(tables, key=lambda t: -t.num_embeddings * t.embedding_dim * data_type_to_dtype(t.data_type).itemsize)
+    listed = ", ".join(
+        f"{t.name!r} {t.num_embeddings} x {t.embedding_dim} "
+        f"({format_bytes(t.num_embeddings * t.embedding_dim * data_type_to_dtype(t.data_type).itemsize)})"
+        for t in by_size[:shown]
+    )
+    more = f" and {len(by_size) - shown} more" if len(by_size) > shown else ""
+    return (
+        f"The largest tables (rows x dim, weights without optimizer state): {listed}{more}. Fix: more ranks per sharding "
+        "group, row_wise/column_wise allowed for the large tables, smaller tables, or PlanningConfig(planner='balanced'), "
+        "whose error names each table that does not fit and the memory it needs."
+    )
