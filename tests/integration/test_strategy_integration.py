@@ -59,3 +59,21 @@ def test_sharded_training_matches_unsharded(sharding_type: str) -> None:
 def test_sharded_training_matches_unsharded_on_cuda_nccl(sharding_type: str) -> None:
     # CUDA kernels sum in another order than the CPU reference, hence the looser tolerance.
     _check_against_unsharded(sharding_type, min(2, torch.cuda.device_count()), "gpu", rtol=1e-4, atol=1e-5)
+
+
+def _replica_sync_warnings(rank: int, world_size: int, replica_sync: object) -> list[str]:
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_sharded(rank, world_size, sgd_strategy(replica_sync=replica_sync))
+    return [str(w.message) for w in caught if "replica_sync=" in str(w.message)]
+
+
+def test_a_replica_sync_config_in_a_1d_run_is_said_to_have_no_effect() -> None:
+    # A ReplicaSyncConfig given to a 1D run (one replica) was ignored without a word.
+    from lightning_recsys import ReplicaSyncConfig
+
+    (warned,) = run_ranks(_replica_sync_warnings, 2, ReplicaSyncConfig(every_n_steps=4), timeout=120)[0]
+    assert "has no effect: this run is 1D (sharding_group_size 2 = world size 2, one replica)" in warned
+    assert run_ranks(_replica_sync_warnings, 2, None, timeout=120)[0] == []  # the default says nothing

@@ -278,6 +278,12 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
             self._coordination_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=self._timeout)
         for warning in self._topology.layout_warnings():
             rank_zero_warn(warning)
+        if topology.is_1d and self.replica_sync_config != ReplicaSyncConfig():
+            rank_zero_warn(
+                f"replica_sync={self.replica_sync_config} has no effect: this run is 1D (sharding_group_size "
+                f"{topology.sharding_group_size} = world size {topology.world_size}, one replica). Set sharding_group_size "
+                "to the ranks per node (or fewer) for 2D."
+            )
         mesh = self.device_mesh  # collective: every rank builds it here
         if self.lightning_module is not None:
             self.lightning_module._device_mesh = mesh
