@@ -134,7 +134,7 @@ def test_plan_prints_the_report_for_a_fit_config(tmp_path, capsys):
     assert [r["planner"] for r in reports] == ["BalancedPlanner", "TorchRec EmbeddingShardingPlanner"]
     assert [len(r["ranks"]) for r in reports] == [2, 2]
     assert reports[0]["batch_size_per_rank"] == reports[1]["batch_size_per_rank"] == 64 // 4  # rank 0's share of the profiled batch
-    assert {t["stats_source"] for r in reports for t in r["tables"]} == {"observed"}  # both planners saw the profile
+    assert {t["stats_source"] for r in reports for t in r["tables"]} == {"profiled"}  # both planners saw the profile
 
 
 def test_plan_reports_planning_errors_with_exit_code_1(capsys):

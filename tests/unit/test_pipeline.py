@@ -82,10 +82,22 @@ def test_both_planners_get_the_profiled_batch_size_and_pooling_factors():
         assert inputs.stats is not None and inputs.stats["t_sparse_0"].pooling_factor > 2 * inputs.stats["t_sparse_1"].pooling_factor
         planned = pipeline.plan(model, inputs)
         assert planned.report is not None and planned.report.batch_size == 32
-        assert {t.stats_source for t in planned.report.tables} == {"observed"}
+        assert {t.stats_source for t in planned.report.tables} == {"profiled"}
     torchrec = _pipeline(PlanningConfig(planner="torchrec"))._planner("torchrec", model, inputs)
     told = torchrec._constraints["t_sparse_0"].pooling_factors  # what TorchRec's estimators see
     assert told == [pytest.approx(inputs.stats["t_sparse_0"].pooling_factor)] and torchrec._batch_size == 32
+
+
+def test_stats_given_and_a_profile_are_told_apart_and_both_together_warn():
+    # The report called given statistics "observed", and a profile replaced them without a word.
+    config = SyntheticClickLogConfig(table_sizes=[64, 96], global_batch_size=32, train_batches=3)
+    given = {"t_sparse_0": TableStats(pooling_factor=2.0)}
+    planned = _pipeline(PlanningConfig(table_stats=given)).run(_model(config.table_sizes))
+    assert {t.name: t.stats_source for t in planned.report.tables} == {"t_sparse_0": "given", "t_sparse_1": "assumed"}
+    both = _pipeline(PlanningConfig(table_stats=given, profile_batches=2))
+    with pytest.warns(UserWarning, match=r"table_stats=...\) for \['t_sparse_0'\] is replaced by the profile of 2 training batches"):
+        inputs = both.prepare(_model(config.table_sizes), SyntheticClickLogDataModule(config), setup_datamodule=True)
+    assert inputs.stats_source == "profiled"
 
 
 def test_other_ranks_get_rank_zeros_plan_and_reshape():

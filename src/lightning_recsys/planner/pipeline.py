@@ -17,6 +17,7 @@ no plan that fits) is raised on every rank. No Lightning imports.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -62,6 +63,7 @@ class PlanningInputs:
     batch_size: int
     stats: dict[str, TableStats] | None
     reshape: tuple[ReshapeAdvice, ...] = ()
+    stats_source: str = "given"  # "profiled": measured on profile_batches batches; "given": PlanningConfig(table_stats)
 
 
 @dataclass(frozen=True)
@@ -175,6 +177,7 @@ class PlanningPipeline:
     def _inputs(self, module: nn.Module, datamodule: HasTrainLoader | None, setup: bool, batch_size: int | None) -> PlanningInputs:
         config = self.config
         stats = dict(config.table_stats) if config.table_stats else None
+        source = "given"
         if config.profile_batches and datamodule is not None:
             try:
                 profile = profile_datamodule(datamodule, config.profile_batches, setup=setup)
@@ -183,7 +186,14 @@ class PlanningPipeline:
                     f"profiling {config.profile_batches} training batches of the DataModule failed ({type(err).__name__}: {err}); "
                     "fix the DataModule, or plan without profiling (profile_batches=0)."
                 ) from err
+            if stats:
+                warnings.warn(
+                    f"PlanningConfig(table_stats=...) for {sorted(stats)} is replaced by the profile of "
+                    f"{config.profile_batches} training batches (profile_batches): give one of the two.",
+                    stacklevel=2,
+                )
             stats = profile.table_stats(embedding_tables(module))  # the original tables, before any reshape
+            source = "profiled"
             batch_size = batch_size or max(1, profile.examples // profile.batches)
         batch_size = batch_size or DEFAULT_BATCH_SIZE
         advice: list[ReshapeAdvice] = []
@@ -200,7 +210,7 @@ class PlanningPipeline:
                 sharding_group_size=self.topology.sharding_group_size,
                 comm_costs=self.comm_costs,
             )
-        return PlanningInputs(batch_size=batch_size, stats=stats, reshape=tuple(advice))
+        return PlanningInputs(batch_size=batch_size, stats=stats, reshape=tuple(advice), stats_source=source)
 
     def _planner(self, name: str, module: nn.Module, inputs: PlanningInputs) -> ShardingPlanner:
         config = self.config
@@ -232,6 +242,7 @@ class PlanningPipeline:
             comm_costs=comm,
             planner=label,
             reshape=inputs.reshape,
+            stats_source=inputs.stats_source,
         )
 
 

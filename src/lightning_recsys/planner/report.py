@@ -253,8 +253,13 @@ def build_plan_report(
     comm_costs: CommCosts | None = None,
     planner: str = "",
     reshape: Sequence[ReshapeAdvice] = (),
+    stats_source: str = "observed",
 ) -> PlanReport:
-    """Measure ``plan`` (group-local ranks) for ``module``; works for plans from any TorchRec planner."""
+    """Measure ``plan`` (group-local ranks) for ``module``; works for plans from any TorchRec planner.
+
+    ``stats_source``: what the report calls the tables' ``stats`` (``"profiled"``, ``"given"``); tables
+    without stats are ``"assumed"``.
+    """
     tables = embedding_tables(module)
     resolved, assumed = resolve_table_stats(tables, stats, pooling_factor_defaults(table_constraints))
     topology = torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device)
@@ -328,7 +333,7 @@ def build_plan_report(
                 pooling_factor=table_stats.pooling_factor,
                 lookups_per_example=table_stats.lookups_per_example,
                 hot_row_share=table_stats.hot_row_share,
-                stats_source="assumed" if option.name in assumed else "observed",
+                stats_source="assumed" if option.name in assumed else stats_source,
                 hash_partitions=(hash_partitions or {}).get(option.name),
                 sampled_lookups=table_stats.sampled_lookups,
                 sampled_distinct_rows=table_stats.sampled_distinct_rows,
