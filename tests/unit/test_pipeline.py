@@ -161,6 +161,19 @@ def test_torchrecs_out_of_storage_error_names_the_largest_tables():
         pipeline.run(_model(table_sizes=(100_000, 200_000), dim=64))
 
 
+def test_sequence_tables_with_only_data_parallel_allowed_on_cpu_are_told_why():
+    # The message said "The planner may use {} there", with no reason.
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    from lightning_recsys.planner.constraints import check_table_options
+
+    module = EmbeddingCollection(tables=[EmbeddingConfig(name="seq", embedding_dim=8, num_embeddings=10, feature_names=["f"])], device=torch.device("meta"))
+    sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params(), ["data_parallel"])
+    with pytest.raises(ValueError, match=r"table 'seq' \(EmbeddingCollection\): .* No sharding type of PlanningConfig\(sharding_types\) runs "
+                       r"EmbeddingCollection tables there \(data_parallel is not offered for sequence tables on CPU"):
+        check_table_options(module, sharders, "cpu")
+
+
 @pytest.mark.parametrize("planner", ["torchrec", "balanced"])
 def test_row_wise_tables_that_leave_a_rank_no_rows_are_refused_on_cpu(planner):
     # TorchRec cut 3- and 5-row tables over 4 ranks into blocks of 1 and 2 rows, so rank 3 got only empty

@@ -183,9 +183,15 @@ def check_table_options(
                 asked.append(f"compute_kernels={given.compute_kernels}")
             if table.name in (hash_partitions or {}):
                 asked.append(f"row_wise only (hash_partitions[{table.name!r}])")
+            if offered:
+                may_use = f"The planner may use {offered} there"
+            else:  # the allow-list leaves nothing that this module type runs on this device
+                may_use = f"No sharding type of PlanningConfig(sharding_types) runs {type(sub).__name__} tables there"
+                if compute_device == "cpu" and not isinstance(sub, EmbeddingBagCollection):
+                    may_use += " (data_parallel is not offered for sequence tables on CPU: TorchRec 1.8's lookup returns pooled rows)"
             raise ValueError(
                 f"table {table.name!r} ({type(sub).__name__}): no sharding type and compute kernel are left for it on "
-                f"{compute_device!r}. The planner may use {offered} there (PlanningConfig(sharding_types) and, under 2D, "
+                f"{compute_device!r}. {may_use} (PlanningConfig(sharding_types) and, under 2D, "
                 f"its default already applied), and the table asks for {', '.join(asked) or 'nothing more'}. Widen "
                 f"table_constraints[{table.name!r}] or PlanningConfig(sharding_types) so that they share a sharding type "
                 "and a compute kernel offered there."
