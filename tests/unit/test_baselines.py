@@ -91,3 +91,25 @@ def test_fit_checks_its_input():
         SmoothedRate.fit(np.array([0]), np.array([1]), num_keys=2, strength=-1)
     with pytest.raises(RuntimeError, match="before fit"):
         PopularityBaseline().predict(np.array([0]))
+
+
+@pytest.mark.parametrize(
+    ("probabilities", "labels", "warning"),
+    [
+        ([0.1, 0.5, 0.7], [0, 0, 0], "every label is 0"),
+        ([0.1, 0.5, 0.7], [1, 1, 1], "every label is 1"),
+        ([0.1, math.nan, 0.7], [0, 1, 0], "NaN predictions"),
+    ],
+)
+def test_baseline_auc_is_nan_where_it_is_undefined(probabilities, labels, warning):
+    # torchmetrics' binary_auroc gave 0.0 for one class and 1.0 with a NaN prediction: plausible numbers
+    # for an undefined AUC, unlike the rankers' val/auc that the baselines are compared with.
+    with pytest.warns(UserWarning, match=warning):
+        assert math.isnan(auc(np.array(probabilities), np.array(labels)))
+
+
+def test_baseline_auc_is_the_rankers_auc_with_ties():
+    probabilities = np.array([0.2, 0.2, 0.9, 0.4, 0.4, 0.1])
+    labels = np.array([1, 0, 1, 0, 1, 0])
+    # Positives 0.2, 0.9, 0.4 against negatives 0.2, 0.4, 0.1: 6 pairs won and 2 tied of 9.
+    assert auc(probabilities, labels) == pytest.approx(7 / 9)

@@ -11,7 +11,9 @@ once is not scored 0 or 1, and a key never seen in training scores ``p``.
   it a probability where neither key says anything; AUC does not depend on it.)
 
 ``auc`` and ``normalized_entropy`` score predicted probabilities the way the rankers' ``val/auc``
-and ``val/ne`` do (``NE = logloss / H(mean label)``).
+and ``val/ne`` do (``NE = logloss / H(mean label)``); both are NaN where the rankers' are (one
+class; for ``auc`` also a NaN prediction, a label other than 0 or 1, or no example), ``auc`` with
+the rankers' warning.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torchmetrics.functional.classification import binary_auroc
+
+from lightning_recsys.models.metrics import AUC
 
 _EPS = 1e-7  # probabilities are clipped to [eps, 1 - eps] before a log
 
@@ -104,8 +107,12 @@ class UserItemBiasBaseline:
 
 
 def auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
-    """ROC AUC (torchmetrics' ``binary_auroc``, as the rankers' ``val/auc``)."""
-    return float(binary_auroc(torch.as_tensor(np.asarray(probabilities, dtype=np.float64)), torch.as_tensor(np.asarray(labels)).long()))
+    """ROC AUC, computed by the rankers' ``val/auc`` metric (``lightning_recsys.models.AUC``; it depends
+    only on the order, so probabilities give what their logits would). NaN with a warning where AUC
+    is undefined: one class, a NaN prediction, a label other than 0 or 1, no example."""
+    metric = AUC()
+    metric.update(torch.as_tensor(np.asarray(probabilities, dtype=np.float64)), torch.as_tensor(np.asarray(labels, dtype=np.float64)))
+    return float(metric.compute())
 
 
 def normalized_entropy(probabilities: np.ndarray, labels: np.ndarray) -> float:
