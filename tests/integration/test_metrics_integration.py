@@ -38,6 +38,15 @@ def _metrics_on_rank(rank: int, world_size: int) -> dict[str, dict[str, float]]:
                 if SPLITS[split][rank]:  # an empty rank never updates, as in an evaluation it got no batch of
                     metric.update(LOGITS[_rank_slice(rank, split)], LABELS[_rank_slice(rank, split)])
                 values[split][name] = metric.compute().item()
+        # A label of 2 on rank 1 only: every rank's synced value must be NaN, not rank 0's sums alone.
+        values["bad_label_on_rank_1"] = {}
+        for name, metric_type in METRICS.items():
+            metric = metric_type()
+            labels = LABELS[_rank_slice(rank)].clone()
+            if rank == 1:
+                labels[0] = 2.0
+            metric.update(LOGITS[_rank_slice(rank)], labels)
+            values["bad_label_on_rank_1"][name] = metric.compute().item()
         return values
     finally:
         dist.destroy_process_group()
@@ -80,3 +89,8 @@ def test_calibration_is_defined_when_only_one_rank_saw_a_click(synced):
     with pytest.warns(UserWarning, match="no label is positive"):
         assert math.isnan(_single_process("calibration", _rank_slice(1)))  # rank 1 alone
     assert all(math.isfinite(values["calibration"]) for values in synced)
+
+
+@pytest.mark.parametrize("name", list(METRICS))
+def test_a_label_outside_0_1_on_one_rank_makes_every_rank_nan(all_synced, name):
+    assert all(math.isnan(values["bad_label_on_rank_1"][name]) for values in all_synced)

@@ -203,3 +203,24 @@ def test_ranker_auc_is_nan_where_it_is_undefined(logits, labels, warning):
     auc.update(torch.tensor(logits), torch.tensor(labels))
     with pytest.warns(UserWarning, match=warning):
         assert math.isnan(auc.compute().item())
+
+
+@pytest.mark.parametrize("metric_type", [Calibration, LogLoss, NormalizedEntropy])
+@pytest.mark.parametrize(
+    ("labels", "got"),
+    [([0.0, 2.0, 1.0], "got 2"), ([0.0, -1.0, 1.0], "got -1"), ([1.0, -1.0, 1.0], "got -1"), ([0.0, float("nan"), 1.0], "got nan")],
+)
+def test_metrics_are_nan_with_labels_outside_0_1(metric_type, labels, got):
+    # Labels of -1/+1 (the libsvm convention) or raw ratings gave plausible numbers: LogLoss 1.83 for
+    # [0, -1, 1], Calibration 0.85 for [0, 2, 1]; NE said "every label is 1" of [0, 2, 1].
+    metric = metric_type()
+    metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor(labels))
+    with pytest.warns(UserWarning, match=rf"needs labels in \[0, 1\].*{got}"):
+        assert math.isnan(metric.compute().item())
+
+
+@pytest.mark.parametrize("metric_type", [Calibration, LogLoss, NormalizedEntropy])
+def test_metrics_take_soft_labels_in_0_1(metric_type):
+    metric = metric_type()
+    metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.25, 1.0]))
+    assert math.isfinite(metric.compute().item())

@@ -82,7 +82,47 @@ def _concatenated(state: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
     return torch.cat(state) if state else torch.zeros(0, dtype=torch.float64)
 
 
-class NormalizedEntropy(Metric):
+class _LabelRange:
+    """Mixin for the sum-based metrics: the smallest and largest label seen, synced by min and max.
+
+    Their sums mean nothing for a label outside [0, 1] (-1/+1 labels, raw ratings): ``compute``
+    then warns, naming the label and the fix, and returns NaN instead of a plausible number.
+    Soft labels inside [0, 1] are fine (binary cross-entropy and click counts take them).
+    """
+
+    label_min: torch.Tensor
+    label_max: torch.Tensor
+
+    def _add_label_range_states(self) -> None:
+        add_state = self.add_state  # type: ignore[attr-defined]
+        add_state("label_min", default=torch.tensor(float("inf"), dtype=torch.float64), dist_reduce_fx="min")
+        add_state("label_max", default=torch.tensor(float("-inf"), dtype=torch.float64), dist_reduce_fx="max")
+
+    def _update_label_range(self, labels: torch.Tensor) -> None:
+        if labels.numel():
+            # min/max of a tensor with a NaN are NaN, and torch.minimum/maximum keep it.
+            self.label_min = torch.minimum(self.label_min, labels.min())
+            self.label_max = torch.maximum(self.label_max, labels.max())
+
+    def _labels_out_of_range(self) -> bool:
+        """Warn and say so when a label seen was outside [0, 1] or NaN."""
+        low, high = self.label_min.item(), self.label_max.item()
+        if low != low or high != high:
+            bad = "nan"
+        elif low < 0:
+            bad = f"{low:.4g}"
+        elif high > 1:
+            bad = f"{high:.4g}"
+        else:
+            return False
+        rank_zero_warn(
+            f"{type(self).__name__} needs labels in [0, 1] (1 = click), got {bad}; returning NaN. "
+            "Map the labels to 0/1 in the dataset (e.g. -1/+1 labels to 0/1, ratings to rating >= threshold)."
+        )
+        return True
+
+
+class NormalizedEntropy(_LabelRange, Metric):
     """Normalized entropy: mean binary cross-entropy divided by the entropy of the base CTR.
 
     ``NE = CE(p, y) / H(mean(y))`` with ``H(q) = -(q log q + (1 - q) log(1 - q))``. 1.0 is what a
@@ -103,9 +143,11 @@ class NormalizedEntropy(Metric):
         super().__init__(**kwargs)
         for name in ("cross_entropy_sum", "label_sum", "count"):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self._add_label_range_states()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
+        self._update_label_range(labels)
         self.cross_entropy_sum += F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
         self.label_sum += labels.sum()
         self.count += labels.numel()
@@ -113,6 +155,8 @@ class NormalizedEntropy(Metric):
     def compute(self) -> torch.Tensor:
         if self.count == 0:
             rank_zero_warn("NormalizedEntropy.compute() was called before any update; returning NaN.")
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        if self._labels_out_of_range():
             return torch.tensor(float("nan"), dtype=torch.float64)
         ctr = self.label_sum / self.count
         if ctr <= 0 or ctr >= 1:
@@ -122,7 +166,7 @@ class NormalizedEntropy(Metric):
         return (self.cross_entropy_sum / self.count) / base_entropy
 
 
-class Calibration(Metric):
+class Calibration(_LabelRange, Metric):
     """Calibration: predicted CTR over actual CTR, ``sum(sigmoid(logits)) / sum(labels)``.
 
     1.0 means the model predicts as many clicks as there were; above 1 it over-predicts, below 1 it
@@ -143,20 +187,24 @@ class Calibration(Metric):
         super().__init__(**kwargs)
         for name in ("prediction_sum", "label_sum"):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self._add_label_range_states()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
+        self._update_label_range(labels)
         self.prediction_sum += torch.sigmoid(logits).sum()
         self.label_sum += labels.sum()
 
     def compute(self) -> torch.Tensor:
+        if self._labels_out_of_range():
+            return torch.tensor(float("nan"), dtype=torch.float64)
         if self.label_sum <= 0:
             rank_zero_warn("Calibration is undefined when no label is positive (actual CTR is 0, or nothing was seen); returning NaN.")
             return torch.tensor(float("nan"), dtype=torch.float64)
         return self.prediction_sum / self.label_sum
 
 
-class LogLoss(Metric):
+class LogLoss(_LabelRange, Metric):
     """Log loss: mean binary cross-entropy over every example seen, computed stably from logits.
 
     Unlike averaging per-batch losses, this weighs every example equally however the batches (or
@@ -174,14 +222,18 @@ class LogLoss(Metric):
         super().__init__(**kwargs)
         for name in ("cross_entropy_sum", "count"):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self._add_label_range_states()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
+        self._update_label_range(labels)
         self.cross_entropy_sum += F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
         self.count += labels.numel()
 
     def compute(self) -> torch.Tensor:
         if self.count == 0:
             rank_zero_warn("LogLoss.compute() was called before any update; returning NaN.")
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        if self._labels_out_of_range():
             return torch.tensor(float("nan"), dtype=torch.float64)
         return self.cross_entropy_sum / self.count
