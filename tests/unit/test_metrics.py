@@ -224,3 +224,20 @@ def test_metrics_take_soft_labels_in_0_1(metric_type):
     metric = metric_type()
     metric.update(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.0, 0.25, 1.0]))
     assert math.isfinite(metric.compute().item())
+
+
+def test_log_loss_and_ne_take_infinite_logits():
+    # A logit of +inf for a click (or -inf for a non-click) costs 0: F.binary_cross_entropy_with_logits
+    # computes (1 - y) * x there, 0 * inf = NaN, and LogLoss and NE were NaN without a warning.
+    logits = torch.tensor([float("inf"), float("-inf"), 2.0, -1.0])
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    rest = -(math.log(1 - 1 / (1 + math.exp(-2.0))) + math.log(1 / (1 + math.exp(1.0))))
+    log_loss, ne = LogLoss(), NormalizedEntropy()
+    log_loss.update(logits, labels)
+    ne.update(logits, labels)
+    assert log_loss.compute().item() == pytest.approx(rest / 4, rel=1e-12)
+    assert ne.compute().item() == pytest.approx(rest / 4 / math.log(2), rel=1e-12)
+    # On the wrong side the loss is infinite, as it is.
+    wrong = LogLoss()
+    wrong.update(torch.tensor([float("inf"), 0.0]), torch.tensor([0.0, 1.0]))
+    assert wrong.compute().item() == math.inf

@@ -16,6 +16,19 @@ def _flatten_logits_and_labels(logits: torch.Tensor, labels: torch.Tensor) -> tu
     return logits, labels
 
 
+def _cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Summed binary cross-entropy from logits, ``y * softplus(-x) + (1 - y) * softplus(x)``, exact for infinite logits.
+
+    Each term is left out where its label weight is 0: ``F.binary_cross_entropy_with_logits`` computes
+    ``(1 - y) * x``, which is ``0 * inf = NaN`` for a logit of +inf on a click (or -inf on a
+    non-click), an example that costs 0. On the wrong side the loss is +inf, as it is.
+    """
+    zero = torch.zeros_like(logits)
+    positive = torch.where(labels != 0, labels * torch.logaddexp(zero, -logits), zero)
+    negative = torch.where(labels != 1, (1 - labels) * torch.logaddexp(zero, logits), zero)
+    return (positive + negative).sum()
+
+
 def _rank_auc(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """ROC AUC as the Mann-Whitney statistic: the share of (positive, negative) pairs ranked right, ties 1/2."""
     order = scores.argsort()
@@ -148,7 +161,7 @@ class NormalizedEntropy(_LabelRange, Metric):
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
         self._update_label_range(labels)
-        self.cross_entropy_sum += F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+        self.cross_entropy_sum += _cross_entropy_sum(logits, labels)
         self.label_sum += labels.sum()
         self.count += labels.numel()
 
@@ -227,7 +240,7 @@ class LogLoss(_LabelRange, Metric):
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
         self._update_label_range(labels)
-        self.cross_entropy_sum += F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+        self.cross_entropy_sum += _cross_entropy_sum(logits, labels)
         self.count += labels.numel()
 
     def compute(self) -> torch.Tensor:
