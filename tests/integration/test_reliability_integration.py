@@ -257,6 +257,49 @@ def test_uneven_and_empty_batches_neither_hang_nor_crash(sharding_type):
     assert steps == [3, 3]
 
 
+# ----------------------------------------------------------------- a rank without evaluation batches
+class _Sized:
+    """A sized evaluation loader (a list of batches): Lightning checks its length on every rank."""
+
+    def __init__(self, batches: list[RecBatch]) -> None:
+        self.batches = batches
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+def _validation_without_batches_on_rank_1(rank: int, world_size: int, allow_zero_length: bool) -> dict:
+    local = CONFIG.global_batch_size // world_size
+    val = _Sized([] if rank == 1 else [slice_batch(SyntheticClickLog(CONFIG).global_batch("val", 0), 0, local)])
+    train = _Sized([slice_batch(SyntheticClickLog(CONFIG).global_batch("train", i), rank * local, (rank + 1) * local) for i in range(3)])
+    model = make_model()
+    model.allow_zero_length_dataloader_with_multiple_devices = allow_zero_length
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=sgd_strategy(process_group_timeout=PG_TIMEOUT), max_epochs=1,
+        val_check_interval=2, num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_dataloaders=train, val_dataloaders=val)
+    steps = trainer.global_step
+    validated = trainer.validate(model, dataloaders=val, verbose=False)
+    return {"steps": steps, "validated": validated}
+
+
+@pytest.mark.parametrize("allow_zero_length", [False, True])
+def test_a_rank_without_validation_batches_neither_hangs_nor_crashes(allow_zero_length):
+    # Rank 1's sized validation loader is empty. Lightning raised "`CoordinatedBatches` within local rank has
+    # zero length" on rank 1 alone; with allow_zero_length_dataloader_with_multiple_devices it skipped the
+    # loop on rank 1 alone, and rank 0 waited in the batch handshake until process_group_timeout. Now every
+    # rank runs the loop, learns in the first handshake that rank 1 has no batch, and stops there, as for
+    # any uneven end (with its warning): no batch is evaluated, so no val/ metric is logged, and training goes on.
+    results = run_ranks(_validation_without_batches_on_rank_1, 2, allow_zero_length, timeout=120)
+    assert [r["steps"] for r in results] == [3, 3]
+    assert [r["validated"] for r in results] == [[{}], [{}]]
+
+
 # ----------------------------------------------------------------- NaN
 def _nan_on_rank_1(rank: int, world_size: int) -> None:
     def edit(r: int, i: int, batch: RecBatch) -> RecBatch:

@@ -321,7 +321,12 @@ class CoordinatedBatches:
         self.skipped_steps = 0
 
     def __len__(self) -> int:
-        return len(self.loader)  # type: ignore[arg-type]
+        # An empty loader counts as one batch. Lightning decides on each rank alone what a loop of zero
+        # batches does: it raised "within local rank has zero length" on that rank only, or (with
+        # allow_zero_length_dataloader_with_multiple_devices) skipped the loop there while the other
+        # ranks waited in the batch handshake until process_group_timeout. Counted as one, the loop runs
+        # on every rank, and the first handshake stops every rank there, as for any uneven end.
+        return max(1, len(self.loader))  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") or name == "loader":
