@@ -229,3 +229,27 @@ def test_a_file_listed_twice_in_a_split_is_refused_and_a_shared_val_file_warned(
         CriteoConfig(train_paths=[str(tmp_path / "a.tsv"), str(tmp_path / "b.tsv"), str(tmp_path / "." / "a.tsv")])
     with pytest.warns(UserWarning, match=r"test_paths and train_paths share file\(s\) [^,]*a.tsv: the test_paths metrics"):
         CriteoConfig(train_paths=[str(tmp_path / "a.tsv")], test_paths=[str(tmp_path / "b.tsv"), str(tmp_path / "a.tsv")])
+
+
+@pytest.mark.parametrize("reader", ["python", "arrow"])
+def test_a_missing_file_is_refused_when_the_loaders_are_made_naming_the_argument(tmp_path, reader):
+    # A typo in val_paths surfaced only when validation first read the file: with reader="python" (or one
+    # arrow rank) after a whole training epoch, as a bare FileNotFoundError that named no argument.
+    train = _write(tmp_path / "day_0.tsv", [_numbered(i) for i in range(8)])
+    missing = str(tmp_path / "day_1_typo.tsv")
+    dm = CriteoDataModule([train], val_paths=[missing], table_sizes=10, global_batch_size=4, reader=reader)
+    with pytest.raises(FileNotFoundError, match=r"val_paths\[0\]=.*day_1_typo\.tsv.* does not exist") as caught:
+        dm.setup("fit")  # Lightning calls it on every rank before anything is sharded or trained
+    assert "CriteoDataModule" in str(caught.value)
+    dm.setup("test")  # no test files: nothing to check
+    with pytest.raises(FileNotFoundError, match=r"val_paths\[0\]"):
+        dm.val_dataloader()  # the dataset checks too (a loader made without setup, or a dataset built directly)
+    assert len(list(dm.train_dataloader())) == 2
+
+    # A directory is not a file either; test_paths is checked for test and predict.
+    test = _write(tmp_path / "day_2.tsv", [_numbered(i) for i in range(4)])
+    dm = CriteoDataModule([train], test_paths=[test, str(tmp_path)], table_sizes=10, global_batch_size=4, reader=reader)
+    dm.setup("fit")
+    for stage in ("test", "predict"):
+        with pytest.raises(FileNotFoundError, match=r"test_paths\[1\]=.* is not a file"):
+            dm.setup(stage)

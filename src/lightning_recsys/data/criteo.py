@@ -15,6 +15,7 @@ may be empty (missing). Features of an example:
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -119,6 +120,28 @@ class CriteoConfig:
         return {"train": self.train_paths, "val": self.val_paths, "test": self.test_paths}[split]
 
 
+# The splits each Lightning stage reads (``predict`` reads the test split); None: every split.
+STAGE_SPLITS: dict[str | None, tuple[Split, ...]] = {
+    "fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",), None: ("train", "val", "test"),
+}
+
+
+def check_split_files(config: CriteoConfig, split: Split) -> None:
+    """Refuse a file of ``split`` that is missing (or a directory), naming the argument and its position.
+
+    The files were first opened when the split was read: a typo in ``val_paths`` then failed after a
+    whole training epoch (reader="python", or one arrow rank), with a message that named no argument.
+    """
+    name = f"{split}_paths"
+    for i, path in enumerate(config.split_paths(split)):
+        if not os.path.isfile(path):
+            what = "is not a file" if os.path.exists(path) else "does not exist"
+            raise FileNotFoundError(
+                f"CriteoDataModule({name}=...): {name}[{i}]={str(path)!r} {what}. The {split} split reads every file of "
+                f"{name} in order; fix the path or remove it from {name}."
+            )
+
+
 def _diagnose(line: str) -> str:
     """What is wrong with a line that failed ``_LINE``, field by field."""
     fields = line.split("\t")
@@ -152,6 +175,7 @@ class CriteoDataset(GlobalBatchDataset[str]):
         super().__init__(global_batch_size=config.global_batch_size, rank=rank, world_size=world_size)
         self.config, self.split = config, split
         self.paths = config.split_paths(split)
+        check_split_files(config, split)
         self._sizes = config.feature_table_sizes()
 
     def _records(self, warn: bool) -> Iterator[str]:
@@ -252,6 +276,11 @@ class CriteoDataModule(CriteoFeatures, RankSlicedDataModule):
     @classmethod
     def from_config(cls, config: CriteoConfig) -> CriteoDataModule:
         return cls(**dataclasses.asdict(config))
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check that the files of the splits ``stage`` reads exist, on every rank before anything is trained."""
+        for split in STAGE_SPLITS.get(stage, STAGE_SPLITS[None]):
+            check_split_files(self.config, split)
 
     def _dataset(self, split: Split, rank: int, world_size: int):
         if self.config.reader == "python":

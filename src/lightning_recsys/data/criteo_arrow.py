@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_FEATURES, CriteoConfig
+from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_FEATURES, CriteoConfig, check_split_files
 from lightning_recsys.data.criteo_parse import Parsed, arrow_parse, python_parse
 from lightning_recsys.data.criteo_ranges import LineIndex, file_windows, is_gzip
 from lightning_recsys.data.module import Split
@@ -161,6 +161,7 @@ class CriteoArrowDataset(IterableDataset):
             raise ValueError(f"parse_threads={parse_threads!r} must be None or an integer >= 1.")
         self.config, self.split, self.rank, self.world_size = config, split, rank, world_size
         self.paths = [str(p) for p in config.split_paths(split)]
+        check_split_files(config, split)
         self.local_batch_size = self.stop - self.start
         self._sizes = config.feature_table_sizes()
         self.window_bytes, self.parse_threads = window_bytes, parse_threads
