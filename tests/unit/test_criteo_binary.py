@@ -270,3 +270,18 @@ def test_a_day_listed_twice_in_a_split_is_refused_and_a_shared_val_day_warned(tm
         CriteoBinaryConfig(path=str(tmp_path), train_days=[0, 1, 0])
     with pytest.warns(UserWarning, match=r"val_days and train_days share day\(s\) 1"):
         CriteoBinaryConfig(path=str(tmp_path), train_days=[0, 1], val_days=[1], test_days=[2])
+
+
+def test_converter_refuses_a_missing_input_before_converting_any(tmp_path):
+    """A misspelled last input was found only after every input before it was converted (hours on the
+    24 days of Criteo-1TB), as a traceback of FileNotFoundError from inside the converter."""
+    (tmp_path / "day_0.tsv").write_text("1" + "\t" * 39 + "\n")
+    out = tmp_path / "o"
+    for missing, what in ((tmp_path / "day_1.tvs", "does not exist"), (tmp_path, "is not a file")):
+        with pytest.raises(SystemExit, match=rf"{missing}: the input {what}; .*fix the path") as caught:
+            main([str(tmp_path / "day_0.tsv"), str(missing), "--days", "0", "1", "--out-dir", str(out), "--no-progress"])
+        assert str(caught.value).count("\n") == 0
+        assert not out.exists()  # nothing was converted
+    with pytest.raises(FileNotFoundError, match=r"day_1\.tvs does not exist"):
+        convert_tsv_to_npy(str(tmp_path / "day_1.tvs"), str(out), 1, progress=False)
+    assert not out.exists()

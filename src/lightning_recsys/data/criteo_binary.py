@@ -335,6 +335,13 @@ def _write_npy(name: str, dtype: np.dtype, columns: int, rows: int, body: str, t
             out.write(transform(np.frombuffer(chunk, dtype=np.int32)).tobytes())
 
 
+def input_file_problem(path: str | Path) -> str | None:
+    """Why ``path`` cannot be read as an input file (``"does not exist"``, ``"is not a file"``), or None."""
+    if os.path.isfile(path):
+        return None
+    return "is not a file" if os.path.exists(path) else "does not exist"
+
+
 def convert_tsv_to_npy(
     in_path: str,
     out_dir: str,
@@ -359,6 +366,8 @@ def convert_tsv_to_npy(
     from lightning_recsys.data.criteo_ranges import file_windows, is_gzip
 
     check_on_bad_line(on_bad_line)
+    if (problem := input_file_problem(in_path)) is not None:
+        raise FileNotFoundError(f"{in_path} {problem}: convert_tsv_to_npy needs a Criteo TSV or gzip file.")
     os.makedirs(out_dir, exist_ok=True)
     compressed = is_gzip(in_path)
     tally = BadLineTally(str(in_path), on_bad_line)

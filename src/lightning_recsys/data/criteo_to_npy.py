@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_recsys.data.criteo_binary import convert_tsv_to_npy, day_file
+from lightning_recsys.data.criteo_binary import convert_tsv_to_npy, day_file, input_file_problem
 
 
 def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--on-bad-line", choices=["error", "skip"], default="error")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
+    # Every input is checked first: a misspelled last one was found after converting all the others (hours).
+    for path in args.inputs:
+        if (problem := input_file_problem(path)) is not None:
+            raise SystemExit(f"{path}: the input {problem}; fix the path (nothing was converted).")
     for path, day in zip(args.inputs, _day_numbers(args.inputs, args.days)):
         rows = convert_tsv_to_npy(path, args.out_dir, day, on_bad_line=args.on_bad_line, progress=not args.no_progress)
         print(f"{path} -> {day_file(args.out_dir, day, '{dense,sparse,labels}')}: {rows} rows")
