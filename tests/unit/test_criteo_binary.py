@@ -285,3 +285,17 @@ def test_converter_refuses_a_missing_input_before_converting_any(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"day_1\.tvs does not exist"):
         convert_tsv_to_npy(str(tmp_path / "day_1.tvs"), str(out), 1, progress=False)
     assert not out.exists()
+
+
+def test_a_missing_day_of_any_split_the_stage_reads_is_refused_at_setup(npy_dir):
+    """The val loader is made when validation first runs: with check_val_every_n_epoch=2 a missing val day
+    was found after a whole training epoch. setup(stage), on every rank before anything is sharded, checks."""
+    out, _, _ = npy_dir
+    dm = CriteoBinaryDataModule(str(out), train_days=[0], val_days=[1, 7], test_days=[9], table_sizes=SIZES, global_batch_size=10)
+    for stage in ("fit", "validate"):
+        with pytest.raises(FileNotFoundError, match=r"val_days=\[1, 7\]\): .*day_7_dense.npy does not exist: .*criteo_to_npy"):
+            dm.setup(stage)
+    for stage in ("test", "predict"):
+        with pytest.raises(FileNotFoundError, match=r"test_days=\[9\]\): .*day_9_dense.npy does not exist"):
+            dm.setup(stage)
+    CriteoBinaryDataModule(str(out), train_days=[0], val_days=[1], table_sizes=SIZES, global_batch_size=10).setup("fit")

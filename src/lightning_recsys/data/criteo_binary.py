@@ -52,6 +52,7 @@ from lightning_recsys.data.criteo import (
     CRITEO_FEATURE_NAMES,
     NUM_CATEGORICAL_FEATURES,
     NUM_INTEGER_FEATURES,
+    STAGE_SPLITS,
     CriteoFeatures,
     _diagnose,
 )
@@ -139,6 +140,21 @@ class CriteoBinaryConfig:
         return list({"train": self.train_days, "val": self.val_days, "test": self.test_days}[split])
 
 
+def check_day_files(config: CriteoBinaryConfig, split: Split) -> None:
+    """Refuse a day of ``split`` whose npy files are not all in ``config.path``, naming the argument and the file."""
+    name, days = f"{split}_days", config.split_days(split)
+    for day in days:
+        for kind in _KINDS:
+            path = day_file(config.path, day, kind)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(
+                    f"CriteoBinaryDataModule({name}={days!r}): {path} does not exist: path={config.path!r} needs "
+                    f"day_{day}_dense.npy, day_{day}_sparse.npy and day_{day}_labels.npy for day {day} (convert TSV "
+                    "files with python -m lightning_recsys.data.criteo_to_npy, or remove the day from "
+                    f"{name})."
+                )
+
+
 class CriteoBinaryDataset(IterableDataset):
     """Rank ``rank``'s batches of a split of TorchRec-format npy files (see the module docstring)."""
 
@@ -147,6 +163,7 @@ class CriteoBinaryDataset(IterableDataset):
         self.config, self.split, self.rank, self.world_size = config, split, rank, world_size
         self.local_batch_size = stop - start
         self._sizes = np.asarray(config.feature_table_sizes(), dtype=np.int64)
+        check_day_files(config, split)
         utils = _binary_utils()
         days = config.split_days(split)
         lengths = [self._rows(utils, day) for day in days]
@@ -175,14 +192,7 @@ class CriteoBinaryDataset(IterableDataset):
     def _rows(self, utils, day: int) -> int:
         shapes = {}
         for kind in _KINDS:
-            name = day_file(self.config.path, day, kind)
-            if not os.path.isfile(name):
-                raise FileNotFoundError(
-                    f"{name} does not exist: CriteoBinaryDataModule(path={self.config.path!r}) needs day_{day}_dense.npy, "
-                    f"day_{day}_sparse.npy and day_{day}_labels.npy for day {day} (convert TSV files with "
-                    "python -m lightning_recsys.data.criteo_to_npy)."
-                )
-            shapes[kind] = tuple(utils.get_shape_from_npy(name))
+            shapes[kind] = tuple(utils.get_shape_from_npy(day_file(self.config.path, day, kind)))
         rows = shapes["dense"][0]
         if any(shape != (rows, _COLUMNS[kind]) for kind, shape in shapes.items()):
             raise ValueError(
@@ -262,6 +272,12 @@ class CriteoBinaryDataModule(CriteoFeatures, RankSlicedDataModule):
     @classmethod
     def from_config(cls, config: CriteoBinaryConfig, num_workers: int = 0) -> CriteoBinaryDataModule:
         return cls(**dataclasses.asdict(config), num_workers=num_workers)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Check the days of the splits ``stage`` reads, on every rank before anything is trained: the val
+        loader is made when validation first runs (after a whole epoch with ``check_val_every_n_epoch=2``)."""
+        for split in STAGE_SPLITS.get(stage, STAGE_SPLITS[None]):
+            check_day_files(self.config, split)
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> CriteoBinaryDataset:
         return CriteoBinaryDataset(self.config, split, rank, world_size)
