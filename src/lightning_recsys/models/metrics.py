@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torchmetrics import Metric
 from torchmetrics.utilities import rank_zero_warn
 
