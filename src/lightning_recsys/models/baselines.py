@@ -109,8 +109,9 @@ class UserItemBiasBaseline:
 def auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
     """ROC AUC, computed by the rankers' ``val/auc`` metric (``lightning_recsys.models.AUC``; it depends
     only on the order, so probabilities give what their logits would). NaN with a warning where AUC
-    is undefined: one class, a NaN prediction, a label other than 0 or 1, no example."""
-    metric = AUC()
+    is undefined: one class, a NaN prediction, a label other than 0 or 1, no example. Local to this
+    process: it does not sync across ranks, whatever process group exists."""
+    metric = AUC(sync_on_compute=False)  # a torchmetrics Metric syncs over the default group when one exists
     metric.update(torch.as_tensor(np.asarray(probabilities, dtype=np.float64)), torch.as_tensor(np.asarray(labels, dtype=np.float64)))
     return float(metric.compute())
 
