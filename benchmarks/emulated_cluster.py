@@ -475,6 +475,7 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
         "--sync-every-n-steps", str(cfg.sync_every_n_steps), "--qcomms", cfg.qcomms,
         "--sync-rows", cfg.sync_rows, "--sync-overlap" if cfg.sync_overlap else "--no-sync-overlap",
         "--sync-precision", cfg.sync_precision, "--sync-exchange", cfg.sync_exchange,
+        *(["--phase-times"] if args.phase_times else []),
     ]  # fmt: skip
     out_json.unlink(missing_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
@@ -700,6 +701,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--repeats", type=int, default=2, help="runs of every (config, environment), in alternating order; the fastest is reported"
     )
     parser.add_argument("--run-timeout", type=float, default=240.0, help="seconds for one launch pair, start-up included")
+    parser.add_argument(
+        "--phase-times", action="store_true", help="also time each step's phases on rank 0 (_bench_job.py --phase-times), printed per run"
+    )
     parser.add_argument("--json", type=Path, default=RESULTS / "emulated_cluster.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "emulated_cluster.png")
     parser.add_argument("--no-png", action="store_true")
@@ -791,6 +795,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"  {cfg.name:24s} {env.name:22s} step {result['step_time_s'] * 1e3:7.1f} ms  (run {result['wall_s']:.0f} s)",
                         flush=True,
                     )
+                    if "phase_ms_per_step" in result:
+                        phases = ", ".join(f"{k} {v:.1f}" for k, v in result["phase_ms_per_step"].items())
+                        print(f"  {'':24s} {'':22s} rank-0 ms per step: {phases}", flush=True)
         for cfg in args.selected:
             if (cfg.name, "cluster") in runs and (cfg.name, "reference") in runs:
                 rows.append(Row(cfg, _combine(runs[(cfg.name, "cluster")]), _combine(runs[(cfg.name, "reference")])))

@@ -58,3 +58,13 @@ def test_layout_that_defeats_its_purpose_is_reported():
 def test_mesh_needs_a_process_group():
     with pytest.raises(RuntimeError, match=r"needs an initialized default process group"):
         ParallelTopology(world_size=2, sharding_group_size=1).device_mesh("cpu")
+
+
+def test_the_dense_all_reduce_is_staged_only_for_2d_on_gloo_across_nodes() -> None:
+    from lightning_recsys.parallel.dense_all_reduce import uses_staged_all_reduce
+
+    two_nodes_2d = ParallelTopology.for_world(ranks_per_node=2, num_nodes=2, sharding_group_size=2)
+    assert uses_staged_all_reduce(two_nodes_2d, "gloo")
+    assert not uses_staged_all_reduce(two_nodes_2d, "nccl")  # NCCL picks topology-aware algorithms itself
+    assert not uses_staged_all_reduce(ParallelTopology.for_world(ranks_per_node=2, num_nodes=2, sharding_group_size=4), "gloo")  # 1D
+    assert not uses_staged_all_reduce(ParallelTopology(world_size=4, sharding_group_size=2), "gloo")  # one node

@@ -9,7 +9,7 @@ placements are remapped to global ranks; the dense part is wrapped in DDP over t
 import copy
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,7 @@ from torchrec.distributed.types import (
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_recsys.parallel.comm_accounting import comm_purpose
+from lightning_recsys.parallel.dense_all_reduce import staged_all_reduce_hook, uses_staged_all_reduce
 from lightning_recsys.parallel.qcomms import dense_grads_hook
 from lightning_recsys.parallel.topology import ParallelTopology
 
@@ -50,6 +51,7 @@ class ShardedModel:
     # backward, so they need a torch optimizer (see EmbeddingOptimizerConfig.make_torch_optimizer).
     data_parallel_table_params: list[nn.Parameter]
     embedding_param_ids: frozenset[int]
+    dense_all_reduce_staged: bool = False  # 2D on gloo across nodes: inside a node, then across (dense_all_reduce)
 
     @property
     def fused_optimizer(self) -> KeyedOptimizer:
@@ -100,13 +102,14 @@ def shard_model(
         for fqn, sub in embedding_modules.items()
     }
     env = ShardingEnv.from_process_group(topology.sharding_process_group())
+    wrapper = GlobalDataParallelWrapper(dense_grads_precision, topology=topology)
     dmp = DistributedModelParallel(
         module,
         env=env,
         device=device,
         plan=remap_plan_to_global_ranks(plan, topology, dist.get_rank(), device),
         sharders=sharders,
-        data_parallel_wrapper=GlobalDataParallelWrapper(dense_grads_precision),
+        data_parallel_wrapper=wrapper,
     )
     unwrapped = dmp.module
     for fqn, values in initial_values.items():
@@ -125,6 +128,7 @@ def shard_model(
         embedding_module_fqns=list(embedding_modules),
         data_parallel_table_params=data_parallel_params,
         embedding_param_ids=frozenset(id(p) for p in embedding_params),
+        dense_all_reduce_staged=wrapper.staged,
     )
 
 
@@ -158,12 +162,23 @@ class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
     """DDP for the unsharded parameters over the global group, not the sharding group DMP was given.
 
     The all-reduce goes through a Python comm hook (DDP's own, in fp32, fp16 or bf16), so
-    communication accounting can see its bytes.
+    communication accounting can see its bytes. In 2D on gloo across nodes it runs in two stages
+    (``dense_all_reduce``): inside the group that stays on a node, then across the other.
     """
 
-    def __init__(self, dense_grads_precision: str = "fp32") -> None:
+    def __init__(self, dense_grads_precision: str = "fp32", topology: Optional[ParallelTopology] = None) -> None:
         super().__init__()
-        self._hook = dense_grads_hook(dense_grads_precision)
+        self._precision = dense_grads_precision
+        self._topology = topology
+        self.staged = False  # set by wrap(): whether the dense all-reduce runs in two stages
+
+    def _dense_hook(self) -> Any:
+        topology = self._topology
+        self.staged = topology is not None and uses_staged_all_reduce(topology, dist.get_backend())
+        if self.staged:
+            assert topology is not None
+            return staged_all_reduce_hook(topology, self._precision)
+        return dense_grads_hook(self._precision)
 
     def _ddp_wrap(
         self, dmp: DistributedModelParallel, env: ShardingEnv, device: torch.device, ddp_ignore_param_names: set[str]
@@ -203,7 +218,7 @@ class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
         super().wrap(dmp, ShardingEnv.from_process_group(world), device)  # type: ignore[arg-type]
         ddp = dmp._dmp_wrapped_module
         if isinstance(ddp, DistributedDataParallel):
-            hook = self._hook
+            hook = self._dense_hook()
 
             def accounted_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
                 with comm_purpose("dense_grads"):

@@ -139,35 +139,29 @@ class GatheredSync:
         self._received = []
         union_rows = 0
         for k, table in enumerate(self._tables):
-            ids = torch.cat([per_replica[k][0] for per_replica in decoded])
+            sent = [per_replica[k][0] for per_replica in decoded]
+            ids = torch.cat(sent)
             if ids.numel() == 0:
                 continue
             union, inverse = torch.unique(ids, return_inverse=True)
             union_rows += int(union.numel())
-            pieces = inverse.split([int(per_replica[k][0].numel()) for per_replica in decoded])
+            pieces = inverse.split([int(rows.numel()) for rows in sent])
             divisor: torch.Tensor | int = self._num_replicas
             if self._count_aware:
                 divisor = torch.bincount(inverse, minlength=union.numel()).float()
-            own = pieces[self._me]  # this replica's rows, as positions in the union
-            captured, captured_values = table.bases() if self._overlap else (None, None)
-            moved_at: Optional[torch.Tensor] = None  # union positions of rows touched since launch (overlap)
-            hit: Optional[torch.Tensor] = None
-            if captured is not None and captured.numel():
-                where, hit = _lookup(union, captured)
-                moved_at = where[hit] if bool(hit.any()) else None
+            moved: Optional[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = None  # rows touched since launch (overlap)
+            if self._overlap:
+                captured, captured_values = table.bases()
+                if captured.numel():
+                    where, hit = _lookup(union, captured)
+                    if bool(hit.any()):
+                        moved = (where[hit], hit, captured_values)
             for i, t in enumerate(table.tensors):
                 summed = torch.zeros((union.numel(), *t.shape[1:]), dtype=torch.float32, device=t.device)
                 for per_replica, where in zip(decoded, pieces):
-                    summed.index_add_(0, where, per_replica[k][1][i])  # one replica's rows are distinct: no race
+                    summed.index_add_(0, where, per_replica[k][1][i])  # in replica order: the same sum everywhere
                 average = summed.div_(divisor.view(-1, *([1] * (t.dim() - 1))) if isinstance(divisor, torch.Tensor) else divisor)
-                moved = None
-                if moved_at is not None:
-                    assert captured_values is not None and hit is not None
-                    moved = (moved_at, captured_values[i][hit])  # and their value at launch
-                synced_moved = _write_average(t, union, own, self._bases[k][i], average, moved)
-                if synced_moved is not None:
-                    assert captured_values is not None and hit is not None
-                    captured_values[i][hit] = synced_moved  # rebased: the next sync sends only the change since
+                _write_average(t, union, pieces[self._me], self._bases[k][i], average, moved, i)
         self.rows_synced = union_rows
 
     def _decode(self, buffer: torch.Tensor, counts: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -193,47 +187,32 @@ def _write_average(
     own: torch.Tensor,
     own_base: torch.Tensor,
     average: torch.Tensor,
-    moved: Optional[tuple[torch.Tensor, torch.Tensor]],
-) -> Optional[torch.Tensor]:
+    moved: Optional[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]],
+    index: int,
+) -> None:
     """``row = base + average`` on the union rows of ``t``, keeping changes made since launch.
 
-    ``own``: positions in ``union`` of this replica's rows, whose base is ``own_base``; every other
-    row's base is its value at launch. ``moved``: positions of rows touched since launch and their
-    value then; their change since is kept, and the synced value of each (their new captured base)
-    is returned.
+    A row's base is its value as of the last sync: ``own_base`` for this replica's rows (positions
+    ``own`` in ``union``), its value at launch for the others'. Every replica computes
+    ``fl(base + average)`` from the same base and average, so all write the same bits. ``moved``:
+    positions in ``union`` of rows touched since launch, which of the new interval's captured rows
+    they are, and the captured values (their value at launch); their change since launch is added
+    on top, and their captured values become the synced ones, so the next sync sends only that change.
     """
-    others = torch.ones(union.numel(), dtype=torch.bool, device=union.device)
-    others[own] = False
-    synced_own = own_base.float().add_(average[own]).to(t.dtype)
-    if t.dtype == torch.float32:
-        # Rows others touched hold their base (or, if moved, base plus the change since launch): one
-        # in-place add, fl(base + average), the same bits the replicas that touched them compute.
-        t.index_add_(0, union[others], average[others])
-        new_own = synced_own
-    else:  # fl(base + average) in fp32, then rounded once, as the replicas that touched them do
-        current = t.index_select(0, union[others])
-        at_launch = current.clone()
-        if moved is not None:
-            launch = torch.full((union.numel(),), -1, dtype=torch.long, device=union.device)
-            launch[moved[0]] = torch.arange(moved[0].numel(), device=union.device)
-            pick = launch[others]
-            at_launch[pick >= 0] = moved[1][pick[pick >= 0]]
-        synced = at_launch.float().add_(average[others]).to(t.dtype)
-        t.index_copy_(0, union[others], current.sub_(at_launch).add_(synced))
-        new_own = synced_own
+    now = t.index_select(0, union)
+    at_launch = now
     if moved is not None:
-        is_own = ~others[moved[0]]
-        rank_in_own = torch.full((union.numel(),), -1, dtype=torch.long, device=union.device)
-        rank_in_own[own] = torch.arange(own.numel(), device=union.device)
-        mine = rank_in_own[moved[0][is_own]]  # own rows touched since launch: keep their change too
-        new_own = synced_own.clone()
-        new_own[mine] = t.index_select(0, union[own[mine]]).sub_(moved[1][is_own]).add_(synced_own[mine])
-        synced_moved = moved[1].float().add_(average[moved[0]]).to(t.dtype)  # others' rows: base (= value at launch) + average
-        synced_moved[is_own] = synced_own[mine]
-        t.index_copy_(0, union[own], new_own)
-        return synced_moved
-    t.index_copy_(0, union[own], new_own)
-    return None
+        at, hit, captured_values = moved
+        at_launch = now.clone()
+        at_launch[at] = captured_values[index][hit]
+    base = at_launch.clone() if moved is not None else at_launch
+    base[own] = own_base
+    synced = base.float().add_(average).to(t.dtype)  # fp32 then rounded once, the same on every replica
+    if moved is None:
+        t.index_copy_(0, union, synced)
+        return
+    t.index_copy_(0, union, now.sub_(at_launch).add_(synced))
+    captured_values[index][hit] = synced[at]
 
 
 def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:

@@ -117,6 +117,11 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
         module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
         dense_grads_precision=codecs.effective.dense_grads,
     )
+    if sharded.dense_all_reduce_staged:
+        rank_zero_info(
+            "TwoDRecStrategy: the dense gradients' all-reduce runs in two stages, inside each node's group and then "
+            "across nodes (gloo's flat ring would wait on the network at each of its 2 x (world - 1) steps)."
+        )
     return ShardedSetup(
         sharded=sharded,
         settings=settings,
