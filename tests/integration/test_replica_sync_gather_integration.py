@@ -53,14 +53,19 @@ def _touch(table: Table, rows: torch.Tensor, changes: list[torch.Tensor]) -> Non
         t.index_add_(0, rows, change)
 
 
-def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap: bool) -> dict:
+def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap: bool, defer: bool = False) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
     tables = _tables()
     rows = [_touched(rank, k) for k in range(len(tables))]
     for k, table in enumerate(tables):
         _touch(table, rows[k], [_change(rank, k, i, (rows[k].numel(), *t.shape[1:])) for i, t in enumerate(table.tensors)])
     at_launch = [[t.clone() for t in table.tensors] for table in tables]
-    sync = GatheredSync(tables, rows, dist.group.WORLD, world, weight_precision=precision, overlap=overlap, count_aware=count_aware)
+    sync = GatheredSync(
+        tables, rows, dist.group.WORLD, world, weight_precision=precision, overlap=overlap, count_aware=count_aware, defer_exchange=defer
+    )
+    payload_at_launch = sync.payload_bytes
+    if defer:
+        sync.progress()  # what ReplicaSynchronizer.step_ended does a step after the launch
     later = {}
     if overlap:  # a step runs while the exchange is in flight: it touches rows 0-2 of table 0 (a new interval)
         later_rows = torch.arange(3)
@@ -73,6 +78,8 @@ def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap:
         "at_launch": at_launch,
         "rows_synced": sync.rows_synced,
         "payload": sync.payload_bytes,
+        "payload_at_launch": payload_at_launch,
+        "deferred_payload": sync.deferred_payload_bytes,
         "captured": captured,
     }
 
@@ -131,6 +138,19 @@ def test_an_overlapped_exchange_keeps_the_changes_made_in_flight_and_rebases_the
         assert captured_rows.tolist() == [0, 1, 2]
         # The new interval's bases are the synced values, so the next sync sends only the in-flight change.
         torch.testing.assert_close(captured_values[0], expected[0][0][:3], rtol=0, atol=1e-6)
+
+
+def test_a_deferred_exchange_sends_only_the_counts_at_launch_and_writes_the_same_values():
+    immediate = run_ranks(_exchange, WORLD, "fp8", False, True, timeout=120)
+    deferred = run_ranks(_exchange, WORLD, "fp8", False, True, True, timeout=120)
+    for rank in range(WORLD):
+        counts_bytes = 8 * len(ROWS)  # one int64 row count per table
+        assert deferred[rank]["payload_at_launch"] == counts_bytes < immediate[rank]["payload_at_launch"], rank
+        assert deferred[rank]["payload"] == immediate[rank]["payload"], rank
+        assert deferred[rank]["deferred_payload"] == deferred[rank]["payload"] - counts_bytes, rank
+        for k in range(len(ROWS)):
+            for a, b in zip(deferred[rank]["after"][k], immediate[rank]["after"][k]):
+                assert torch.equal(a, b), (rank, k)
 
 
 def _nothing_touched(rank: int, world: int) -> tuple[int, int]:

@@ -203,6 +203,10 @@ class ReplicaSynchronizer:
         """A training step ended: apply a sync in flight; sync if ``every_n_steps`` steps ran since the last one.
 
         Returns whether a sync was started."""
+        with comm_purpose("replica_sync"):
+            for part in self._in_flight:
+                if isinstance(part, GatheredSync):
+                    part.progress()  # a deferred exchange starts a step after its launch
         self.steps_since_sync += 1
         if self.steps_since_sync >= self.config.every_n_steps:
             self._finish()  # an overlapped sync had the whole interval to complete
@@ -251,12 +255,16 @@ class ReplicaSynchronizer:
 
     def _finish(self) -> None:
         parts, self._in_flight = self._in_flight, []
-        for part in parts:
-            part.apply()
-        gathered_rows = sum(part.rows_synced for part in parts if isinstance(part, GatheredSync))
+        with comm_purpose("replica_sync"):  # a deferred exchange not started yet starts here
+            for part in parts:
+                part.apply()
+        gathered = [part for part in parts if isinstance(part, GatheredSync)]
         if self._pending_stats is not None:
             stats, self._pending_stats = self._pending_stats, None
-            self._record(dataclasses.replace(stats, rows_synced=stats.rows_synced + gathered_rows))
+            self._record(dataclasses.replace(
+                stats, rows_synced=stats.rows_synced + sum(p.rows_synced for p in gathered),
+                payload_bytes=stats.payload_bytes + sum(p.deferred_payload_bytes for p in gathered),
+            ))
 
     @torch.no_grad()
     def _run(self, *, overlap: bool) -> None:
@@ -333,6 +341,8 @@ class ReplicaSynchronizer:
         gathered = GatheredSync(
             tables, rows, self._group, self._num_replicas, weight_precision=self.config.precision, overlap=overlap,
             count_aware=self.count_aware,
+            # Sizing the buffers waits on the network; with an interval of 2 or more steps that wait moves a step later.
+            defer_exchange=overlap and self.config.every_n_steps > 1,
         )
         for tracker in self._trackers:
             tracker.clear()  # a new interval starts (the bases were taken)

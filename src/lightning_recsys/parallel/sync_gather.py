@@ -68,7 +68,8 @@ class _Section:
 
 
 class GatheredSync:
-    """One all-gather exchange, launched by the constructor; ``apply()`` waits for it and writes the average."""
+    """One all-gather exchange, launched by the constructor (or its second half by ``progress()``); ``apply()``
+    waits for it and writes the average."""
 
     def __init__(
         self,
@@ -80,14 +81,19 @@ class GatheredSync:
         weight_precision: str,
         overlap: bool,
         count_aware: bool = False,
+        defer_exchange: bool = False,
     ) -> None:
-        """``rows[k]``: the sorted table-local rows this replica touched in ``tables[k]`` (their bases captured)."""
+        """``rows[k]``: the sorted table-local rows this replica touched in ``tables[k]`` (their bases captured).
+
+        ``defer_exchange`` (with ``overlap``): the counts' all-gather runs in the background too, and the
+        changes' all-gather starts at ``progress()``, so launching never waits on the network.
+        """
         self._tables = tables
         self._num_replicas = num_replicas
         self._me = dist.get_rank(group)  # this replica's buffer in the gathered list
         self._overlap = overlap
         self._count_aware = count_aware
-        device = tables[0].tensors[0].device
+        device = self._device = tables[0].tensors[0].device
         self._id_dtype = torch.int32 if max(t.rows for t in tables) < 2**31 else torch.int64
         self._sections = [
             [_Section(t, weight_precision if i == 0 else "fp32") for i, t in enumerate(table.tensors)] for table in tables
@@ -103,21 +109,44 @@ class GatheredSync:
                 deltas = t.index_select(0, table_rows).float().sub_(base.float())
                 pieces.append(section.encode(deltas))
         counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64, device=device)
-        gathered_counts = [torch.empty_like(counts) for _ in range(num_replicas)]
-        dist.all_gather(gathered_counts, counts, group=group)  # blocking and small: it sizes the buffers
-        self._counts = torch.stack(gathered_counts).tolist()
+        self._gathered_counts = [torch.empty_like(counts) for _ in range(num_replicas)]
+        self._counts_work: Optional[Any] = dist.all_gather(self._gathered_counts, counts, group=group, async_op=defer_exchange)
+        self._pieces: Optional[list[torch.Tensor]] = pieces  # encoded, waiting for the buffers' size
+        self._group = group
+        self._received: list[torch.Tensor] = []
+        self._work: Optional[Any] = None
+        self.payload_bytes = counts.numel() * counts.element_size()  # plus the buffer's once it is sent
+        self.deferred_payload_bytes = 0  # the part of payload_bytes sent after the constructor returned
+        self.rows_synced = 0  # the union's rows, known once applied
+        if not defer_exchange:
+            self._exchange()
+        self._launched = True
+
+    def progress(self) -> None:
+        """Start the changes' all-gather if it waits for the counts (``defer_exchange``): a step after launch, when
+        they have arrived. Every replica calls it at the same point (``ReplicaSynchronizer.step_ended``)."""
+        if self._pieces is not None:
+            self._exchange()
+
+    def _exchange(self) -> None:
+        pieces, self._pieces = self._pieces, None
+        assert pieces is not None
+        if self._counts_work is not None:
+            self._counts_work.wait()
+            self._counts_work = None
+        self._counts = torch.stack(self._gathered_counts).tolist()
         sizes = [self._buffer_bytes(c) for c in self._counts]
-        send = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+        send = torch.zeros(max(sizes), dtype=torch.uint8, device=self._device)
         offset = 0
         for piece in pieces:
             send[offset : offset + piece.numel()] = piece
             offset = _aligned(offset + piece.numel())
-        self._received = [torch.empty_like(send) for _ in range(num_replicas)]
-        self._work: Optional[Any] = None
+        self._received = [torch.empty_like(send) for _ in range(self._num_replicas)]
         if send.numel():  # every replica sees the same counts: all skip together when no replica touched a row
-            self._work = dist.all_gather(self._received, send, group=group, async_op=overlap)
-        self.payload_bytes = counts.numel() * counts.element_size() + send.numel()
-        self.rows_synced = 0  # the union's rows, known once applied
+            self._work = dist.all_gather(self._received, send, group=self._group, async_op=self._overlap)
+        self.payload_bytes += send.numel()
+        if getattr(self, "_launched", False):
+            self.deferred_payload_bytes += send.numel()
 
     def _buffer_bytes(self, counts: list[int]) -> int:
         total = 0
@@ -127,6 +156,8 @@ class GatheredSync:
 
     def wait(self) -> None:
         """Wait for the all-gather (raises if a peer failed or the group timed out)."""
+        if self._pieces is not None:
+            self._exchange()
         work, self._work = self._work, None
         if work is not None and self._overlap:
             work.wait()
