@@ -116,7 +116,8 @@ def measured_shape(data: dict[str, Any], entry: dict[str, Any], tables: list[str
     """The emulated job as a ModelShape (SGD: no optimizer state); ``tables``: only those (t_sparse_i names)."""
     cfg, result = entry["cluster"]["config"], entry["cluster"]
     sizes = result.get("table_sizes") or [int(cfg["table_rows"])] * cfg["tables"]
-    dense = sum(r["payload_bytes"] for r in result["traffic_per_step_rank0"] if r["purpose"] == "dense_grads")
+    # max: in 2D on gloo across nodes each stage of the dense all-reduce carries the whole bucket (dense_all_reduce).
+    dense = max((r["payload_bytes"] for r in result["traffic_per_step_rank0"] if r["purpose"] == "dense_grads"), default=0.0)
     features = tuple(
         Feature(name=f"t_sparse_{i}", rows=rows, dim=cfg["embedding_dim"], ids_per_example=cfg["pooling_factor"],
                 zipf_exponent=cfg.get("zipf_exponent", 1.05))
@@ -144,7 +145,7 @@ def bytes_check(data: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[s
         layout = layout_of(entry, cluster.world_size)
         topology = topology_for(cluster, layout.sharding_group_size, layout.layout)
         analytic: dict[str, float] = {}
-        for c in workload_traffic(measured_shape(data, entry), layout, topology):
+        for c in workload_traffic(measured_shape(data, entry), layout, topology, staged_dense=True):  # gloo: staged in 2D
             analytic[c.purpose] = analytic.get(c.purpose, 0.0) + c.payload_bytes
         measured: dict[str, float] = {}
         for r in entry["cluster"]["traffic_per_step_rank0"]:

@@ -207,3 +207,15 @@ def test_parse_cluster_and_profile_shapes():
     assert shape.features[0].zipf_exponent == pytest.approx(1.2, abs=1e-6)
     assert not shape.features[1].pooled and shape.features[1].zipf_exponent == 1.05
     assert len(assumed) == 1 and "b" in assumed[0]
+
+
+def test_a_staged_dense_all_reduce_is_one_all_reduce_inside_the_sharding_group_and_one_across_replicas():
+    shape = ModelShape(name="x", batch_per_rank=8, features=(Feature(name="t", rows=100, dim=4, ids_per_example=1),), dense_param_bytes=64)
+    two_d, one_d = topology_for(EMULATED, 2), topology_for(EMULATED, None)
+
+    def dense(layout: StrategyChoice, topology, staged: bool) -> list[tuple[str, float]]:
+        return [(c.group, c.payload_bytes) for c in workload_traffic(shape, layout, topology, staged_dense=staged) if c.purpose == "dense_grads"]
+
+    assert dense(StrategyChoice(sharding_group_size=2), two_d, True) == [("shard", 64), ("replicate", 64)]
+    assert dense(StrategyChoice(sharding_group_size=2), two_d, False) == [("world", 64)]  # NCCL: its own flat all-reduce
+    assert dense(StrategyChoice(), one_d, True) == [("world", 64)]  # 1D is never staged

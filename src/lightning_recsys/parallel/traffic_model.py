@@ -26,7 +26,8 @@ replica's own touched rows (the index list it contributes to the union) use its 
 * ``embeddings``: all-to-all over the sharding group, forward + backward. A **pooled** feature
   (``EmbeddingBagCollection``) sends one vector per example, ``b T row_bytes``; a **sequence**
   feature (``EmbeddingCollection``) sends every looked-up vector, ``b T L row_bytes``;
-* ``dense_grads``: DDP's all-reduce over the world;
+* ``dense_grads``: DDP's all-reduce over the world; with ``staged_dense`` (2D on gloo across nodes,
+  ``dense_all_reduce``) one all-reduce inside the sharding group and one across the replica group;
 * ``replica_sync`` (2D): ``rows="all"``: the rank's shard, ``sum_f T_f N_f (D_f + state) 4 / g`` per
   sync; ``rows="touched"``: the union's rows, ``sum_f T_f D(N_f, s_f, M_f) (D_f + state) v / g``
   (``v`` = 4 bytes for fp32, 2 for bf16 deltas), an all-reduce (plus one 8-byte count all-reduce),
@@ -249,8 +250,13 @@ def sync_rows_per_rank(shape: ModelShape, topology: ParallelTopology, every_n_st
     return sum(f.tables * f.distinct(draws_per_id * f.ids_per_example) for f in shape.features) / topology.sharding_group_size
 
 
-def workload_traffic(shape: ModelShape, layout: StrategyChoice, topology: ParallelTopology) -> list[Collective]:
-    """Per-rank, per-step collectives of ``shape`` trained with ``layout`` on ``topology`` (module docstring)."""
+def workload_traffic(
+    shape: ModelShape, layout: StrategyChoice, topology: ParallelTopology, *, staged_dense: bool = False
+) -> list[Collective]:
+    """Per-rank, per-step collectives of ``shape`` trained with ``layout`` on ``topology`` (module docstring).
+
+    ``staged_dense``: the dense all-reduce runs in two stages where the strategy stages it (gloo, 2D across nodes).
+    """
     if layout.is_2d == topology.is_1d:
         raise ValueError(f"layout {layout.describe()!r} does not match the topology (1D: {topology.is_1d}).")
     b = shape.batch_per_rank
@@ -260,8 +266,10 @@ def workload_traffic(shape: ModelShape, layout: StrategyChoice, topology: Parall
     out = [
         Collective(purpose="sparse_ids", op="all_to_all", group="shard", calls=3, payload_bytes=b * ids),
         Collective(purpose="embeddings", op="all_to_all", group="shard", calls=2, payload_bytes=b * vectors),
-        Collective(purpose="dense_grads", op="all_reduce", group="world", calls=1, payload_bytes=shape.dense_param_bytes),
     ]
+    staged = staged_dense and layout.is_2d and topology.spans_nodes(list(range(topology.world_size)))
+    dense_groups = ("shard", "replicate") if staged else ("world",)
+    out += [Collective(purpose="dense_grads", op="all_reduce", group=g, calls=1, payload_bytes=shape.dense_param_bytes) for g in dense_groups]
     if layout.is_2d:
         out += replica_sync_traffic(shape, layout.sync, topology)
     return out
