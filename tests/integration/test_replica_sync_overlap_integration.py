@@ -206,19 +206,25 @@ class _KillRank(Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _until_rank_1_dies(rank: int, world: int) -> None:
+def _until_rank_1_dies(rank: int, world: int, sync: ReplicaSyncConfig, kill_step: int) -> None:
     trainer = Trainer(
         accelerator="cpu", devices=PER_NODE, num_nodes=world // PER_NODE, max_steps=100, max_epochs=1, limit_val_batches=0,
-        strategy=_strategy(ReplicaSyncConfig(overlap=True), process_group_timeout=PG_TIMEOUT),
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[_KillRank(1, 3)],
+        strategy=_strategy(sync, process_group_timeout=PG_TIMEOUT),
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[_KillRank(1, kill_step)],
     )
     trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(dataclasses.replace(CONFIG, train_batches=50)))
 
 
-def test_a_rank_dying_with_a_sync_in_flight_stops_every_rank_within_the_timeout():
+@pytest.mark.parametrize(
+    ("sync", "kill_step"),
+    # The deferred all-gather dies with only its counts' all-gather started (the changes' would start a step later).
+    [(ReplicaSyncConfig(overlap=True), 3), (GATHER_SYNC, 2)], ids=["all-reduce", "deferred-all-gather"],
+)
+def test_a_rank_dying_with_a_sync_in_flight_stops_every_rank_within_the_timeout(sync, kill_step):
     start = time.monotonic()
     with pytest.raises(AssertionError) as failed:
-        run_ranks(_until_rank_1_dies, WORLD, timeout=PG_TIMEOUT + 120, grace_after_failure=PG_TIMEOUT + 30, ranks_per_node=PER_NODE)
+        run_ranks(_until_rank_1_dies, WORLD, sync, kill_step, timeout=PG_TIMEOUT + 120, grace_after_failure=PG_TIMEOUT + 30, ranks_per_node=PER_NODE)
     elapsed = time.monotonic() - start
     message = str(failed.value)
     assert "rank 1 died without a result (exit code -9)" in message, message[-3000:]
