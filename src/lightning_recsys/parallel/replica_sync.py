@@ -332,12 +332,10 @@ class ReplicaSynchronizer:
         """Launch the all-gather of this replica's touched rows and their changes (``exchange="all_gather"``)."""
         tables, rows = [], []
         for tracker in self._trackers:
-            touched = tracker.touched()
-            slices = {id(table): (lo, hi) for table, lo, hi in tracker.split(touched)}
             for table in tracker.tables:
-                lo, hi = slices.get(id(table), (0, 0))
+                # A delta sync captured every touched row's base at first touch: those rows are the touched rows.
                 tables.append(table)
-                rows.append(touched[lo:hi] - table.offset)
+                rows.append(table.bases()[0])
         gathered = GatheredSync(
             tables, rows, self._group, self._num_replicas, weight_precision=self.config.precision, overlap=overlap,
             count_aware=self.count_aware,

@@ -167,8 +167,9 @@ class RowTracker:
         """Forget the touched rows and captured values (a new interval starts)."""
         if not self._keep_positions:
             self.mask.zero_()
-        elif self._fresh:
-            self.mask.index_fill_(0, self.touched(), 0)  # O(rows touched), not O(rows)
+        else:
+            for piece in self._fresh:  # O(rows touched), not O(rows); unsorted pieces will do
+                self.mask.index_fill_(0, piece, 0)
         self._fresh, self._sorted = [], False
         for table in self.tables:
             table.clear()
