@@ -441,7 +441,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
             group=self._coordination_group,
             validator=self._setup.input_validator,
             validate=self.guard.validate_inputs,
-            equal_sizes_required=self._setup.equal_batch_sizes_required,
+            equal_sizes_required=self._setup.equal_batch_sizes_required and not self._predicting(),
             pipeline=self._input_pipeline,
             training=lambda: self.lightning_module is not None and self.lightning_module.training,
             progress=self._epoch_progress,
@@ -449,6 +449,12 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
             on_stop=self._stop_on_every_rank,
             checked_before=batch_hooks_after_the_check(self.lightning_module),
         )
+
+    def _predicting(self) -> bool:
+        # Lightning splits a predict dataset unrepeated, so shares can be unequal; skipping the uneven last
+        # batches lost predictions. Without a backward, TorchRec's reduce-scatter takes unequal sizes.
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        return trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
 
     def _epoch_progress(self) -> tuple[int, bool]:
         """Training steps run in this epoch (their updates are in the model) and whether the loop counts it complete."""
