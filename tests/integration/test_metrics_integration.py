@@ -94,3 +94,33 @@ def test_calibration_is_defined_when_only_one_rank_saw_a_click(synced):
 @pytest.mark.parametrize("name", list(METRICS))
 def test_a_label_outside_0_1_on_one_rank_makes_every_rank_nan(all_synced, name):
     assert all(math.isnan(values["bad_label_on_rank_1"][name]) for values in all_synced)
+
+
+def _nan_logit_on_rank_1(rank: int, world_size: int) -> dict[str, tuple[float, list[str]]]:
+    import warnings
+
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        values = {}
+        for name in ("ne", "calibration", "logloss"):
+            metric = METRICS[name]()
+            logits = LOGITS[_rank_slice(rank)].clone()
+            if rank == 1:
+                logits[1] = math.nan
+            metric.update(logits, LABELS[_rank_slice(rank)])
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                value = metric.compute().item()
+            values[name] = (value, [str(w.message) for w in caught])
+        return values
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_logit_on_one_rank_is_counted_and_named_on_rank_0():
+    results = run_ranks(_nan_logit_on_rank_1, WORLD_SIZE, timeout=60)
+    for name, metric_type in METRICS.items():
+        if name == "auc":
+            continue
+        assert all(math.isnan(r[name][0]) for r in results), name
+        assert any(f"{metric_type.__name__} saw 1 NaN logits of 6" in m for m in results[0][name][1]), results[0][name][1]

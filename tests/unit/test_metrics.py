@@ -8,6 +8,7 @@ from lightning.pytorch import Trainer
 
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import Calibration, DLRMRanker, LogLoss, NormalizedEntropy
+from lightning_recsys.models.base import evaluation_loss
 
 
 def test_normalized_entropy_matches_hand_computation():
@@ -241,3 +242,59 @@ def test_log_loss_and_ne_take_infinite_logits():
     wrong = LogLoss()
     wrong.update(torch.tensor([float("inf"), 0.0]), torch.tensor([0.0, 1.0]))
     assert wrong.compute().item() == math.inf
+
+
+@pytest.mark.parametrize("metric_type", [Calibration, LogLoss, NormalizedEntropy])
+def test_metrics_warn_and_are_nan_with_nan_logits(metric_type):
+    # A NaN logit (a diverged model) made these NaN without a word; AUC already said why.
+    metric = metric_type()
+    metric.update(torch.tensor([0.5, float("nan"), -1.0]), torch.tensor([1.0, 0.0, 0.0]))
+    metric.update(torch.tensor([float("nan"), 2.0, float("inf")]), torch.tensor([1.0, 1.0, 1.0]))
+    with pytest.warns(UserWarning, match=rf"{metric_type.__name__} saw 2 NaN logits of 6 .*check_finite=True"):
+        assert math.isnan(metric.compute().item())
+    metric.reset()  # the count is per epoch
+    metric.update(torch.tensor([0.5, -1.0]), torch.tensor([1.0, 0.0]))
+    assert math.isfinite(metric.compute().item())
+
+
+class _CertainDLRM(DLRMRanker):
+    def forward(self, batch):
+        # Every click predicted with certainty (+inf), and half of the non-clicks (-inf): all correct.
+        logits = super().forward(batch)
+        certain_no = (batch.labels == 0) & (torch.arange(len(logits)) % 2 == 0)
+        return torch.where(batch.labels == 1, math.inf, torch.where(certain_no, -math.inf, logits))
+
+
+@pytest.mark.parametrize("stage", ["val", "test"])
+def test_evaluation_loss_of_correct_infinite_logits_is_zero(stage):
+    # F.binary_cross_entropy_with_logits computes (1 - y) * x: 0 * inf = NaN for +inf on a click, and
+    # -inf + inf for -inf on a non-click, so {stage}/loss was NaN for a correct, certain prediction.
+    config = SyntheticClickLogConfig(table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=2, test_batches=2)
+    torch.manual_seed(0)
+    model = _CertainDLRM(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
+    data = SyntheticClickLogDataModule(config)
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    run = trainer.validate if stage == "val" else trainer.test
+    logged = run(model, datamodule=data, verbose=False)[0]
+    batches = [data.log.global_batch(stage, i) for i in range(2)]
+    with torch.no_grad():
+        logits = torch.cat([model(b) for b in batches])
+    labels = torch.cat([b.labels for b in batches])
+    finite = logits.isfinite()
+    assert (~finite).sum() > labels.sum()  # both kinds of infinite logit are there
+    expected = F.binary_cross_entropy_with_logits(logits[finite], labels[finite], reduction="sum").item() / len(labels)
+    assert logged[f"{stage}/loss"] == pytest.approx(expected, rel=1e-5)
+    assert logged[f"{stage}/logloss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_evaluation_loss_is_exact_for_infinite_logits():
+    inf, nan = math.inf, math.nan
+    # Right and certain: 0. Wrong and certain: +inf (F.binary_cross_entropy_with_logits gave NaN for -inf on a click).
+    assert evaluation_loss(torch.tensor([inf, -inf, 2.0]), torch.tensor([1.0, 0.0, 0.0])).item() == pytest.approx(
+        F.binary_cross_entropy_with_logits(torch.tensor([2.0]), torch.tensor([0.0])).item() / 3
+    )
+    for logit, label in ((-inf, 1.0), (inf, 0.0), (inf, 0.5), (-inf, 0.5)):
+        assert evaluation_loss(torch.tensor([logit, 0.0]), torch.tensor([label, 1.0])).item() == inf, (logit, label)
+    assert math.isnan(evaluation_loss(torch.tensor([nan, 0.0]), torch.tensor([1.0, 1.0])).item())
+    logits, labels = torch.randn(257) * 5, torch.bernoulli(torch.full((257,), 0.3))
+    assert torch.equal(evaluation_loss(logits, labels), F.binary_cross_entropy_with_logits(logits, labels))  # finite: bit for bit

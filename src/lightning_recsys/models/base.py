@@ -32,6 +32,19 @@ _EPOCH_METRICS: dict[str, Callable[[], Metric]] = {
 }
 
 
+def evaluation_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean binary cross-entropy from logits, exact for infinite logits: 0 when certain and right, +inf when wrong.
+
+    ``F.binary_cross_entropy_with_logits`` computes ``(1 - y) * x``, which is ``0 * inf = NaN`` for
+    +inf on a click (and -inf + inf for -inf on a non-click), though such an example costs nothing; it
+    is NaN, not +inf, for -inf on a click too. Finite logits keep the function's own value, bit for bit.
+    """
+    losses = F.binary_cross_entropy_with_logits(logits, labels, reduction="none")
+    certain = ((logits == torch.inf) & (labels == 1)) | ((logits == -torch.inf) & (labels == 0))
+    exact = torch.where(certain, torch.zeros_like(losses), torch.full_like(losses, torch.inf))
+    return torch.where(logits.isinf(), exact, losses).mean()
+
+
 class RankerModule(LightningModule):
     """Binary click-through ranker. Subclasses implement ``forward(batch) -> logits [B]``.
 
@@ -137,7 +150,7 @@ class RankerModule(LightningModule):
 
     def _evaluate(self, batch: RecBatch, stage: str) -> torch.Tensor:
         logits = self(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        loss = evaluation_loss(logits, batch.labels)
         self.log(f"{stage}/loss", loss, batch_size=batch.batch_size, sync_dist=True)
         for name in _EPOCH_METRICS:
             metric = self.metrics[f"{stage}_{name}"]

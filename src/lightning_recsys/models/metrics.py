@@ -95,15 +95,19 @@ def _concatenated(state: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
 
 
 class _LabelRange:
-    """Mixin for the sum-based metrics: the smallest and largest label seen, synced by min and max.
+    """Mixin for the sum-based metrics: the smallest and largest label seen (synced by min and max), and
+    the NaN logits seen (synced by sum).
 
     Their sums mean nothing for a label outside [0, 1] (-1/+1 labels, raw ratings): ``compute``
     then warns, naming the label and the fix, and returns NaN instead of a plausible number.
-    Soft labels inside [0, 1] are fine (binary cross-entropy and click counts take them).
+    Soft labels inside [0, 1] are fine (binary cross-entropy and click counts take them). A NaN logit
+    makes the sums NaN too: ``compute`` then warns with the count of NaN logits.
     """
 
     label_min: torch.Tensor
     label_max: torch.Tensor
+    nan_logits: torch.Tensor
+    logits_seen: torch.Tensor
 
     def _add_label_range_states(self) -> None:
         add_state = self.add_state  # type: ignore[attr-defined]
@@ -115,6 +119,27 @@ class _LabelRange:
             # min/max of a tensor with a NaN are NaN, and torch.minimum/maximum keep it.
             self.label_min = torch.minimum(self.label_min, labels.min())
             self.label_max = torch.maximum(self.label_max, labels.max())
+
+    def _add_nan_logit_states(self) -> None:
+        add_state = self.add_state  # type: ignore[attr-defined]
+        for name in ("nan_logits", "logits_seen"):
+            add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+
+    def _update_nan_logits(self, logits: torch.Tensor) -> None:
+        self.nan_logits += torch.isnan(logits).sum()
+        self.logits_seen += logits.numel()
+
+    def _logits_were_nan(self) -> bool:
+        """Warn and say so when a logit seen was NaN: the sums are then NaN, and the warning says why."""
+        nan = int(self.nan_logits.item())
+        if not nan:
+            return False
+        rank_zero_warn(
+            f"{type(self).__name__} saw {nan} NaN logits of {int(self.logits_seen.item())} (summed over ranks); returning "
+            "NaN. The model's output is NaN, usually after training diverged (inf/NaN weights or inputs): lower the "
+            "learning rates, and find the step with GuardConfig(check_finite=True)."
+        )
+        return True
 
     def _labels_out_of_range(self) -> bool:
         """Warn and say so when a label seen was outside [0, 1] or NaN."""
@@ -156,10 +181,12 @@ class NormalizedEntropy(_LabelRange, Metric):
         for name in ("cross_entropy_sum", "label_sum", "count"):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self._add_label_range_states()
+        self._add_nan_logit_states()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
         self._update_label_range(labels)
+        self._update_nan_logits(logits)
         self.cross_entropy_sum += _cross_entropy_sum(logits, labels)
         self.label_sum += labels.sum()
         self.count += labels.numel()
@@ -168,7 +195,7 @@ class NormalizedEntropy(_LabelRange, Metric):
         if self.count == 0:
             rank_zero_warn("NormalizedEntropy.compute() was called before any update; returning NaN.")
             return torch.tensor(float("nan"), dtype=torch.float64)
-        if self._labels_out_of_range():
+        if self._labels_out_of_range() or self._logits_were_nan():
             return torch.tensor(float("nan"), dtype=torch.float64)
         ctr = self.label_sum / self.count
         if ctr <= 0 or ctr >= 1:
@@ -200,15 +227,17 @@ class Calibration(_LabelRange, Metric):
         for name in ("prediction_sum", "label_sum"):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self._add_label_range_states()
+        self._add_nan_logit_states()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
         self._update_label_range(labels)
+        self._update_nan_logits(logits)
         self.prediction_sum += torch.sigmoid(logits).sum()
         self.label_sum += labels.sum()
 
     def compute(self) -> torch.Tensor:
-        if self._labels_out_of_range():
+        if self._labels_out_of_range() or self._logits_were_nan():
             return torch.tensor(float("nan"), dtype=torch.float64)
         if self.label_sum <= 0:
             rank_zero_warn("Calibration is undefined when no label is positive (actual CTR is 0, or nothing was seen); returning NaN.")
@@ -235,10 +264,12 @@ class LogLoss(_LabelRange, Metric):
         for name in ("cross_entropy_sum", "count"):
             self.add_state(name, default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
         self._add_label_range_states()
+        self._add_nan_logit_states()
 
     def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
         logits, labels = _flatten_logits_and_labels(logits, labels)
         self._update_label_range(labels)
+        self._update_nan_logits(logits)
         self.cross_entropy_sum += _cross_entropy_sum(logits, labels)
         self.count += labels.numel()
 
@@ -246,6 +277,6 @@ class LogLoss(_LabelRange, Metric):
         if self.count == 0:
             rank_zero_warn("LogLoss.compute() was called before any update; returning NaN.")
             return torch.tensor(float("nan"), dtype=torch.float64)
-        if self._labels_out_of_range():
+        if self._labels_out_of_range() or self._logits_were_nan():
             return torch.tensor(float("nan"), dtype=torch.float64)
         return self.cross_entropy_sum / self.count
