@@ -253,3 +253,30 @@ def test_a_missing_file_is_refused_when_the_loaders_are_made_naming_the_argument
     for stage in ("test", "predict"):
         with pytest.raises(FileNotFoundError, match=r"test_paths\[1\]=.* is not a file"):
             dm.setup(stage)
+
+
+@pytest.mark.parametrize("reader", ["python", "arrow"])
+def test_skipped_lines_reach_the_main_process_with_dataloader_workers(tmp_path, reader):
+    # The workers counted in their own copies of the dataset: the main process's skipped_lines read 0.
+    lines = [_numbered(i) for i in range(10)]
+    lines[1:1] = ["junk"]
+    lines[6:6] = ["2" + _numbered(5)[1:]]  # a label that is not 0 or 1
+    lines.append("x\ty")  # in the dropped partial global batch: still read, skipped and counted
+    first = _write(tmp_path / "a.tsv", lines[:7])
+    second = _write(tmp_path / "b.tsv", lines[7:])
+    batches = {"python": 2, "arrow": 3}[reader]  # the arrow reader's batches are 4 lines, short by their skipped ones
+    counts = {}
+    for num_workers in (0, 2, 0):
+        dm = CriteoDataModule([first, second], table_sizes=10, global_batch_size=4, on_bad_line="skip", reader=reader,
+                              num_workers=num_workers)
+        loader = dm.train_dataloader()
+        for _ in range(2):  # a second pass counts its own skips, not both passes'
+            assert len(list(loader)) == batches
+            counts.setdefault(num_workers, []).append(loader.dataset.skipped_lines)
+    assert counts == {0: [3, 3, 3, 3], 2: [3, 3]}
+
+    # A dataset in a DataLoader made by hand counts the same, and so does a loader with more workers than batches.
+    dataset = dm._dataset("train", 0, 1)
+    for num_workers in (2, 4, 1):
+        assert len(list(DataLoader(dataset, batch_size=None, num_workers=num_workers))) == batches
+        assert dataset.skipped_lines == 3, num_workers

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 import torch
+from torch.utils.data import get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
@@ -168,7 +169,8 @@ class CriteoDataset(GlobalBatchDataset[str]):
 
     Every rank reads and checks every line of the split's files (in order, as one stream) and
     parses only its own slice. The final partial global batch is dropped on every rank.
-    ``skipped_lines`` counts the lines skipped by the last (or current) pass.
+    ``skipped_lines`` counts the lines skipped by the last (or current) pass; with DataLoader workers
+    the main process's dataset has the count too (worker 0's: every worker reads every line).
     """
 
     def __init__(self, config: CriteoConfig, split: Split, rank: int = 0, world_size: int = 1) -> None:
@@ -179,7 +181,9 @@ class CriteoDataset(GlobalBatchDataset[str]):
         self._sizes = config.feature_table_sizes()
 
     def _records(self, warn: bool) -> Iterator[str]:
-        self.skipped_lines = 0
+        self._skipped.start_pass()
+        worker = get_worker_info()
+        counts = worker is None or worker.id == 0  # every worker skips the same lines: one counts them
         for path in self.paths:
             tally = BadLineTally(str(path), self.config.on_bad_line, warn=warn)
             for line_number, line in iter_lines(path):
@@ -187,7 +191,9 @@ class CriteoDataset(GlobalBatchDataset[str]):
                     tally.bad(line_number, line, _diagnose(line))
                     continue
                 yield line
-            self.skipped_lines += tally.finish()
+            skipped = tally.finish()
+            if counts:
+                self._skipped.add(skipped)
 
     def _collate(self, records: list[str]) -> RecBatch:
         return criteo_batch(*parse_criteo_rows([line.split("\t") for line in records], self._sizes))

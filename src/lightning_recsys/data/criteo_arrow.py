@@ -51,7 +51,7 @@ from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_F
 from lightning_recsys.data.criteo_parse import Parsed, arrow_parse, python_parse
 from lightning_recsys.data.criteo_ranges import LineIndex, file_windows, is_gzip
 from lightning_recsys.data.module import Split
-from lightning_recsys.data.readers import BadLineTally, rank_slice
+from lightning_recsys.data.readers import BadLineTally, CountsSkippedLines, SkippedLineCount, rank_slice
 
 # Re-exported: the byte-range planning lives in criteo_ranges.
 __all__ = ["CriteoArrowDataset", "LineIndex", "default_parse_threads", "numpy_criteo_batch", "ordered_map", "prefetch"]
@@ -129,7 +129,7 @@ def ordered_map(fn: Callable[[T], R], items: Iterator[T], threads: int) -> Itera
                 future.cancel()
 
 
-class CriteoArrowDataset(IterableDataset):
+class CriteoArrowDataset(CountsSkippedLines, IterableDataset):
     """Rank ``rank``'s batches of a Criteo split, parsed with pyarrow (see the module docstring).
 
     Args:
@@ -141,6 +141,9 @@ class CriteoArrowDataset(IterableDataset):
         window_bytes: bytes of lines parsed per pyarrow call.
         parse_threads: windows parsed side by side in a rank's own process (None:
             ``default_parse_threads()``); inside a DataLoader worker, which is a process already, 1.
+
+    ``skipped_lines``: the lines the last (or current) pass skipped; with DataLoader workers, each
+    counts the lines it parses and the main process's dataset has the sum.
     """
 
     def __init__(
@@ -168,7 +171,7 @@ class CriteoArrowDataset(IterableDataset):
         if line_index is None and world_size > 1:
             line_index = LineIndex.build(self.paths)
         self.line_index = line_index
-        self.skipped_lines = 0
+        self._skipped = SkippedLineCount()  # each worker counts the lines it parses: ``skipped_lines`` sums them
 
     def num_batches(self) -> int | None:
         """Batches per rank, when the line count is known (always with more than one rank)."""
@@ -256,7 +259,7 @@ class CriteoArrowDataset(IterableDataset):
         worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
         threads = 1 if worker is not None else (self.parse_threads or default_parse_threads())
         b = self.local_batch_size
-        self.skipped_lines = 0
+        self._skipped.start_pass()
         pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
         tally: BadLineTally | None = None
         windows = prefetch(self._own_windows(worker_id, num_workers))
@@ -266,7 +269,7 @@ class CriteoArrowDataset(IterableDataset):
         ):
             if tally is None or tally.path != path:
                 if tally is not None:
-                    self.skipped_lines += tally.finish()
+                    self._skipped.add(tally.finish())
                 tally = BadLineTally(path, self.config.on_bad_line)
             if parsed is None:
                 if numbers is None:
@@ -285,7 +288,7 @@ class CriteoArrowDataset(IterableDataset):
                     yield self._batch(pending)
                     pending = []
         if tally is not None:
-            self.skipped_lines += tally.finish()
+            self._skipped.add(tally.finish())
         # A partial batch (pending) is dropped: with one rank it is the stream's last partial global batch.
 
     @staticmethod

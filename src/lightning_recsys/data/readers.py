@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_recsys.data.batch import RecBatch
@@ -29,6 +30,7 @@ ON_BAD_LINE_CHOICES: tuple[str, ...] = ("error", "skip")
 
 _GZIP_MAGIC = b"\x1f\x8b"
 _MAX_LINE_IN_MESSAGE = 120
+MAX_COUNTED_WORKERS = 128  # DataLoader workers whose skipped lines reach the main process
 
 Record = TypeVar("Record")
 
@@ -160,6 +162,70 @@ class BadLineTally:
         return self.count
 
 
+class SkippedLineCount:
+    """Malformed lines one dataset skipped in its current (or last) pass, summed over DataLoader worker processes.
+
+    Workers iterate their own copies of a dataset, so a count kept in a plain attribute never reached
+    the main process: its ``skipped_lines`` read 0 with ``num_workers > 0``. The count lives in a small
+    shared-memory tensor made with the dataset, before any worker starts (fork and spawn both share
+    it): slot 0 is the main process's, slot ``k + 1`` worker ``k``'s, each written by its own process
+    only, so no lock is needed. A worker pass zeros its slot when it starts; worker 0 also zeros the
+    slots no worker of this pass writes (an earlier pass in the main process, or with more workers).
+    """
+
+    def __init__(self) -> None:
+        self._slots = torch.zeros(MAX_COUNTED_WORKERS + 1, dtype=torch.int64).share_memory_()
+
+    def start_pass(self) -> None:
+        """Zero the count this process's pass is about to make."""
+        worker = get_worker_info()
+        if worker is None:
+            self._slots.zero_()
+            return
+        if worker.id < MAX_COUNTED_WORKERS:
+            self._slots[worker.id + 1] = 0
+        if worker.id == 0:
+            self._slots[0] = 0
+            self._slots[worker.num_workers + 1 :] = 0
+            if worker.num_workers > MAX_COUNTED_WORKERS:
+                log.warning(
+                    "num_workers=%d: only the malformed lines skipped by the first %d DataLoader workers reach the main "
+                    "process, so its skipped_lines may undercount; use at most %d workers for an exact count.",
+                    worker.num_workers, MAX_COUNTED_WORKERS, MAX_COUNTED_WORKERS,
+                )
+
+    def add(self, count: int) -> None:
+        """Add ``count`` skipped lines to this process's slot."""
+        worker = get_worker_info()
+        if worker is None:
+            self._slots[0] += count
+        elif worker.id < MAX_COUNTED_WORKERS:
+            self._slots[worker.id + 1] += count
+
+    def set(self, count: int) -> None:
+        """Make the count ``count`` (one known in the main process, e.g. lines skipped while loading files)."""
+        self._slots.zero_()
+        self._slots[0] = count
+
+    def total(self) -> int:
+        return int(self._slots.sum())
+
+
+class CountsSkippedLines:
+    """``skipped_lines``: malformed lines skipped by the current (or last) pass, in the main process too
+    when DataLoader workers read (``SkippedLineCount``)."""
+
+    _skipped: SkippedLineCount
+
+    @property
+    def skipped_lines(self) -> int:
+        return self._skipped.total()
+
+    @skipped_lines.setter
+    def skipped_lines(self, value: int) -> None:
+        self._skipped.set(value)
+
+
 def iter_lines(path: str | Path, encoding: str = "utf-8") -> Iterator[tuple[int, str]]:
     """``(1-based line number, line without its line break)`` for a plain-text or gzip file.
 
@@ -185,7 +251,7 @@ def iter_lines(path: str | Path, encoding: str = "utf-8") -> Iterator[tuple[int,
             yield line_number, line.rstrip("\r\n")
 
 
-class GlobalBatchDataset(IterableDataset, Generic[Record]):
+class GlobalBatchDataset(CountsSkippedLines, IterableDataset, Generic[Record]):
     """Groups a subclass's record stream into global batches and yields this rank's slice of each.
 
     Subclasses implement ``_records`` (every record of the split, in order, on every rank) and
@@ -199,7 +265,7 @@ class GlobalBatchDataset(IterableDataset, Generic[Record]):
         check_global_batch_size(global_batch_size)
         self.start, self.stop = rank_slice(global_batch_size, rank, world_size)
         self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
-        self.skipped_lines = 0  # malformed lines skipped in the files behind this split
+        self._skipped = SkippedLineCount()  # malformed lines skipped in the files behind this split
 
     def _records(self, warn: bool) -> Iterator[Record]:
         """Every record of the split in order; ``warn`` says whether this copy logs skipped lines."""
