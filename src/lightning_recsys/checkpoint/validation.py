@@ -13,11 +13,30 @@ from lightning_recsys.checkpoint.table_state import NAMESPACE, table_name
 
 MODEL_NAMESPACE = "model"
 
-_FIX = (
-    "How to fix: load it into a model whose embedding tables have the names and sizes they had when it was "
-    "saved (EmbeddingBagConfig name, num_embeddings, embedding_dim); pass strict=False to skip keys that "
-    "exist on one side only (a resized table can never be loaded)."
-)
+# Each kind of mismatch has its own remedy; the error lists only those of the kinds it found.
+_RESIZED_TABLE = "resized_table"
+_RESIZED = "resized"
+_MISSING_TABLE = "missing_table"
+_ONE_SIDE = "one_side"
+_OPTIMIZER = "optimizer"
+_ADVICE = {
+    _RESIZED_TABLE: (
+        "a resized table: build it with the num_embeddings and embedding_dim (EmbeddingBagConfig) it had when the "
+        "checkpoint was saved, the checkpoint's shape above; strict=False does not skip a resized table."
+    ),
+    _RESIZED: (
+        "a resized layer: build the model with the layer sizes it had when the checkpoint was saved, the checkpoint's "
+        "shape above; strict=False does not skip a shape mismatch."
+    ),
+    _MISSING_TABLE: (
+        "a missing table: give it the EmbeddingBagConfig name it had when the checkpoint was saved, or pass "
+        "strict=False to load the rest and keep it as initialized."
+    ),
+    _ONE_SIDE: (
+        "a key on one side only: build the model with the modules it had when the checkpoint was saved, or pass "
+        "strict=False to skip keys that exist on one side only."
+    ),
+}
 
 
 class CheckpointMismatchError(ValueError):
@@ -71,6 +90,7 @@ def check_entries(
     saved = metadata.state_dict_metadata
     shapes = saved_tensors(metadata)
     problems: list[str] = []
+    kinds: list[str] = []  # of each problem, for the advice
     reported_tables: set[str] = set()
     expected_keys = {e.key for e in expected}
     unexpected_model = {k: shapes.get(k) for k in saved if k.startswith(MODEL_NAMESPACE + ".") and k not in expected_keys}
@@ -85,6 +105,7 @@ def check_entries(
                 continue
             if entry.key.startswith(NAMESPACE + "."):
                 problems.append(_missing_optimizer_state(entry, shapes, optimizer_name, saved_optimizer))
+                kinds.append(_OPTIMIZER)
                 if entry.table is not None:
                     reported_tables.add(entry.table)
                 continue
@@ -95,6 +116,7 @@ def check_entries(
             want = _shape_text(entry.shapes)
             hint = _rename_hint(entry, unexpected_model)
             problems.append(f"{label} (expected shape {want}) is not in the checkpoint{hint}.")
+            kinds.append(_ONE_SIDE if entry.table is None else _MISSING_TABLE)
             if entry.table is not None:
                 reported_tables.add(entry.table)
             continue
@@ -107,6 +129,7 @@ def check_entries(
                 problems.append(
                     f"{label}: the checkpoint has shape {saved_shape}, the model expects {_shape_text(entry.shapes)}."
                 )
+                kinds.append(_RESIZED if entry.table is None else _RESIZED_TABLE)
                 if entry.table is not None:
                     reported_tables.add(entry.table)
                 continue
@@ -115,13 +138,38 @@ def check_entries(
         for key, got in sorted(unexpected_model.items()):
             shape = "" if got is None else f" (shape {got[0]})"
             problems.append(f"'{key}'{shape} is in the checkpoint but not in the model.")
+            kinds.append(_ONE_SIDE)
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise CheckpointMismatchError(
             f"checkpoint {str(path)!r} does not match the state it is being loaded into "
-            f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{lines}\n{_FIX}"
+            f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{lines}\n"
+            f"{_how_to_fix(kinds, optimizer_name, saved_optimizer)}"
         )
     return to_load
+
+
+def _how_to_fix(kinds: Sequence[str], optimizer_name: str | None, saved_optimizer: Mapping[str, object] | None) -> str:
+    """One remedy per kind of mismatch found, in the order they were found."""
+    advice: list[str] = []
+    for kind in dict.fromkeys(kinds):
+        if kind == _OPTIMIZER:
+            advice.append(_optimizer_advice(optimizer_name, saved_optimizer))
+        else:
+            advice.append(_ADVICE[kind])
+    return "How to fix:\n" + "\n".join(f"  * {a}" for a in advice)
+
+
+def _optimizer_advice(optimizer_name: str | None, saved_optimizer: Mapping[str, object] | None) -> str:
+    saved_name = (saved_optimizer or {}).get("name")
+    fresh = "pass load_embedding_optimizer_state=False to start the embedding optimizer fresh (strict=False does not skip it)."
+    if saved_name is None or saved_name == optimizer_name:
+        # Same optimizer: switching would not help; the state was not saved for these tables.
+        return f"missing embedding optimizer state: {fresh}"
+    return (
+        f"another embedding optimizer: use EmbeddingOptimizerConfig(name={saved_name!r}), the one the checkpoint "
+        f"was saved with, or {fresh}"
+    )
 
 
 def _label(entry: ExpectedEntry) -> str:
@@ -159,6 +207,5 @@ def _missing_optimizer_state(
     return (
         f"{_label(entry)} is not in the checkpoint: it holds {has or 'no state'} for this table (saved with "
         f"embedding optimizer {saved_name!r}), the model's optimizer {optimizer_name!r} needs "
-        f"'{entry.key.removeprefix(prefix)}'. Use the EmbeddingOptimizerConfig(name=...) the checkpoint was "
-        "saved with, or pass load_embedding_optimizer_state=False to start the embedding optimizer fresh."
+        f"'{entry.key.removeprefix(prefix)}'."
     )
