@@ -381,3 +381,32 @@ def test_a_damaged_gzip_file_is_named_in_the_error(tmp_path, damage, world_size)
     for reader in readers:
         with pytest.raises(OSError, match=rf"{bad}: the gzip data is damaged or truncated .*gzip -t"):
             list(reader())
+
+
+@pytest.mark.parametrize("padding", [1, 512, 70_000])
+def test_zero_padding_after_the_last_gzip_member_is_ignored_as_gzip_does(tmp_path, caplog, padding):
+    """gzip -d and Python's gzip skip zero padding after the last member (tape blocks); pyarrow refused it and
+    lost the output of the read that reached it."""
+    lines = _lines(60)
+    padded = tmp_path / "padded.gz"
+    padded.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()) + b"\0" * padding)
+    plain = _write(tmp_path / "plain.tsv", lines)
+    assert LineIndex.build([str(padded)]).total == 60
+    for world_size in (1, 2):  # 2: the rank's range is found by LineIndex, then read
+        expected = list(CriteoArrowDataset(_config([plain]), "train", 0, world_size, window_bytes=500))
+        with caplog.at_level(logging.INFO, logger="lightning_recsys.data.criteo_ranges"):
+            got = list(CriteoArrowDataset(_config([str(padded)]), "train", 0, world_size, window_bytes=500))
+        assert len(got) == len(expected) == 60 // 8
+        assert all(_same(a, b) for a, b in zip(got, expected))
+    assert "zero padding" in caplog.text and str(padded) in caplog.text
+    expected = list(CriteoDataset(_config([plain]), "train"))
+    assert all(_same(a, b) for a, b in zip(CriteoDataset(_config([str(padded)]), "train"), expected, strict=True))
+
+
+def test_garbage_after_zero_padding_is_still_refused_naming_the_file(tmp_path):
+    packed = gzip.compress(("\n".join(_lines(20)) + "\n").encode())
+    bad = tmp_path / "day_0.gz"
+    bad.write_bytes(packed + b"\0" * 512 + b"junk\0")  # ends in a zero byte, but is not only padding
+    for reader in (lambda: CriteoArrowDataset(_config([str(bad)]), "train"), lambda: CriteoDataset(_config([str(bad)]), "train")):
+        with pytest.raises(OSError, match=rf"{bad}: the gzip data is damaged or truncated .*gzip -t"):
+            list(reader())

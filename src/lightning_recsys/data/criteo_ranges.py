@@ -10,7 +10,10 @@ windows of whole lines, each with the file's 1-based number of its first line.
 from __future__ import annotations
 
 import bisect
+import gzip
+import logging
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -18,6 +21,8 @@ import numpy as np
 import pyarrow as pa
 
 from lightning_recsys.data.readers import _GZIP_MAGIC, damaged_gzip_error
+
+log = logging.getLogger(__name__)
 
 DEFAULT_CHUNK_BYTES = 64 << 20  # plain-file bytes per line-count chunk
 
@@ -137,22 +142,70 @@ def _line_end(data: bytes, n: int) -> int:
 
 
 class _GzipStream:
-    """pyarrow's zlib stream (C++ that releases the GIL for a whole read, unlike Python's gzip); its errors name the file."""
+    """pyarrow's zlib stream (C++ that releases the GIL for a whole read, unlike Python's gzip); its errors name the file.
+
+    pyarrow refuses zero padding after the last gzip member (tape or block-device padding), which
+    ``gzip -d`` and Python's gzip skip, and loses the output of the read that reached it. On an error
+    in a file that ends in a zero byte the rest is read with Python's gzip instead, which accepts
+    exactly that padding and still refuses anything else (at the cost of decompressing the file twice).
+    """
 
     def __init__(self, path: str) -> None:
         self.path, self._stream = path, pa.CompressedInputStream(pa.OSFile(path, "rb"), "gzip")
+        self._returned = 0  # decompressed bytes handed out, where the fallback resumes
+        self._fallback: gzip.GzipFile | None = None
+        self._padding_logged = False
 
     def read(self, size: int) -> bytes:
+        if self._fallback is None:
+            try:
+                block = self._stream.read(size)
+            except (OSError, pa.ArrowException) as error:  # e.g. "Truncated compressed stream", without the path
+                if not _ends_in_zero(self.path):  # cannot be padding: fail now, without a second pass
+                    raise damaged_gzip_error(self.path, error) from error
+                self._fallback = self._python_gzip(error)
+            else:
+                self._returned += len(block)
+                return block
         try:
-            return self._stream.read(size)
-        except (OSError, pa.ArrowException) as error:  # e.g. "Truncated compressed stream", without the path
+            block = self._fallback.read(size)
+        except (EOFError, OSError, zlib.error) as error:
             raise damaged_gzip_error(self.path, error) from error
+        if not block and size and not self._padding_logged:
+            self._padding_logged = True
+            log.info("%s: ignored the zero padding after its last gzip member, as gzip -d does.", self.path)
+        return block
+
+    def _python_gzip(self, error: BaseException) -> gzip.GzipFile:
+        log.debug("%s: pyarrow stopped at decompressed byte %d (%s); reading on with Python's gzip.", self.path, self._returned, error)
+        self._stream.close()
+        fallback = gzip.open(self.path, "rb")  # noqa: SIM115 - closed in __exit__
+        try:
+            # pyarrow dropped the failing read's output: decompress again up to what was handed out.
+            left = self._returned
+            while left:
+                skipped = len(fallback.read(min(left, 16 << 20)))
+                if not skipped:
+                    raise EOFError("the file ended before the data pyarrow had read")
+                left -= skipped
+        except (EOFError, OSError, zlib.error) as python_error:
+            fallback.close()
+            raise damaged_gzip_error(self.path, python_error) from error
+        return fallback
 
     def __enter__(self) -> _GzipStream:
         return self
 
     def __exit__(self, *exc_info) -> None:
         self._stream.close()
+        if self._fallback is not None:
+            self._fallback.close()
+
+
+def _ends_in_zero(path: str) -> bool:
+    with open(path, "rb") as raw:
+        raw.seek(-1, os.SEEK_END)
+        return raw.read(1) == b"\0"
 
 
 def open_stream(path: str, compressed: bool, start: int):
