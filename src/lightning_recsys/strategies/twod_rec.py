@@ -36,7 +36,6 @@ from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology
 from lightning_recsys.parallel.comm_accounting import CommAccountant
 from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.guard_config import GuardConfig
-from lightning_recsys.parallel.input_guard import CoordinatedBatches
 from lightning_recsys.parallel.input_pipeline import PIPELINE_MODES, PipelineMode, SparseDistPipeline
 from lightning_recsys.parallel.process_group import (
     destroy_process_group_at_exit,
@@ -53,10 +52,11 @@ from lightning_recsys.parallel.topology import Layout, check_topology_arguments
 from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.planner import PlanningConfig, PlanReport
 from lightning_recsys.planner.torchrec_planner import embedding_tables
+from lightning_recsys.strategies.batches import CoordinatedBatchHooks
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
-from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst, batch_hooks_after_the_check
+from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.preemption import PREEMPTED_EXIT_CODE, CoordinatedSigterm
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
@@ -66,7 +66,9 @@ log = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
 
-class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, CoordinatedSigterm, ProcessGroupCollectives, ParallelStrategy):
+class TwoDRecStrategy(
+    CoordinatedBatchHooks, ShardedCheckpointHooks, ManualOptimizationHooks, CoordinatedSigterm, ProcessGroupCollectives, ParallelStrategy
+):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
 
     The strategy finds every ``EmbeddingBagCollection``/``EmbeddingCollection`` in the module, plans
@@ -428,40 +430,7 @@ class TwoDRecStrategy(ShardedCheckpointHooks, ManualOptimizationHooks, Coordinat
                 "train files and global_batch_size."
             )
 
-    # ----------------------------------------------------------------- batches, inputs, non-finite values
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        if self._coordination_group is None or self._setup is None:
-            return dataloader
-        dmp = self.sharded_model.dmp
-        if self.pipeline == "sparse_dist" and self._input_pipeline is None:
-            self._input_pipeline = SparseDistPipeline(dmp, self.root_device)
-        return CoordinatedBatches(
-            dataloader,  # type: ignore[arg-type]
-            group=self._coordination_group,
-            validator=self._setup.input_validator,
-            validate=self.guard.validate_inputs,
-            equal_sizes_required=self._setup.equal_batch_sizes_required and not self._predicting(),
-            pipeline=self._input_pipeline,
-            training=lambda: self.lightning_module is not None and self.lightning_module.training,
-            progress=self._epoch_progress,
-            stop_requested=self._stop_requests,
-            on_stop=self._stop_on_every_rank,
-            checked_before=batch_hooks_after_the_check(self.lightning_module),
-        )
-
-    def _predicting(self) -> bool:
-        # Lightning splits a predict dataset unrepeated, so shares can be unequal; skipping the uneven last
-        # batches lost predictions. Without a backward, TorchRec's reduce-scatter takes unequal sizes.
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
-
-    def _epoch_progress(self) -> tuple[int, bool]:
-        """Training steps run in this epoch (their updates are in the model) and whether the loop counts it complete."""
-        trainer = self.lightning_module.trainer  # type: ignore[union-attr]
-        steps = trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return steps, steps >= trainer.num_training_batches
-
+    # ----------------------------------------------------------------- the step, non-finite values (batches: batches.py)
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
