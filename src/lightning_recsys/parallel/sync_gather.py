@@ -5,9 +5,10 @@ weights at the sync's precision, the optimizer state in fp32), in one byte buffe
 decodes every buffer (its own included) and adds the changes up in replica order, so all hold the
 same sum, and writes ``row = base + sum / replicas`` on the union of the rows sent. ``base`` is equal
 on every replica: the row's value as of the last sync (captured at first touch for a replica's own
-rows; the row's value for rows it did not touch). There is no union agreement: one small blocking
+rows; the row's value for rows it did not touch). There is no union agreement: one small
 all-gather of per-table row counts sizes the buffers, and the buffers' all-gather can run in the
-background (``overlap``).
+background (``overlap``). With ``defer_exchange`` the counts' all-gather runs in the background too
+and the buffers' starts at ``progress()`` (the next step's end), so a launch never waits on the network.
 
 Buffer layout, per table in the trackers' order: the row ids, then per synced tensor the encoded
 changes; each section padded to 8 bytes so it can be viewed in its dtype. Every replica computes
@@ -118,6 +119,7 @@ class GatheredSync:
         self.payload_bytes = counts.numel() * counts.element_size()  # plus the buffer's once it is sent
         self.deferred_payload_bytes = 0  # the part of payload_bytes sent after the constructor returned
         self.rows_synced = 0  # the union's rows, known once applied
+        self._launched = False
         if not defer_exchange:
             self._exchange()
         self._launched = True
@@ -145,7 +147,7 @@ class GatheredSync:
         if send.numel():  # every replica sees the same counts: all skip together when no replica touched a row
             self._work = dist.all_gather(self._received, send, group=self._group, async_op=self._overlap)
         self.payload_bytes += send.numel()
-        if getattr(self, "_launched", False):
+        if self._launched:
             self.deferred_payload_bytes += send.numel()
 
     def _buffer_bytes(self, counts: list[int]) -> int:
