@@ -33,7 +33,8 @@ with b examples per rank, T tables of dim D and R rows, pooling factor p:
 * ``embeddings`` (pooled all-to-all, forward + backward): b T (row_bytes(D, fwd) + row_bytes(D, bwd)),
   independent of the group size (a rank sends its tables' rows for the group's batch forward and
   its examples' gradients for all tables backward);
-* ``dense_grads`` (DDP all-reduce over the world): the dense parameter bytes;
+* ``dense_grads`` (DDP all-reduce over the world; on gloo in 2D across nodes two, inside the sharding
+  group and across the replica group, as the accounting records them): the dense parameter bytes;
 * ``replica_sync`` (2D: all-reduce over the replica group every k steps): the rank's shard,
   T R (D + state) 4 / g, divided by k per step.
 """
