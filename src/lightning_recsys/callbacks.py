@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
+from lightning_recsys.parallel.input_guard import CoordinatedBatches
 from lightning_recsys.strategies import TwoDRecStrategy
 
 
@@ -54,8 +55,14 @@ class RunSummary(Callback):
     backward; the replica sync counts as optimizer), the bytes per step from the communication
     accounting, peak memory, and the final metrics. On CUDA every step end synchronizes the device,
     so the clock sees the kernels, not just their launch. Communication time is not split out: TorchRec's collectives are asynchronous and
-    overlap the compute around them, so their time sits inside forward and backward. Examples per
-    second also go to the progress bar as ``examples_per_sec``.
+    overlap the compute around them, so their time sits inside forward and backward. The summary's
+    examples count every rank's batches (one all-gather at the end of training), so ranks with
+    unequal batch sizes are counted right; the progress bar's live ``examples_per_sec`` assumes this
+    rank's batch size on every rank.
+
+    It also says what the run did not train on, where that is known: the steps the batch handshake
+    of ``TwoDRecStrategy`` skipped on every rank and the batches it dropped at uneven epoch ends,
+    and each rank's malformed input lines its train dataset skipped (a ``skipped_lines`` count).
 
     Args:
         json_path: also write the summary to this file (rank 0).
@@ -76,8 +83,13 @@ class RunSummary(Callback):
         self._totals = {"step": 0.0, "forward": 0.0, "backward": 0.0, "optimizer": 0.0}
         self._fit_steps = 0  # steps of this fit: a resumed fit starts at a global step > 0
         self._timed_steps = 0
+        self._timed_local_examples = 0  # this rank's batches; every rank's are summed at the end of training
         self._timed_examples = 0
         self._wall_seconds = 0.0
+        self._loader: CoordinatedBatches | None = None  # the train loader's handshake counts, banked when it is replaced
+        self._banked = (0, 0)
+        self._handshake: tuple[int, int] | None = None  # (skipped steps, dropped batches)
+        self._skipped_lines_by_rank: list[int | None] | None = None
         self._validated_at_step: int | None = None
         self._last_step_end: float | None = None
 
@@ -105,19 +117,45 @@ class RunSummary(Callback):
         self._fit_steps += 1
         previous_end, self._last_step_end = self._last_step_end, end
         step_time = end - marks["start"]
-        examples = int(getattr(batch, "batch_size", 0)) * trainer.world_size
+        local = int(getattr(batch, "batch_size", 0))
+        examples = local * trainer.world_size  # the live estimate; the summary sums every rank's at the end
         wall = end - previous_end if previous_end is not None else None
         if wall and examples:
             pl_module.log("examples_per_sec", examples / wall, prog_bar=True, on_step=True, on_epoch=False, logger=False)
         if self._fit_steps <= self.warmup_steps or wall is None:
             return
         self._timed_steps += 1
-        self._timed_examples += examples
+        self._timed_local_examples += local
         self._wall_seconds += wall
         self._totals["step"] += step_time
         self._totals["forward"] += marks["forward_end"] - marks["start"]
         self._totals["backward"] += marks["backward_end"] - marks["forward_end"]
         self._totals["optimizer"] += end - marks["backward_end"]
+
+    def on_train_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._note_handshake(trainer)  # a loader reloaded for the next epoch starts its counts again
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Here, not in on_fit_end: that runs after the strategy's teardown, without the process group.
+        self._note_handshake(trainer)
+        skipped = _skipped_lines(trainer.train_dataloader)
+        mine = torch.tensor(
+            [self._timed_local_examples, -1 if skipped is None else skipped], dtype=torch.int64, device=trainer.strategy.root_device
+        )
+        gathered = trainer.strategy.all_gather(mine) if trainer.world_size > 1 else mine
+        rows = gathered.reshape(-1, 2).tolist()
+        self._timed_examples = sum(examples for examples, _ in rows)
+        if any(lines >= 0 for _, lines in rows):
+            self._skipped_lines_by_rank = [lines if lines >= 0 else None for _, lines in rows]
+
+    def _note_handshake(self, trainer: Trainer) -> None:
+        loader = trainer.train_dataloader
+        if not isinstance(loader, CoordinatedBatches):
+            return
+        if self._loader is not None and loader is not self._loader:
+            self._banked = (self._banked[0] + self._loader.skipped_steps, self._banked[1] + self._loader.dropped_batches)
+        self._loader = loader
+        self._handshake = (self._banked[0] + loader.skipped_steps, self._banked[1] + loader.dropped_batches)
 
     def on_validation_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._last_step_end = None  # the next step's interval would include validation
@@ -128,6 +166,7 @@ class RunSummary(Callback):
 
     def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self.summary = self._build(trainer)
+        self._loader = None  # let the loader go with the fit
         if not trainer.is_global_zero:
             return
         print(format_summary(self.summary))
@@ -143,6 +182,7 @@ class RunSummary(Callback):
             "global_steps": trainer.global_step,
             "timed_steps": steps,
             "examples_per_sec": self._timed_examples / self._wall_seconds if steps and self._wall_seconds else None,
+            "examples_timed": self._timed_examples,  # every rank's batches in the timed steps
             "wall_seconds_timed": self._wall_seconds,
             "step_time_ms": per_step_ms.get("step"),
             "forward_ms": per_step_ms.get("forward"),
@@ -155,6 +195,10 @@ class RunSummary(Callback):
             },
             "val_metrics_step": self._validated_at_step,
         }
+        if self._handshake is not None:  # TwoDRecStrategy's batch handshake: the same counts on every rank
+            summary["skipped_steps"], summary["dropped_batches"] = self._handshake
+        if self._skipped_lines_by_rank is not None:
+            summary["skipped_input_lines_by_rank"] = self._skipped_lines_by_rank
         strategy = trainer.strategy
         if isinstance(strategy, TwoDRecStrategy):
             accounting = strategy.comm_accounting
@@ -189,6 +233,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("ranks", fmt(summary["world_size"])),
         ("steps (timed)", f"{summary['global_steps']} ({summary['timed_steps']})"),
         ("examples/s", fmt(summary["examples_per_sec"])),
+        ("examples (timed, all ranks)", f"{summary['examples_timed']:,}"),
         ("step time (ms)", fmt(summary["step_time_ms"])),
         ("  forward", fmt(summary["forward_ms"])),
         ("  backward (incl. fused embedding update)", fmt(summary["backward_ms"])),
@@ -204,6 +249,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         rows.append(("replica syncs (rank 0)", f"{sync['syncs']:,}"))
         rows.append(("  rows per sync (touched fraction)", f"{sync['rows_per_sync']:,.0f} of {sync['rows_total']:,} ({sync['touched_fraction']:.2%})"))
         rows.append(("  bytes per sync", f"{sync['bytes_per_sync']:,.0f}"))
+    if "skipped_steps" in summary:
+        rows.append(("steps skipped (empty or unequal batches)", f"{summary['skipped_steps']:,}"))
+        rows.append(("batches dropped (uneven epoch ends)", f"{summary['dropped_batches']:,}"))
+    if "skipped_input_lines_by_rank" in summary:
+        rows.append(("malformed input lines skipped", _describe_by_rank(summary["skipped_input_lines_by_rank"])))
     validated = summary.get("val_metrics_step")
     rows += [
         (name, fmt(value) + (f" (step {validated})" if name.startswith("val/") and validated is not None else ""))
@@ -211,6 +261,21 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     width = max(len(name) for name, _ in rows)
     return "Run summary\n" + "\n".join(f"  {name.ljust(width)}  {value}" for name, value in rows)
+
+
+def _describe_by_rank(counts: list[int | None]) -> str:
+    """``3 on every rank``, or the total and each rank's count (``n/a``: that rank's dataset counts none)."""
+    if None not in counts and len(set(counts)) == 1:
+        return f"{counts[0]:,} on every rank"
+    known = [c for c in counts if c is not None]
+    ranks = ", ".join("n/a" if c is None else f"{c:,}" for c in counts)
+    return f"{sum(known):,} in all (by rank: {ranks})" if len(counts) <= 8 else f"{sum(known):,} in all ({min(known):,} to {max(known):,} per rank)"
+
+
+def _skipped_lines(loader: Any) -> int | None:
+    """The train dataset's ``skipped_lines`` (malformed lines its reader skipped), if it counts them."""
+    count = getattr(getattr(loader, "dataset", None), "skipped_lines", None)
+    return count if isinstance(count, int) and not isinstance(count, bool) else None
 
 
 def _peak_memory_mib(device: torch.device) -> float:

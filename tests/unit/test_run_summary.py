@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from lightning.pytorch import Trainer
+from summary_helpers import summary_rows, write_criteo_tsv
 
-from lightning_recsys.callbacks import RunSummary
+from lightning_recsys.callbacks import RunSummary, format_summary
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.data.criteo import CriteoDataModule
 from lightning_recsys.models import DLRMRanker
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[20, 10], num_dense_features=3, global_batch_size=16, train_batches=10, val_batches=1)
@@ -44,3 +46,29 @@ def test_a_second_fit_reports_its_own_steps_only():
 def test_a_fit_without_steps_reports_no_timing():
     _, summary = _fit(0, enable_checkpointing=False)
     assert summary.summary["timed_steps"] == 0 and summary.summary["examples_per_sec"] is None
+
+
+def test_the_summary_reports_the_malformed_lines_the_reader_skipped_without_twod_rec(tmp_path):
+    # Before: 3 malformed lines were skipped (on_bad_line="skip") and the summary did not say so.
+    data = CriteoDataModule([write_criteo_tsv(tmp_path / "day_0.tsv", good=8, bad_at=(0, 3, 8))], table_sizes=10,
+                            global_batch_size=2, on_bad_line="skip", reader="python")
+    model = DLRMRanker(table_sizes=data.table_sizes, num_dense_features=data.num_dense_features, feature_names=data.feature_names,
+                       embedding_dim=4, dense_arch_layer_sizes=[4])
+    summary = RunSummary(warmup_steps=1)
+    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=1, limit_val_batches=0, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False, callbacks=[summary])
+    trainer.fit(model, datamodule=data)
+    assert trainer.global_step == 4
+    assert summary.summary["skipped_input_lines_by_rank"] == [3]
+    assert summary_rows(format_summary(summary.summary))["malformed input lines skipped"] == "3 on every rank"
+    # Lightning's own strategy: no batch handshake, so no skipped steps or dropped batches to report.
+    assert "skipped_steps" not in summary.summary and "dropped_batches" not in summary.summary
+    # One rank: its batch sizes are all the examples there are.
+    assert summary.summary["examples_timed"] == 2 * 3
+
+
+def test_a_dataset_without_skipped_lines_reports_none():
+    _, summary = _fit(4, enable_checkpointing=False)
+    assert "skipped_input_lines_by_rank" not in summary.summary
+    assert summary.summary["examples_timed"] == 2 * CONFIG.global_batch_size
+    assert "malformed input lines skipped" not in summary_rows(format_summary(summary.summary))
