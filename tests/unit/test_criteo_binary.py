@@ -299,3 +299,38 @@ def test_a_missing_day_of_any_split_the_stage_reads_is_refused_at_setup(npy_dir)
         with pytest.raises(FileNotFoundError, match=r"test_days=\[9\]\): .*day_9_dense.npy does not exist"):
             dm.setup(stage)
     CriteoBinaryDataModule(str(out), train_days=[0], val_days=[1], table_sizes=SIZES, global_batch_size=10).setup("fit")
+
+
+@pytest.mark.parametrize("crlf", [False, True])  # the pyarrow path and the exact line-by-line path
+@pytest.mark.parametrize("low", [-1, -(2**31)])
+def test_converter_dense_shift_does_not_wrap_near_int32_limits(tmp_path, crlf, low):
+    """``x - min + 2`` was computed in int32: with a day's minimum below 0 an integer near 2^31 - 1 wrapped
+    to a negative (NaN dense), and a minimum of -2^31 made ``np.int32(min - 2)`` raise OverflowError."""
+    rows = [_fields(random.Random(i), i) for i in range(6)]
+    rows[1][3] = str(2**31 - 1)
+    rows[2][5] = str(low)
+    path = tmp_path / "day_0"
+    path.write_bytes(("\r\n" if crlf else "\n").join("\t".join(f) for f in rows).encode() + b"\n")
+    convert_tsv_to_npy(str(path), str(tmp_path / "out"), 0, progress=False)
+    dense = np.load(day_file(tmp_path / "out", 0, "dense"))
+    raw = np.array([[int(x or "0") for x in f[1:14]] for f in rows], dtype=np.int64)
+    assert raw.min() == low
+    expected = np.log((raw - low + 2).astype(np.float32), dtype=np.float32)  # float32 as tsv_to_npys' np.log
+    assert np.isfinite(dense).all() and np.array_equal(dense, expected)
+
+
+def test_ids_modulo_a_table_size_above_2_to_the_31(tmp_path):
+    """A table of 2^31 + 5 rows: stored values up to 2^63 - 1 map to ``value % size`` without int32 wrapping."""
+    values = [0, 2**31 + 4, 2**31 + 5, 2**31 + 6, 2**32 + 17, 2**63 - 1]
+    rows = [_fields(random.Random(i), i) for i in range(len(values))]
+    for row, value in zip(rows, values):
+        row[14] = f"{value:x}"
+    path = tmp_path / "day_0"
+    path.write_text("".join("\t".join(f) + "\n" for f in rows))
+    convert_tsv_to_npy(str(path), str(tmp_path), 0, progress=False)
+    size = 2**31 + 5
+    ds = CriteoBinaryDataset(
+        CriteoBinaryConfig(path=str(tmp_path), train_days=[0], table_sizes=[size] + [97] * 25, global_batch_size=6), "train"
+    )
+    ids = next(iter(ds)).sparse["cat_0"].values()
+    assert ids.dtype == torch.int64 and ids.tolist() == [v % size for v in values]

@@ -374,7 +374,8 @@ def convert_tsv_to_npy(
     and spooled to disk, so memory stays bounded, and gzip is read directly. Malformed lines are
     handled as by the TSV readers (``on_bad_line``), where ``tsv_to_npys`` would raise or
     misread them; so is a line with a value the dtypes cannot hold (an integer outside int32, a
-    categorical above 2^63 - 1), which would otherwise wrap around.
+    categorical above 2^63 - 1), which would otherwise wrap around. ``x - min + 2`` is computed in
+    int64, where ``tsv_to_npys``' int32 wraps past 2^31 - 1 (a NaN dense).
     """
     from tqdm import tqdm
 
@@ -419,10 +420,12 @@ def convert_tsv_to_npy(
             for f in files.values():
                 f.close()
         tally.finish()
-        shift = np.int32(0 if low is None else low - 2)
-        # tsv_to_npys: dense -= dense.min() - 2; dense = np.log(dense, dtype=np.float32).
+        # tsv_to_npys: dense -= dense.min() - 2; dense = np.log(dense, dtype=np.float32). In int64 here: x - min + 2
+        # reaches 2^32 + 1 (int32 wrapped an integer near 2^31 - 1 to a negative, a NaN dense, and a minimum
+        # of -2^31 made the shift itself overflow); values that fit int32 come out exactly as tsv_to_npys' do.
+        shift = np.int64(0 if low is None else low - 2)
         _write_npy(day_file(out_dir, day, "dense"), np.float32, NUM_INTEGER_FEATURES, rows, bodies["dense"],
-                   transform=lambda x: np.log(x - shift, dtype=np.float32))
+                   transform=lambda x: np.log(x.astype(np.int64) - shift, dtype=np.float32))
         _write_npy(day_file(out_dir, day, "sparse"), np.int64, NUM_CATEGORICAL_FEATURES, rows, bodies["sparse"])
         _write_npy(day_file(out_dir, day, "labels"), np.int32, 1, rows, bodies["labels"])
     return rows
