@@ -218,6 +218,8 @@ class RunSummary(Callback):
                     "touched_fraction": totals.touched_fraction,
                     "bytes_per_sync": totals.bytes_per_sync,
                 }
+            elif strategy.runtime.nothing_to_sync:  # 2D, every table data_parallel: no sync ran, none was needed
+                summary["replica_sync"] = None
         return summary
 
 
@@ -244,7 +246,9 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "bytes_per_step" in summary:
         rows.append(("bytes/step (inter-node)", f"{summary['bytes_per_step']['payload']:,} ({summary['bytes_per_step']['inter_node']:,})"))
         rows += [(f"  {purpose}", f"{value:,}") for purpose, value in summary["bytes_per_step_by_purpose"].items()]
-    if "replica_sync" in summary:
+    if "replica_sync" in summary and summary["replica_sync"] is None:
+        rows.append(("replica syncs", "none (every table is data_parallel: nothing to sync)"))
+    elif "replica_sync" in summary:
         sync = summary["replica_sync"]
         rows.append(("replica syncs (rank 0)", f"{sync['syncs']:,}"))
         rows.append(("  rows per sync (touched fraction)", f"{sync['rows_per_sync']:,.0f} of {sync['rows_total']:,} ({sync['touched_fraction']:.2%})"))

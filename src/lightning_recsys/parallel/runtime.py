@@ -49,7 +49,8 @@ class ShardedRuntime:
         topology: the rank layout; its replica group (2D) gets a ``ReplicaSynchronizer``.
         embedding_optimizer: the tables' optimizer config (the data-parallel tables' torch optimizer
             and the base learning rate come from it).
-        replica_sync: what the replica sync averages and how often.
+        replica_sync: what the replica sync averages and how often (no synchronizer when every table
+            is ``data_parallel``: ``nothing_to_sync``).
         coordination_group: a CPU-capable group over every rank, for the non-finite guard.
     """
 
@@ -68,7 +69,10 @@ class ShardedRuntime:
         self._coordination_group = coordination_group
         replica_group = topology.replica_process_group()
         self.replica_sync: Optional[ReplicaSynchronizer] = None
-        if replica_group is not None:
+        # 2D with every table data_parallel: DDP keeps the tables equal on every rank, and a synchronizer
+        # would only run empty syncs (and report "0 of 0 rows"); there is none, as in 1D.
+        self.nothing_to_sync = replica_group is not None and not sharded.model_parallel_tables
+        if replica_group is not None and not self.nothing_to_sync:
             self.replica_sync = ReplicaSynchronizer.for_sharded_modules(
                 [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns],
                 sharded.fused_optimizer,
@@ -177,7 +181,8 @@ class ShardedRuntime:
 
     # ----------------------------------------------------------------- replica sync
     def sync(self) -> None:
-        """Average the replicas now, after applying an overlapped sync in flight (a no-op in 1D). Every rank must call it."""
+        """Average the replicas now, after applying an overlapped sync in flight (a no-op in 1D or with
+        ``nothing_to_sync``). Every rank must call it."""
         if self.replica_sync is not None:
             self.replica_sync.sync()
 
@@ -205,7 +210,8 @@ class ShardedRuntime:
 
     @property
     def sync_totals(self) -> Optional[SyncTotals]:
-        """Every replica sync so far on this rank: count, rows per sync, touched fraction, bytes (None in 1D)."""
+        """Every replica sync so far on this rank: count, rows per sync, touched fraction, bytes (None in 1D or
+        with ``nothing_to_sync``)."""
         return self.replica_sync.totals if self.replica_sync is not None else None
 
     def close(self) -> None:

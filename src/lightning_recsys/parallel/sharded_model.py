@@ -27,6 +27,7 @@ from torchrec.distributed.types import (
     ShardedModule,
     ShardingEnv,
     ShardingPlan,
+    ShardingType,
 )
 from torchrec.optim.keyed import KeyedOptimizer
 
@@ -57,6 +58,17 @@ class ShardedModel:
     def fused_optimizer(self) -> KeyedOptimizer:
         """The optimizer FBGEMM runs inside backward for the model-parallel tables."""
         return self.dmp.fused_optimizer
+
+    @property
+    def model_parallel_tables(self) -> list[str]:
+        """The tables planned other than ``data_parallel``: those whose shards a 2D replica sync averages."""
+        return [
+            name
+            for module_plan in self.plan.plan.values()
+            if isinstance(module_plan, EmbeddingModuleShardingPlan)
+            for name, sharding in module_plan.items()
+            if sharding.sharding_type != ShardingType.DATA_PARALLEL.value
+        ]
 
     def is_embedding_param(self, param: nn.Parameter) -> bool:
         return id(param) in self.embedding_param_ids

@@ -117,6 +117,11 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
         module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
         dense_grads_precision=codecs.effective.dense_grads,
     )
+    if not topology.is_1d and not sharded.model_parallel_tables:
+        rank_zero_info(
+            "TwoDRecStrategy: every table is data_parallel, so the replica sync has nothing to sync and is skipped "
+            "(DDP keeps data-parallel tables equal on every rank); replica_sync settings have no effect."
+        )
     if sharded.dense_all_reduce_staged:
         rank_zero_info(
             "TwoDRecStrategy: the dense gradients' all-reduce runs in two stages, inside each node's group and then "

@@ -392,13 +392,13 @@ class TwoDRecStrategy(
         """Average the embedding shards (and fused optimizer state) over the replica groups now.
 
         Runs automatically every ``replica_sync.every_n_steps`` steps and before evaluation, saves
-        and the end of training; a no-op in 1D. Every rank must call it.
+        and the end of training; a no-op in 1D or when every table is data_parallel. Every rank must call it.
         """
         self.runtime.sync()
 
     @property
     def replica_sync_stats(self) -> Optional[SyncStats]:
-        """The last replica sync on this rank: rows synced, touched fraction, bytes (None in 1D or before one)."""
+        """The last replica sync on this rank: rows synced, touched fraction, bytes (None in 1D, before one, or if all data_parallel)."""
         return self.runtime.last_sync_stats
 
     def _sync_if_pending(self) -> None:
