@@ -87,3 +87,68 @@ def test_several_kinds_of_mismatch_get_each_advice() -> None:
     saved = {**GOOD, f"model.{T0}": (6, 4), state_key(T0, ROWWISE_MOMENTUM): (6,), "model.over.weight": (2, 8)}
     fix = _fix(_message(saved))
     assert "num_embeddings" in fix and "layer" in fix
+
+
+# --------------------------------------------------------------------------- under a Trainer (DCPCheckpointIO)
+STRICT_LOADING_ADVICE = "strict=False is the LightningModule's `strict_loading = False`"
+
+
+def _trainer_message(monkeypatch, saved: dict[str, tuple[int, ...]], saved_optimizer: str = "rowwise_adagrad") -> str:
+    """The error DCPCheckpointIO.load_checkpoint raises for this mismatch (the Trainer's remedies appended)."""
+    from types import SimpleNamespace
+
+    from lightning_recsys.strategies import checkpoint_io
+
+    def mismatch(path, **kwargs):
+        metadata = Metadata(state_dict_metadata={
+            k: TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size(s), chunks=[])
+            for k, s in saved.items()
+        })
+        check_entries(_entries(), metadata, path=Path(path), strict=kwargs["strict"], optimizer_name="rowwise_adagrad",
+                      saved_optimizer={"name": saved_optimizer})
+        raise AssertionError("no mismatch")
+
+    monkeypatch.setattr(checkpoint_io, "load_checkpoint", mismatch)
+    monkeypatch.setattr(checkpoint_io, "read_meta", lambda path: SimpleNamespace(embedding_optimizer={"name": saved_optimizer}))
+    source = SimpleNamespace(
+        topology=None, load_strictly=lambda: True, restores_optimizer_state=lambda: True,
+        sharded_checkpoint_state=lambda: SimpleNamespace(embedding_optimizer=SimpleNamespace(name="rowwise_adagrad")),
+    )
+    io = checkpoint_io.DCPCheckpointIO()
+    io.connect(source)  # type: ignore[arg-type]
+    with pytest.raises(CheckpointMismatchError) as info:
+        io.load_checkpoint("/ckpt")
+    return str(info.value)
+
+
+def test_under_a_trainer_missing_optimizer_state_does_not_suggest_strict_loading(monkeypatch) -> None:
+    """strict_loading = False does not skip embedding optimizer state: the line sent users to a setting that fails the same way."""
+    message = _trainer_message(monkeypatch, {k: v for k, v in GOOD.items() if "embedding_optimizer" not in k})
+    assert STRICT_LOADING_ADVICE not in message
+    assert "`strict_loading = False` does not skip" in message and "load_unsharded" in message
+    assert "EmbeddingOptimizerConfig(name=" not in message  # the same optimizer: switching would not help
+
+
+def test_under_a_trainer_another_embedding_optimizer_does_not_suggest_strict_loading(monkeypatch) -> None:
+    saved = {k: v for k, v in GOOD.items() if "embedding_optimizer" not in k} | {state_key(T0, "momentum1"): (5, 4)}
+    message = _trainer_message(monkeypatch, saved, saved_optimizer="adagrad")
+    assert STRICT_LOADING_ADVICE not in message
+    assert "EmbeddingOptimizerConfig(name='adagrad')" in message and "load_unsharded" in message
+
+
+def test_under_a_trainer_a_resized_table_does_not_suggest_strict_loading(monkeypatch) -> None:
+    message = _trainer_message(monkeypatch, {**GOOD, f"model.{T0}": (6, 4), state_key(T0, ROWWISE_MOMENTUM): (6,)})
+    assert STRICT_LOADING_ADVICE not in message and "num_embeddings" in message
+
+
+@pytest.mark.parametrize(
+    "saved",
+    [
+        {k: v for k, v in GOOD.items() if k != "model.over.weight"},  # a dense key missing
+        {k.replace(".t0.", ".t0_old."): v for k, v in GOOD.items()},  # a renamed (missing) table
+        {**GOOD, "model.extra.bias": (3,)},  # a key the model lacks
+    ],
+    ids=["missing-dense-key", "missing-table", "extra-key"],
+)
+def test_under_a_trainer_keys_on_one_side_suggest_strict_loading(monkeypatch, saved) -> None:
+    assert STRICT_LOADING_ADVICE in _trainer_message(monkeypatch, saved)

@@ -40,7 +40,24 @@ _ADVICE = {
 
 
 class CheckpointMismatchError(ValueError):
-    """The checkpoint's keys or global shapes do not match the state it is being loaded into."""
+    """The checkpoint's keys or global shapes do not match the state it is being loaded into.
+
+    ``kinds``: the kinds of mismatch found, so callers can give only the remedies that apply.
+    """
+
+    def __init__(self, message: str, kinds: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.kinds = frozenset(kinds)
+
+    @property
+    def strict_false_skips(self) -> bool:
+        """Whether ``strict=False`` would skip a mismatch found (a key or table on one side only)."""
+        return bool(self.kinds & {_ONE_SIDE, _MISSING_TABLE})
+
+    @property
+    def optimizer_state(self) -> bool:
+        """Whether embedding optimizer state is missing (``strict=False`` does not skip it)."""
+        return _OPTIMIZER in self.kinds
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,7 +161,8 @@ def check_entries(
         raise CheckpointMismatchError(
             f"checkpoint {str(path)!r} does not match the state it is being loaded into "
             f"({len(problems)} problem{'s' if len(problems) > 1 else ''}):\n{lines}\n"
-            f"{_how_to_fix(kinds, optimizer_name, saved_optimizer)}"
+            f"{_how_to_fix(kinds, optimizer_name, saved_optimizer)}",
+            kinds,
         )
     return to_load
 

@@ -109,7 +109,8 @@ class DCPCheckpointIO(CheckpointIO):
             )
         except CheckpointMismatchError as error:
             # Its remedies name load_checkpoint()'s arguments, which a Trainer call cannot pass.
-            raise CheckpointMismatchError(f"{error}\n{_trainer_remedies(path, state.embedding_optimizer.name)}") from error
+            remedies = _trainer_remedies(path, state.embedding_optimizer.name, error)
+            raise CheckpointMismatchError(f"{error}\n{remedies}" if remedies else str(error), error.kinds) from error
         assert loaded.host_state is not None
         return dict(loaded.host_state)
 
@@ -137,18 +138,37 @@ class DCPCheckpointIO(CheckpointIO):
         return self._source
 
 
-def _trainer_remedies(path: Any, optimizer: str) -> str:
-    """What a Trainer user can do about a ``CheckpointMismatchError`` (the Trainer-free remedies are arguments)."""
+_WEIGHTS_ONLY = (
+    "start a new fit from its weights only (build the model with real, not meta, tables, "
+    "lightning_recsys.checkpoint.load_unsharded(path, model), then fit without ckpt_path). "
+    "validate/test/predict(ckpt_path=...) read the weights only."
+)
+
+
+def _trainer_remedies(path: Any, optimizer: str, error: CheckpointMismatchError) -> str:
+    """What a Trainer user can do about ``error`` (the Trainer-free remedies are arguments); "" if nothing applies."""
     try:
         saved = read_meta(path).embedding_optimizer.get("name")
     except Exception:  # noqa: BLE001 - only for the message
         saved = None
-    lines = ["Under a Trainer: strict=False is the LightningModule's `strict_loading = False`."]
-    if saved is not None and saved != optimizer:
+    lines = []
+    # strict_loading = False skips only keys on one side; saying it for a resized table or missing
+    # optimizer state sent users to a setting that fails the same way.
+    if error.strict_false_skips:
+        lines.append("Under a Trainer: strict=False is the LightningModule's `strict_loading = False`.")
+    other_optimizer = saved is not None and saved != optimizer
+    if error.optimizer_state or other_optimizer:
+        if not lines:
+            lines.append("Under a Trainer:")
         lines.append(
-            f"The checkpoint's embedding optimizer is {saved!r}, this strategy's {optimizer!r}, and fit(ckpt_path=...) restores "
-            f"optimizer state: resume with EmbeddingOptimizerConfig(name={saved!r}), or start a new fit from its weights only "
-            "(build the model with real, not meta, tables, lightning_recsys.checkpoint.load_unsharded(path, model), then "
-            "fit without ckpt_path). validate/test/predict(ckpt_path=...) read the weights only."
+            "`strict_loading = False` does not skip embedding optimizer state, and fit(ckpt_path=...) restores it "
+            "(load_embedding_optimizer_state is not a Trainer argument):"
         )
+        if other_optimizer:
+            lines.append(
+                f"the checkpoint's embedding optimizer is {saved!r}, this strategy's {optimizer!r}: resume with "
+                f"EmbeddingOptimizerConfig(name={saved!r}), or {_WEIGHTS_ONLY}"
+            )
+        else:
+            lines.append(_WEIGHTS_ONLY)
     return " ".join(lines)
