@@ -235,7 +235,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("ranks", fmt(summary["world_size"])),
         ("steps (timed)", f"{summary['global_steps']} ({summary['timed_steps']})"),
         ("examples/s", fmt(summary["examples_per_sec"])),
-        ("examples (timed, all ranks)", f"{summary['examples_timed']:,}"),
+        *([("examples (timed, all ranks)", f"{summary['examples_timed']:,}")] if "examples_timed" in summary else []),
         ("step time (ms)", fmt(summary["step_time_ms"])),
         ("  forward", fmt(summary["forward_ms"])),
         ("  backward (incl. fused embedding update)", fmt(summary["backward_ms"])),
