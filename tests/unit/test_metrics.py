@@ -123,16 +123,23 @@ def test_metrics_reject_logits_and_labels_of_different_sizes(metric_type):
         metric_type().update(torch.zeros(3), torch.zeros(2))
 
 
-def _logged_and_expected(stage: Literal["val", "test"]) -> tuple[dict[str, float], dict[str, float]]:
-    """Run one validate/test epoch of a small DLRMRanker; return what it logged and what it should have."""
-    config = SyntheticClickLogConfig(table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=3, test_batches=3)
+def _evaluate_small_ranker(cls: type[DLRMRanker], stage: Literal["val", "test"], *, num_batches: int) -> tuple[DLRMRanker, dict, list]:
+    """One validate/test epoch of a small ``cls`` ranker on one process: the model, what it logged, the batches."""
+    config = SyntheticClickLogConfig(
+        table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=num_batches, test_batches=num_batches
+    )
     torch.manual_seed(0)
-    model = DLRMRanker(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
+    model = cls(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
     data = SyntheticClickLogDataModule(config)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     run = trainer.validate if stage == "val" else trainer.test
-    logged = run(model, datamodule=data)[0]
-    batches = [data.log.global_batch(stage, i) for i in range(3)]
+    logged = run(model, datamodule=data, verbose=False)[0]
+    return model, logged, [data.log.global_batch(stage, i) for i in range(num_batches)]
+
+
+def _logged_and_expected(stage: Literal["val", "test"]) -> tuple[dict[str, float], dict[str, float]]:
+    """Run one validate/test epoch of a small DLRMRanker; return what it logged and what it should have."""
+    model, logged, batches = _evaluate_small_ranker(DLRMRanker, stage, num_batches=3)
     with torch.no_grad():
         logits = torch.cat([model(b) for b in batches]).double()
     labels = torch.cat([b.labels for b in batches]).double()
@@ -269,14 +276,7 @@ class _CertainDLRM(DLRMRanker):
 def test_evaluation_loss_of_correct_infinite_logits_is_zero(stage):
     # F.binary_cross_entropy_with_logits computes (1 - y) * x: 0 * inf = NaN for +inf on a click, and
     # -inf + inf for -inf on a non-click, so {stage}/loss was NaN for a correct, certain prediction.
-    config = SyntheticClickLogConfig(table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=2, test_batches=2)
-    torch.manual_seed(0)
-    model = _CertainDLRM(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
-    data = SyntheticClickLogDataModule(config)
-    trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-    run = trainer.validate if stage == "val" else trainer.test
-    logged = run(model, datamodule=data, verbose=False)[0]
-    batches = [data.log.global_batch(stage, i) for i in range(2)]
+    model, logged, batches = _evaluate_small_ranker(_CertainDLRM, stage, num_batches=2)
     with torch.no_grad():
         logits = torch.cat([model(b) for b in batches])
     labels = torch.cat([b.labels for b in batches])
