@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
+from lightning_recsys.parallel import sync_gather
 from lightning_recsys.parallel.sync_gather import GatheredSync
 from lightning_recsys.parallel.touched_rows import Table
 
@@ -53,19 +54,23 @@ def _touch(table: Table, rows: torch.Tensor, changes: list[torch.Tensor]) -> Non
         t.index_add_(0, rows, change)
 
 
-def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap: bool, defer: bool = False) -> dict:
+def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap: bool, defer: bool = False, pieces: int = 1) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+    sync_gather.MIN_PIECE_BYTES = 64  # these tables' buffers are a few hundred bytes: let them split
     tables = _tables()
     rows = [_touched(rank, k) for k in range(len(tables))]
     for k, table in enumerate(tables):
         _touch(table, rows[k], [_change(rank, k, i, (rows[k].numel(), *t.shape[1:])) for i, t in enumerate(table.tensors)])
     at_launch = [[t.clone() for t in table.tensors] for table in tables]
     sync = GatheredSync(
-        tables, rows, dist.group.WORLD, world, weight_precision=precision, overlap=overlap, count_aware=count_aware, defer_exchange=defer
+        tables, rows, dist.group.WORLD, world, weight_precision=precision, overlap=overlap, count_aware=count_aware,
+        defer_exchange=defer, exchange_pieces=pieces,
     )
     payload_at_launch = sync.payload_bytes
-    if defer:
-        sync.progress()  # what ReplicaSynchronizer.step_ended does a step after the launch
+    payload_after_progress = []
+    for _ in range(pieces if defer else 0):
+        sync.progress()  # what ReplicaSynchronizer.step_ended does at each step after the launch
+        payload_after_progress.append(sync.payload_bytes)
     later = {}
     if overlap:  # a step runs while the exchange is in flight: it touches rows 0-2 of table 0 (a new interval)
         later_rows = torch.arange(3)
@@ -79,6 +84,7 @@ def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap:
         "rows_synced": sync.rows_synced,
         "payload": sync.payload_bytes,
         "payload_at_launch": payload_at_launch,
+        "payload_after_progress": payload_after_progress,
         "deferred_payload": sync.deferred_payload_bytes,
         "captured": captured,
     }
@@ -151,6 +157,26 @@ def test_a_deferred_exchange_sends_only_the_counts_at_launch_and_writes_the_same
         for k in range(len(ROWS)):
             for a, b in zip(deferred[rank]["after"][k], immediate[rank]["after"][k]):
                 assert torch.equal(a, b), (rank, k)
+
+
+def test_a_deferred_exchange_in_pieces_sends_one_piece_per_progress_and_writes_the_same_values():
+    immediate = run_ranks(_exchange, WORLD, "fp8", False, True, timeout=120)
+    in_pieces = run_ranks(_exchange, WORLD, "fp8", False, True, True, 3, timeout=120)
+    for rank in range(WORLD):
+        counts_bytes = 8 * len(ROWS)
+        sent = [counts_bytes, *in_pieces[rank]["payload_after_progress"]]
+        pieces = [b - a for a, b in zip(sent, sent[1:])]
+        assert len(pieces) == 3 and all(p > 0 for p in pieces), (rank, sent)
+        assert max(pieces) - min(pieces) <= 1, (rank, pieces)  # equal pieces, whatever the rank sent
+        assert in_pieces[rank]["payload"] == immediate[rank]["payload"], rank
+        for k in range(len(ROWS)):
+            for a, b in zip(in_pieces[rank]["after"][k], immediate[rank]["after"][k]):
+                assert torch.equal(a, b), (rank, k)
+
+
+def test_exchange_pieces_need_a_deferred_exchange():
+    with pytest.raises(ValueError, match="exchange_pieces=3: must be 1, or more with defer_exchange=True"):
+        GatheredSync(_tables(), [torch.arange(2), torch.arange(1)], None, 2, weight_precision="bf16", overlap=True, exchange_pieces=3)  # type: ignore[arg-type]
 
 
 def _nothing_touched(rank: int, world: int) -> tuple[int, int]:

@@ -336,11 +336,13 @@ class ReplicaSynchronizer:
                 # A delta sync captured every touched row's base at first touch: those rows are the touched rows.
                 tables.append(table)
                 rows.append(table.bases()[0])
+        defer = overlap and self.config.every_n_steps > 1
         gathered = GatheredSync(
             tables, rows, self._group, self._num_replicas, weight_precision=self.config.precision, overlap=overlap,
             count_aware=self.count_aware,
-            # Sizing the buffers waits on the network; with an interval of 2 or more steps that wait moves a step later.
-            defer_exchange=overlap and self.config.every_n_steps > 1,
+            # Sizing the buffers waits on the network; with an interval of 2 or more steps that wait moves a step later,
+            # and the changes travel in a piece per remaining step, so no step's dense all-reduce queues behind all of them.
+            defer_exchange=defer, exchange_pieces=self.config.every_n_steps - 1 if defer else 1,
         )
         for tracker in self._trackers:
             tracker.clear()  # a new interval starts (the bases were taken)

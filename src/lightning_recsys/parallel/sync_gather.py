@@ -9,6 +9,9 @@ rows; the row's value for rows it did not touch). There is no union agreement: o
 all-gather of per-table row counts sizes the buffers, and the buffers' all-gather can run in the
 background (``overlap``). With ``defer_exchange`` the counts' all-gather runs in the background too
 and the buffers' starts at ``progress()`` (the next step's end), so a launch never waits on the network.
+With ``exchange_pieces`` > 1 the buffers go in that many all-gathers, one per ``progress()``: the
+link carries a piece during a step's forward instead of the whole sync in one burst that the step's
+dense all-reduce would queue behind (on a shaped 200 Mbit/s link that burst held up a backward by 20 ms).
 
 Buffer layout, per table in the trackers' order: the row ids, then per synced tensor the encoded
 changes; each section padded to 8 bytes so it can be viewed in its dtype. Every replica computes
@@ -31,6 +34,7 @@ from lightning_recsys.parallel.codecs import BlockScaledCodec
 from lightning_recsys.parallel.touched_rows import Table
 
 _ALIGN = 8
+MIN_PIECE_BYTES = 64 * 1024  # a smaller piece is not worth a collective of its own
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -83,12 +87,17 @@ class GatheredSync:
         overlap: bool,
         count_aware: bool = False,
         defer_exchange: bool = False,
+        exchange_pieces: int = 1,
     ) -> None:
         """``rows[k]``: the sorted table-local rows this replica touched in ``tables[k]`` (their bases captured).
 
         ``defer_exchange`` (with ``overlap``): the counts' all-gather runs in the background too, and the
         changes' all-gather starts at ``progress()``, so launching never waits on the network.
+        ``exchange_pieces`` (with ``defer_exchange``): send the changes in up to this many all-gathers of at
+        least ``MIN_PIECE_BYTES``, one per ``progress()`` call; ``wait()`` sends what is left.
         """
+        if exchange_pieces < 1 or (exchange_pieces > 1 and not defer_exchange):
+            raise ValueError(f"exchange_pieces={exchange_pieces}: must be 1, or more with defer_exchange=True")
         self._tables = tables
         self._num_replicas = num_replicas
         self._me = dist.get_rank(group)  # this replica's buffer in the gathered list
@@ -101,21 +110,24 @@ class GatheredSync:
         ]
         self._rows = rows
         self._bases: list[list[torch.Tensor]] = []
-        pieces: list[torch.Tensor] = []
+        encoded: list[torch.Tensor] = []
         for table, table_rows, sections in zip(tables, rows, self._sections):
             bases = _own_bases(table, table_rows)
             self._bases.append(bases)
-            pieces.append(table_rows.to(self._id_dtype).view(torch.uint8))
+            encoded.append(table_rows.to(self._id_dtype).view(torch.uint8))
             for t, base, section in zip(table.tensors, bases, sections):
                 deltas = t.index_select(0, table_rows).float().sub_(base.float())
-                pieces.append(section.encode(deltas))
+                encoded.append(section.encode(deltas))
         counts = torch.tensor([r.numel() for r in rows], dtype=torch.int64, device=device)
         self._gathered_counts = [torch.empty_like(counts) for _ in range(num_replicas)]
         self._counts_work: Optional[Any] = dist.all_gather(self._gathered_counts, counts, group=group, async_op=defer_exchange)
-        self._pieces: Optional[list[torch.Tensor]] = pieces  # encoded, waiting for the buffers' size
+        self._encoded: Optional[list[torch.Tensor]] = encoded  # encoded, waiting for the buffers' size
         self._group = group
         self._received: list[torch.Tensor] = []
-        self._work: Optional[Any] = None
+        self._send = torch.empty(0, dtype=torch.uint8, device=device)
+        self._max_pieces = exchange_pieces
+        self._piece_bounds: list[int] = []  # byte offsets of the pieces not sent yet (first: the next piece's start)
+        self._works: list[Any] = []
         self.payload_bytes = counts.numel() * counts.element_size()  # plus the buffer's once it is sent
         self.deferred_payload_bytes = 0  # the part of payload_bytes sent after the constructor returned
         self.rows_synced = 0  # the union's rows, known once applied
@@ -125,30 +137,47 @@ class GatheredSync:
         self._launched = True
 
     def progress(self) -> None:
-        """Start the changes' all-gather if it waits for the counts (``defer_exchange``): a step after launch, when
-        they have arrived. Every replica calls it at the same point (``ReplicaSynchronizer.step_ended``)."""
-        if self._pieces is not None:
-            self._exchange()
+        """Send the changes' next piece (``defer_exchange``): the first a step after launch, when the counts have
+        arrived. Every replica calls it at the same points (``ReplicaSynchronizer.step_ended``)."""
+        if self._encoded is not None:
+            self._build_buffers()
+        if len(self._piece_bounds) > 1:
+            self._send_piece()
 
     def _exchange(self) -> None:
-        pieces, self._pieces = self._pieces, None
-        assert pieces is not None
+        self._build_buffers()
+        while len(self._piece_bounds) > 1:
+            self._send_piece()
+
+    def _build_buffers(self) -> None:
+        encoded, self._encoded = self._encoded, None
+        assert encoded is not None
         if self._counts_work is not None:
             self._counts_work.wait()
             self._counts_work = None
         self._counts = torch.stack(self._gathered_counts).tolist()
         sizes = [self._buffer_bytes(c) for c in self._counts]
-        send = torch.zeros(max(sizes), dtype=torch.uint8, device=self._device)
+        send = self._send = torch.zeros(max(sizes), dtype=torch.uint8, device=self._device)
         offset = 0
-        for piece in pieces:
+        for piece in encoded:
             send[offset : offset + piece.numel()] = piece
             offset = _aligned(offset + piece.numel())
         self._received = [torch.empty_like(send) for _ in range(self._num_replicas)]
-        if send.numel():  # every replica sees the same counts: all skip together when no replica touched a row
-            self._work = dist.all_gather(self._received, send, group=self._group, async_op=self._overlap)
-        self.payload_bytes += send.numel()
+        # Every replica sees the same counts, so the same pieces (none when no replica touched a row).
+        count = max(1, min(self._max_pieces, send.numel() // MIN_PIECE_BYTES))
+        self._piece_bounds = [send.numel() * i // count for i in range(count + 1)] if send.numel() else []
+
+    def _send_piece(self) -> None:
+        start, end = self._piece_bounds[0], self._piece_bounds[1]
+        self._piece_bounds.pop(0)
+        work = dist.all_gather(
+            [buffer[start:end] for buffer in self._received], self._send[start:end], group=self._group, async_op=self._overlap
+        )
+        if self._overlap:
+            self._works.append(work)
+        self.payload_bytes += end - start
         if self._launched:
-            self.deferred_payload_bytes += send.numel()
+            self.deferred_payload_bytes += end - start
 
     def _buffer_bytes(self, counts: list[int]) -> int:
         total = 0
@@ -158,11 +187,14 @@ class GatheredSync:
 
     def wait(self) -> None:
         """Wait for the all-gather (raises if a peer failed or the group timed out)."""
-        if self._pieces is not None:
-            self._exchange()
-        work, self._work = self._work, None
-        if work is not None and self._overlap:
+        if self._encoded is not None:
+            self._build_buffers()
+        while len(self._piece_bounds) > 1:
+            self._send_piece()
+        works, self._works = self._works, []
+        for work in works:
             work.wait()
+        self._send = self._send[:0]
 
     @torch.no_grad()
     def apply(self) -> None:
@@ -178,7 +210,7 @@ class GatheredSync:
                 continue
             union, inverse = torch.unique(ids, return_inverse=True)
             union_rows += int(union.numel())
-            pieces = inverse.split([int(rows.numel()) for rows in sent])
+            positions = inverse.split([int(rows.numel()) for rows in sent])
             divisor: torch.Tensor | int = self._num_replicas
             if self._count_aware:
                 divisor = torch.bincount(inverse, minlength=union.numel()).float()
@@ -191,10 +223,10 @@ class GatheredSync:
                         moved = (where[hit], hit, captured_values)
             for i, t in enumerate(table.tensors):
                 summed = torch.zeros((union.numel(), *t.shape[1:]), dtype=torch.float32, device=t.device)
-                for per_replica, where in zip(decoded, pieces):
+                for per_replica, where in zip(decoded, positions):
                     summed.index_add_(0, where, per_replica[k][1][i])  # in replica order: the same sum everywhere
                 average = summed.div_(divisor.view(-1, *([1] * (t.dim() - 1))) if isinstance(divisor, torch.Tensor) else divisor)
-                _write_average(t, union, pieces[self._me], self._bases[k][i], average, moved, i)
+                _write_average(t, union, positions[self._me], self._bases[k][i], average, moved, i)
         self.rows_synced = union_rows
 
     def _decode(self, buffer: torch.Tensor, counts: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
