@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from lightning_recsys.parallel.replica_sync import _buckets, _unique_floating
@@ -71,3 +72,22 @@ def test_run_summary_says_which_step_the_validation_metrics_describe():
     lines = format_summary(summary).splitlines()
     assert next(line for line in lines if "val/auc" in line).endswith("0.66 (step 13)")
     assert next(line for line in lines if "train/loss" in line).endswith("0.5")
+
+
+def test_an_overlapped_sync_is_split_into_shares_of_about_equal_bytes_that_cover_every_value_once():
+    from lightning_recsys.parallel import sync_deltas
+
+    chunks = [torch.arange(100, dtype=torch.float32), torch.arange(100, 130, dtype=torch.float32), torch.arange(7, dtype=torch.bfloat16)]
+    old = sync_deltas.MIN_PIECE_BYTES
+    try:
+        sync_deltas.MIN_PIECE_BYTES = 64
+        shares = sync_deltas._split_shares(chunks, 4)
+        sizes = [sum(c.numel() * c.element_size() for c in share) for share in shares]
+        assert len(shares) == 4 and sum(sizes) == 100 * 4 + 30 * 4 + 7 * 2 and max(sizes) - min(sizes) <= 3 * 4, sizes  # within a few values
+        assert torch.equal(torch.cat([c.float() for share in shares for c in share]), torch.cat([c.float() for c in chunks]))
+        sync_deltas.MIN_PIECE_BYTES = 200  # 534 bytes: two shares at most
+        assert len(sync_deltas._split_shares(chunks, 4)) == 2
+    finally:
+        sync_deltas.MIN_PIECE_BYTES = old
+    with pytest.raises(ValueError, match="pieces=3: must be 1, or more with async_op=True"):
+        sync_deltas.InFlightSync([], None, 2, bucket_bytes=1024, async_op=False, pieces=3)  # type: ignore[arg-type]

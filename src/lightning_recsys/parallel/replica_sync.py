@@ -205,8 +205,7 @@ class ReplicaSynchronizer:
         Returns whether a sync was started."""
         with comm_purpose("replica_sync"):
             for part in self._in_flight:
-                if isinstance(part, GatheredSync):
-                    part.progress()  # a deferred exchange starts a step after its launch
+                part.progress()  # the next piece of an overlapped sync goes out a step after the last
         self.steps_since_sync += 1
         if self.steps_since_sync >= self.config.every_n_steps:
             self._finish()  # an overlapped sync had the whole interval to complete
@@ -317,7 +316,10 @@ class ReplicaSynchronizer:
             items += self._table_items(union, counts, overlap)
             for tracker in self._trackers:
                 tracker.clear()  # a new interval starts: later lookups (and captured bases) belong to the next sync
-        in_flight = InFlightSync(items, self._group, self._num_replicas, bucket_bytes=self._bucket_bytes, async_op=overlap)
+        in_flight = InFlightSync(
+            items, self._group, self._num_replicas, bucket_bytes=self._bucket_bytes, async_op=overlap,
+            pieces=self.config.every_n_steps if overlap else 1,  # one share now, one at each of the interval's other step ends
+        )
         payload += in_flight.payload_bytes
         parts: list[InFlightSync | GatheredSync] = [in_flight] if gathered is None else [in_flight, gathered]
         if overlap:

@@ -9,6 +9,8 @@ all-reduce over the replica group (asynchronous with overlap) and every replica 
 
 With overlap the rows may have changed since they were sent; the change is kept:
 ``row = synced + (row_now - sent)``. A row nobody changed meanwhile gets exactly ``synced``.
+With ``pieces`` > 1 the all-reduces start in that many shares, the first at launch and one per
+``progress()``, so no step's dense all-reduce queues behind the whole sync on a shared link.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import torch
 import torch.distributed as dist
 
 from lightning_recsys.parallel.touched_rows import Table
+
+MIN_PIECE_BYTES = 64 * 1024  # a smaller share is not worth a collective of its own
 
 
 @dataclass
@@ -40,12 +44,25 @@ class InFlightSync:
     """The all-reduces of one sync, launched; ``apply()`` waits for them and writes the average."""
 
     def __init__(
-        self, items: list[SyncItem], group: dist.ProcessGroup, num_replicas: int, *, bucket_bytes: int, async_op: bool
+        self,
+        items: list[SyncItem],
+        group: dist.ProcessGroup,
+        num_replicas: int,
+        *,
+        bucket_bytes: int,
+        async_op: bool,
+        pieces: int = 1,
     ) -> None:
+        """``pieces`` (with ``async_op``): start the all-reduces in up to this many shares of at least
+        ``MIN_PIECE_BYTES``, the first now and one per ``progress()`` call; ``wait()`` starts what is left."""
+        if pieces < 1 or (pieces > 1 and not async_op):
+            raise ValueError(f"pieces={pieces}: must be 1, or more with async_op=True")
         self._num_replicas = num_replicas
+        self._group = group
         self.payload_bytes = 0
         self._groups: list[tuple[list[SyncItem], torch.Tensor]] = []
         self._works: list[Any] = []
+        chunks: list[torch.Tensor] = []
         by_dtype: dict[torch.dtype, list[SyncItem]] = {}
         for item in items:
             by_dtype.setdefault(item.tensor.dtype if item.send is None else item.send.dtype, []).append(item)
@@ -59,16 +76,33 @@ class InFlightSync:
                 else:
                     piece.copy_(item.send.reshape(-1))
                 item.send = None  # the flat buffer holds it now; drop the extra copy
-            chunk = max(1, bucket_bytes // flat.element_size())
-            for piece in flat.split(chunk):
-                work = dist.all_reduce(piece, group=group, async_op=async_op)
-                if async_op:
-                    self._works.append(work)
+            chunks += flat.split(max(1, bucket_bytes // flat.element_size()))
             self.payload_bytes += flat.numel() * flat.element_size()
             self._groups.append((dtype_items, flat))
+        self._shares = _split_shares(chunks, pieces)  # every replica has the same items, so the same shares
+        self._async_op = async_op
+        self.shares_started = 0
+        self._start_share()
+        if not async_op:
+            while self._shares:
+                self._start_share()
+
+    def progress(self) -> None:
+        """Start the next share of the all-reduces (``pieces``); every replica calls it at the same points."""
+        if self._shares:
+            self._start_share()
+
+    def _start_share(self) -> None:
+        self.shares_started += 1
+        for chunk in self._shares.pop(0) if self._shares else []:
+            work = dist.all_reduce(chunk, group=self._group, async_op=self._async_op)
+            if self._async_op:
+                self._works.append(work)
 
     def wait(self) -> None:
-        """Wait for the collectives (raises if a peer failed or the group timed out)."""
+        """Start what is left, then wait for the collectives (raises if a peer failed or the group timed out)."""
+        while self._shares:
+            self._start_share()
         works, self._works = self._works, []
         for work in works:
             work.wait()
@@ -103,6 +137,25 @@ class InFlightSync:
                 else:
                     t.index_copy_(0, item.rows, new)
         self._groups = []
+
+
+def _split_shares(chunks: list[torch.Tensor], pieces: int) -> list[list[torch.Tensor]]:
+    """``chunks`` (1-D) cut into up to ``pieces`` shares of about equal bytes, each at least ``MIN_PIECE_BYTES``."""
+    total = sum(c.numel() * c.element_size() for c in chunks)
+    count = max(1, min(pieces, total // MIN_PIECE_BYTES))
+    target = -(-total // count)
+    shares: list[list[torch.Tensor]] = [[]]
+    room = target
+    for chunk in chunks:
+        while chunk.numel():
+            if room <= 0:
+                shares.append([])
+                room = target
+            take = min(chunk.numel(), max(1, room // chunk.element_size()))
+            shares[-1].append(chunk[:take])
+            room -= take * chunk.element_size()
+            chunk = chunk[take:]
+    return [share for share in shares if share]
 
 
 def _numel(item: SyncItem) -> int:
