@@ -24,7 +24,8 @@ class ReplicaSyncConfig:
             it at the end of the interval's last step, just before the next sync, keeping the
             updates made meanwhile (``row = average(sent) + (row - sent)``): the tables see each
             average ``every_n_steps`` steps late, and the all-reduce has the whole interval to
-            complete. Costs the synced rows' values twice in memory until applied (with
+            complete (it starts in a share per step, so no step's dense all-reduce queues behind
+            the whole sync on a shared link). Costs the synced rows' values twice in memory until applied (with
             ``rows="all"``, twice the shard). Forced syncs apply a sync in flight first. Default
             False (blocking).
         precision: what the sync sends for the weights: ``"fp32"`` (default) the rows' values;
