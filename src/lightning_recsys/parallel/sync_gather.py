@@ -219,8 +219,9 @@ class GatheredSync:
                 captured, captured_values = table.bases()
                 if captured.numel():
                     where, hit = _lookup(union, captured)
-                    if bool(hit.any()):
-                        moved = (where[hit], hit, captured_values)
+                    hit_rows = hit.nonzero().squeeze(1)
+                    if hit_rows.numel():
+                        moved = (where.index_select(0, hit_rows), hit_rows, captured_values)
             for i, t in enumerate(table.tensors):
                 summed = torch.zeros((union.numel(), *t.shape[1:]), dtype=torch.float32, device=t.device)
                 for per_replica, where in zip(decoded, positions):
@@ -265,19 +266,18 @@ def _write_average(
     on top, and their captured values become the synced ones, so the next sync sends only that change.
     """
     now = t.index_select(0, union)
-    at_launch = now
+    base = now  # a row untouched since launch: its value now is its value at launch
     if moved is not None:
-        at, hit, captured_values = moved
-        at_launch = now.clone()
-        at_launch[at] = captured_values[index][hit]
-    base = at_launch.clone() if moved is not None else at_launch
-    base[own] = own_base
+        at, captured_rows, captured_values = moved
+        at_launch = captured_values[index].index_select(0, captured_rows)
+        change = now.index_select(0, at).sub_(at_launch)
+        base = now.index_copy_(0, at, at_launch)  # ``now`` is a copy: it becomes the base in place
+    base.index_copy_(0, own, own_base)
     synced = base.float().add_(average).to(t.dtype)  # fp32 then rounded once, the same on every replica
-    if moved is None:
-        t.index_copy_(0, union, synced)
-        return
-    t.index_copy_(0, union, now.sub_(at_launch).add_(synced))
-    captured_values[index][hit] = synced[at]
+    t.index_copy_(0, union, synced)
+    if moved is not None:
+        t.index_add_(0, union.index_select(0, at), change)  # fl(synced + change): the change since launch is kept
+        captured_values[index].index_copy_(0, captured_rows, synced.index_select(0, at))
 
 
 def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:
