@@ -261,7 +261,8 @@ class _StepTimer(pl.Callback):
             "table_sizes": table_sizes(args.table_rows, args.tables),
             "rank0_tables": _rank0_tables(strategy),
             "replica_sync": self._sync_summary(),
-            **({"phase_ms_per_step": self.phases.summary(w, n)} if self.phases is not None else {}),
+            **({"phase_ms_per_step": self.phases.summary(w, n),
+                "phase_ms_by_step_in_interval": self.phases.by_step_in_interval(w, n, k)} if self.phases is not None else {}),
         }
 
     def _sync_summary(self) -> dict[str, Any] | None:
@@ -330,6 +331,16 @@ class _PhaseTimer:
         if self.steps:
             self.steps[-1][phase] = now - self._last
         self._last = now
+
+    def by_step_in_interval(self, warmup: int, steps: int, interval: int) -> list[dict[str, float]]:
+        """Forward, backward and sync ms per step at each position in the sync interval (the last position
+        launches the sync; with overlap the others send its pieces): where a sync's traffic or CPU lands."""
+        timed = self.steps[warmup : warmup + steps]
+        return [
+            {k: 1e3 * sum(s.get(k, 0.0) for s in timed[pos::interval]) / max(1, len(timed[pos::interval]))
+             for k in ("forward", "backward", "sync_total")}
+            for pos in range(interval)
+        ]
 
     def summary(self, warmup: int, steps: int) -> dict[str, float]:
         timed = self.steps[warmup : warmup + steps]

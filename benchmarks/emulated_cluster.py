@@ -798,6 +798,10 @@ def main(argv: list[str] | None = None) -> int:
                     if "phase_ms_per_step" in result:
                         phases = ", ".join(f"{k} {v:.1f}" for k, v in result["phase_ms_per_step"].items())
                         print(f"  {'':24s} {'':22s} rank-0 ms per step: {phases}", flush=True)
+                    by_position = result.get("phase_ms_by_step_in_interval") or []
+                    if len(by_position) > 1:  # the sync's launch is the last position; its pieces go out at the others' ends
+                        line = "; ".join(f"{k} " + " / ".join(f"{p[k]:.1f}" for p in by_position) for k in ("forward", "backward", "sync_total"))
+                        print(f"  {'':24s} {'':22s} by step in the sync interval: {line}", flush=True)
         for cfg in args.selected:
             if (cfg.name, "cluster") in runs and (cfg.name, "reference") in runs:
                 rows.append(Row(cfg, _combine(runs[(cfg.name, "cluster")]), _combine(runs[(cfg.name, "reference")])))

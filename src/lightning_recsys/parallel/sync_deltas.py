@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from lightning_recsys.parallel.touched_rows import Table
 
-MIN_PIECE_BYTES = 64 * 1024  # a smaller share is not worth a collective of its own
+MIN_PIECE_BYTES = 64 * 1024  # an overlapped sync's smallest share or piece: less is not worth a collective of its own
 
 
 @dataclass

@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 
 from lightning_recsys.parallel.codecs import BlockScaledCodec
+from lightning_recsys.parallel.sync_deltas import MIN_PIECE_BYTES
 from lightning_recsys.parallel.touched_rows import Table
 
 _ALIGN = 8
-MIN_PIECE_BYTES = 64 * 1024  # a smaller piece is not worth a collective of its own
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -194,7 +194,7 @@ class GatheredSync:
         works, self._works = self._works, []
         for work in works:
             work.wait()
-        self._send = self._send[:0]
+        self._send = self._send.new_empty(0)  # the received buffers hold everything now
 
     @torch.no_grad()
     def apply(self) -> None:
