@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
-from lightning_recsys.parallel import sync_gather
+from lightning_recsys.parallel import sync_deltas
 from lightning_recsys.parallel.sync_gather import GatheredSync
 from lightning_recsys.parallel.touched_rows import Table
 
@@ -56,7 +56,7 @@ def _touch(table: Table, rows: torch.Tensor, changes: list[torch.Tensor]) -> Non
 
 def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap: bool, defer: bool = False, pieces: int = 1) -> dict:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
-    sync_gather.MIN_PIECE_BYTES = 64  # these tables' buffers are a few hundred bytes: let them split
+    sync_deltas.MIN_PIECE_BYTES = 64  # these tables' buffers are a few hundred bytes: let them split
     tables = _tables()
     rows = [_touched(rank, k) for k in range(len(tables))]
     for k, table in enumerate(tables):

@@ -26,6 +26,11 @@ from lightning_recsys.parallel.touched_rows import Table
 MIN_PIECE_BYTES = 64 * 1024  # an overlapped sync's smallest share or piece: less is not worth a collective of its own
 
 
+def piece_count(total_bytes: int, max_pieces: int) -> int:
+    """How many pieces an overlapped sync of ``total_bytes`` goes out in: up to ``max_pieces``, each at least ``MIN_PIECE_BYTES``."""
+    return max(1, min(max_pieces, total_bytes // MIN_PIECE_BYTES))
+
+
 @dataclass
 class SyncItem:
     """One synced tensor's part of a sync."""
@@ -142,7 +147,7 @@ class InFlightSync:
 def _split_shares(chunks: list[torch.Tensor], pieces: int) -> list[list[torch.Tensor]]:
     """``chunks`` (1-D) cut into up to ``pieces`` shares of about equal bytes, each at least ``MIN_PIECE_BYTES``."""
     total = sum(c.numel() * c.element_size() for c in chunks)
-    count = max(1, min(pieces, total // MIN_PIECE_BYTES))
+    count = piece_count(total, pieces)
     target = -(-total // count)
     shares: list[list[torch.Tensor]] = [[]]
     room = target

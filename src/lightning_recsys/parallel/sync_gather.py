@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_recsys.parallel.codecs import BlockScaledCodec
-from lightning_recsys.parallel.sync_deltas import MIN_PIECE_BYTES
+from lightning_recsys.parallel.sync_deltas import piece_count
 from lightning_recsys.parallel.touched_rows import Table
 
 _ALIGN = 8
@@ -94,7 +94,7 @@ class GatheredSync:
         ``defer_exchange`` (with ``overlap``): the counts' all-gather runs in the background too, and the
         changes' all-gather starts at ``progress()``, so launching never waits on the network.
         ``exchange_pieces`` (with ``defer_exchange``): send the changes in up to this many all-gathers of at
-        least ``MIN_PIECE_BYTES``, one per ``progress()`` call; ``wait()`` sends what is left.
+        least ``sync_deltas.MIN_PIECE_BYTES``, one per ``progress()`` call; ``wait()`` sends what is left.
         """
         if exchange_pieces < 1 or (exchange_pieces > 1 and not defer_exchange):
             raise ValueError(f"exchange_pieces={exchange_pieces}: must be 1, or more with defer_exchange=True")
@@ -164,7 +164,7 @@ class GatheredSync:
             offset = _aligned(offset + piece.numel())
         self._received = [torch.empty_like(send) for _ in range(self._num_replicas)]
         # Every replica sees the same counts, so the same pieces (none when no replica touched a row).
-        count = max(1, min(self._max_pieces, send.numel() // MIN_PIECE_BYTES))
+        count = piece_count(send.numel(), self._max_pieces)
         self._piece_bounds = [send.numel() * i // count for i in range(count + 1)] if send.numel() else []
 
     def _send_piece(self) -> None:
