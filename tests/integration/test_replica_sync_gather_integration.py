@@ -87,6 +87,7 @@ def _exchange(rank: int, world: int, precision: str, count_aware: bool, overlap:
         "payload_after_progress": payload_after_progress,
         "deferred_payload": sync.deferred_payload_bytes,
         "captured": captured,
+        "marks_left": sum(int(table.marks().count_nonzero()) for table in tables),  # must be 0 for the next sync
     }
 
 
@@ -115,6 +116,7 @@ def test_gathered_changes_average_to_base_plus_mean_change_on_every_replica(prec
     union = [sorted(set().union(*(set(_touched(r, k).tolist()) for r in range(WORLD)))) for k in range(len(ROWS))]
     for rank in range(WORLD):
         assert results[rank]["rows_synced"] == sum(len(u) for u in union)
+        assert results[rank]["marks_left"] == 0
         for k in range(len(ROWS)):
             for i, value in enumerate(results[rank]["after"][k]):
                 assert torch.equal(value, results[0]["after"][k][i]), (precision, rank, k, i)  # replicas bit-identical
@@ -177,6 +179,11 @@ def test_a_deferred_exchange_in_pieces_sends_one_piece_per_progress_and_writes_t
 def test_exchange_pieces_need_a_deferred_exchange():
     with pytest.raises(ValueError, match="exchange_pieces=3: must be 1, or more with defer_exchange=True"):
         GatheredSync(_tables(), [torch.arange(2), torch.arange(1)], None, 2, weight_precision="bf16", overlap=True, exchange_pieces=3)  # type: ignore[arg-type]
+
+
+def test_count_aware_counts_at_most_255_replicas():
+    with pytest.raises(ValueError, match="at most 255 replicas, got 256"):
+        GatheredSync(_tables(), [torch.arange(2), torch.arange(1)], None, 256, weight_precision="fp32", overlap=False, count_aware=True)  # type: ignore[arg-type]
 
 
 def _nothing_touched(rank: int, world: int) -> tuple[int, int]:

@@ -2,10 +2,12 @@
 
 Every replica sends the rows it touched since the last sync, with their change ``row - base`` (the
 weights at the sync's precision, the optimizer state in fp32), in one byte buffer. Every replica then
-decodes every buffer (its own included) and adds the changes up in replica order, so all hold the
-same sum, and writes ``row = base + sum / replicas`` on the union of the rows sent. ``base`` is equal
-on every replica: the row's value as of the last sync (captured at first touch for a replica's own
-rows; the row's value for rows it did not touch). There is no union agreement: one small
+decodes every buffer (its own included), puts every row sent back to its ``base`` and adds each
+replica's ``change / replicas`` to its rows in replica order, so every replica writes the same bits:
+``row = base + change_0 / replicas + change_1 / replicas + ...`` on the union of the rows sent.
+``base`` is equal on every replica: the row's value as of the last sync (captured at first touch for
+a replica's own rows; the row's value for rows it did not touch). The union is never built (no
+sort): a byte per row (``Table.marks``) says which rows were sent, and by how many replicas. There is no union agreement: one small
 all-gather of per-table row counts sizes the buffers, and the buffers' all-gather can run in the
 background (``overlap``). With ``defer_exchange`` the counts' all-gather runs in the background too
 and the buffers' starts at ``progress()`` (the next step's end), so a launch never waits on the network.
@@ -98,6 +100,8 @@ class GatheredSync:
         """
         if exchange_pieces < 1 or (exchange_pieces > 1 and not defer_exchange):
             raise ValueError(f"exchange_pieces={exchange_pieces}: must be 1, or more with defer_exchange=True")
+        if count_aware and num_replicas > 255:
+            raise ValueError(f"count_aware=True counts a row's senders in a byte: at most 255 replicas, got {num_replicas}")
         self._tables = tables
         self._num_replicas = num_replicas
         self._me = dist.get_rank(group)  # this replica's buffer in the gathered list
@@ -205,29 +209,34 @@ class GatheredSync:
         union_rows = 0
         for k, table in enumerate(self._tables):
             sent = [per_replica[k][0] for per_replica in decoded]
-            ids = torch.cat(sent)
-            if ids.numel() == 0:
+            if not any(rows.numel() for rows in sent):
                 continue
-            union, inverse = torch.unique(ids, return_inverse=True)
-            union_rows += int(union.numel())
-            positions = inverse.split([int(rows.numel()) for rows in sent])
-            divisor: torch.Tensor | int = self._num_replicas
-            if self._count_aware:
-                divisor = torch.bincount(inverse, minlength=union.numel()).float()
+            # A byte per row counts the replicas that sent it: O(rows sent), no sort of the union.
+            marks = table.marks()
+            for rows in sent:
+                seen = marks.index_select(0, rows)
+                union_rows += int(rows.numel()) - int(seen.count_nonzero())
+                if self._count_aware:
+                    marks.index_copy_(0, rows, seen.add_(1))
+                else:
+                    marks.index_fill_(0, rows, 1)
             moved: Optional[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = None  # rows touched since launch (overlap)
             if self._overlap:
                 captured, captured_values = table.bases()
                 if captured.numel():
-                    where, hit = _lookup(union, captured)
-                    hit_rows = hit.nonzero().squeeze(1)
-                    if hit_rows.numel():
-                        moved = (where.index_select(0, hit_rows), hit_rows, captured_values)
+                    at = marks.index_select(0, captured).nonzero().squeeze(1)
+                    if at.numel():
+                        moved = (captured.index_select(0, at), at, captured_values)
+            divisors: list[torch.Tensor | int] = [self._num_replicas] * len(sent)
+            if self._count_aware:
+                divisors = [marks.index_select(0, rows).float() for rows in sent]
+            for rows in sent:
+                marks.index_fill_(0, rows, 0)
             for i, t in enumerate(table.tensors):
-                summed = torch.zeros((union.numel(), *t.shape[1:]), dtype=torch.float32, device=t.device)
-                for per_replica, where in zip(decoded, positions):
-                    summed.index_add_(0, where, per_replica[k][1][i])  # in replica order: the same sum everywhere
-                average = summed.div_(divisor.view(-1, *([1] * (t.dim() - 1))) if isinstance(divisor, torch.Tensor) else divisor)
-                _write_average(t, union, positions[self._me], self._bases[k][i], average, moved, i)
+                shares = [
+                    _share(per_replica[k][1][i], divisor).to(t.dtype) for per_replica, divisor in zip(decoded, divisors)
+                ]
+                _write_average(t, sent, self._rows[k], self._bases[k][i], shares, moved, i)
         self.rows_synced = union_rows
 
     def _decode(self, buffer: torch.Tensor, counts: list[int]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
@@ -247,37 +256,42 @@ class GatheredSync:
         return out
 
 
+def _share(change: torch.Tensor, divisor: torch.Tensor | int) -> torch.Tensor:
+    """One replica's part of the average: its change over the replicas (per row with ``count_aware``)."""
+    if isinstance(divisor, torch.Tensor):
+        return change / divisor.view(-1, *([1] * (change.dim() - 1)))
+    return change / divisor
+
+
 def _write_average(
     t: torch.Tensor,
-    union: torch.Tensor,
+    sent: list[torch.Tensor],
     own: torch.Tensor,
     own_base: torch.Tensor,
-    average: torch.Tensor,
+    shares: list[torch.Tensor],
     moved: Optional[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]],
     index: int,
 ) -> None:
-    """``row = base + average`` on the union rows of ``t``, keeping changes made since launch.
+    """``row = base + share_0 + share_1 + ...`` (in replica order) on the rows any replica ``sent``, keeping changes made since launch.
 
-    A row's base is its value as of the last sync: ``own_base`` for this replica's rows (positions
-    ``own`` in ``union``), its value at launch for the others'. Every replica computes
-    ``fl(base + average)`` from the same base and average, so all write the same bits. ``moved``:
-    positions in ``union`` of rows touched since launch, which of the new interval's captured rows
-    they are, and the captured values (their value at launch); their change since launch is added
-    on top, and their captured values become the synced ones, so the next sync sends only that change.
+    Every such row first holds its base, its value as of the last sync: ``own_base`` for this
+    replica's rows ``own``, the value at launch for the others'. Every replica then adds the same
+    shares to the same bases in the same order, so all write the same bits. ``moved``: the rows
+    touched since launch, which of the new interval's captured rows they are, and the captured values
+    (their value at launch); their change since launch is added on top, and their captured values
+    become the synced ones, so the next sync sends only that change.
     """
-    now = t.index_select(0, union)
-    base = now  # a row untouched since launch: its value now is its value at launch
     if moved is not None:
-        at, captured_rows, captured_values = moved
-        at_launch = captured_values[index].index_select(0, captured_rows)
-        change = now.index_select(0, at).sub_(at_launch)
-        base = now.index_copy_(0, at, at_launch)  # ``now`` is a copy: it becomes the base in place
-    base.index_copy_(0, own, own_base)
-    synced = base.float().add_(average).to(t.dtype)  # fp32 then rounded once, the same on every replica
-    t.index_copy_(0, union, synced)
+        moved_rows, at, captured_values = moved
+        at_launch = captured_values[index].index_select(0, at)
+        change = t.index_select(0, moved_rows).sub_(at_launch)
+        t.index_copy_(0, moved_rows, at_launch)
+    t.index_copy_(0, own, own_base)
+    for rows, share in zip(sent, shares):
+        t.index_add_(0, rows, share)
     if moved is not None:
-        t.index_add_(0, union.index_select(0, at), change)  # fl(synced + change): the change since launch is kept
-        captured_values[index].index_copy_(0, captured_rows, synced.index_select(0, at))
+        captured_values[index].index_copy_(0, at, t.index_select(0, moved_rows))
+        t.index_add_(0, moved_rows, change)  # fl(synced + change): the change since launch is kept
 
 
 def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:

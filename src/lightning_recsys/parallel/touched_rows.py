@@ -30,6 +30,13 @@ class Table:
     base_rows: list[torch.Tensor] = field(default_factory=list)
     base_values: list[list[torch.Tensor]] = field(default_factory=list)
     _compacted: Optional[torch.Tensor] = field(default=None, repr=False)  # the one sorted piece bases() made
+    _marks: Optional[torch.Tensor] = field(default=None, repr=False)  # see marks()
+
+    def marks(self) -> torch.Tensor:
+        """A zeroed byte per row for the all-gather sync to count senders in (allocated once); it zeroes what it sets."""
+        if self._marks is None:
+            self._marks = torch.zeros(self.rows, dtype=torch.uint8, device=self.tensors[0].device)
+        return self._marks
 
     def take_bases(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The captured rows (sorted) and their values per tensor; clears the store."""
