@@ -55,7 +55,7 @@ def _run(rank: int, world: int, args: argparse.Namespace) -> None:
             rows = _heavy_tailed_rows(table.rows, args.touched, g)
             _capture(table, rows)
             table.tensors[0].index_add_(0, rows, torch.randn(rows.numel(), DIM, generator=g) * 0.01)
-            touched.append(rows)
+            touched.append(table.bases(sort=False)[0])  # as ReplicaSynchronizer passes them
         dist.barrier()
         start = time.perf_counter()
         sync = GatheredSync(tables, touched, dist.group.WORLD, world, weight_precision=args.precision, overlap=True,

@@ -28,11 +28,12 @@ def _kjt(per_feature: list[list[int]]) -> KeyedJaggedTensor:
     )
 
 
-def _tracker(capture: bool) -> tuple[_Kernel, RowTracker, list[torch.Tensor]]:
+def _tracker(capture: bool, sorted_pieces: bool = True) -> tuple[_Kernel, RowTracker, list[torch.Tensor]]:
     # tables of 5 and 7 rows; feature 2 reads table 0 too
     weights = [torch.arange(10.0).view(5, 2), torch.arange(100.0, 114.0).view(7, 2)]
     kernel = _Kernel([0, 1, 0]).train()
-    tracker = RowTracker(kernel, [Table(0, 5, [weights[0]]), Table(5, 7, [weights[1]])], [5, 7], capture_bases=capture)
+    tables = [Table(0, 5, [weights[0]]), Table(5, 7, [weights[1]])]
+    tracker = RowTracker(kernel, tables, [5, 7], capture_bases=capture, sorted_pieces=sorted_pieces)
     return kernel, tracker, weights
 
 
@@ -53,8 +54,9 @@ def test_touched_rows_are_the_sorted_distinct_lookups_since_the_last_clear(keep_
     assert tracker.touched().tolist() == [2]
 
 
-def test_bases_are_captured_once_per_row_before_later_changes():
-    kernel, tracker, weights = _tracker(capture=True)
+@pytest.mark.parametrize("sorted_pieces", [True, False], ids=["sorted", "lookup-order"])
+def test_bases_are_captured_once_per_row_before_later_changes(sorted_pieces):
+    kernel, tracker, weights = _tracker(capture=True, sorted_pieces=sorted_pieces)
     kernel(_kjt([[3, 3], [1], []]))
     weights[0][3] += 1000.0  # the fused update after the first lookup
     weights[1][1] += 1000.0
@@ -67,6 +69,25 @@ def test_bases_are_captured_once_per_row_before_later_changes():
     assert [(table.offset, lo, hi) for table, lo, hi in tracker.split(positions)] == [(0, 0, 2), (5, 2, 3)]
     tracker.clear()
     assert tracker.tables[0].bases()[0].numel() == 0
+
+
+def test_lookup_order_capture_keeps_one_base_per_row_however_often_it_repeats():
+    # 70,000 ids over 300 rows: rows repeat hundreds of times, and the index needs three base-255 digits.
+    g = torch.Generator().manual_seed(3)
+    weights = [torch.randn(300, 2, generator=g), torch.randn(40, 2, generator=g)]
+    kernel = _Kernel([0, 1]).train()
+    tracker = RowTracker(kernel, [Table(0, 300, [weights[0]]), Table(300, 40, [weights[1]])], [300, 40], capture_bases=True, sorted_pieces=False)
+    ids = [torch.randint(0, 250, (70_000,), generator=g), torch.randint(0, 40, (500,), generator=g)]
+    kernel(KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.cat(ids), lengths=torch.tensor([70_000, 500])))
+    ids2 = [torch.randint(200, 300, (1000,), generator=g), torch.tensor([], dtype=torch.long)]
+    kernel(KeyedJaggedTensor.from_lengths_sync(keys=["f0", "f1"], values=torch.cat(ids2), lengths=torch.tensor([1000, 0])))
+    for k, table in enumerate(tracker.tables):
+        expected = torch.unique(torch.cat([ids[k], ids2[k]]))
+        rows, values = table.bases(sort=False)
+        assert sorted(rows.tolist()) == expected.tolist()  # distinct, every row once
+        assert torch.equal(values[0], weights[k][rows])
+        assert torch.equal(table.bases()[0], expected)  # sorted on request
+    assert torch.equal(tracker.touched(), torch.cat([torch.unique(torch.cat([ids[0], ids2[0]])), 300 + torch.unique(ids[1])]))
 
 
 def test_bit_packing_from_positions_matches_the_mask_and_round_trips():

@@ -143,7 +143,8 @@ class ReplicaSynchronizer:
         self._trackers: list[RowTracker] = []
         self._untracked: list[torch.Tensor] = list(self._tensors)
         if self.config.rows == "touched":
-            self._trackers, self._untracked = track(self._tensors, kernels or [], capture_bases=self._deltas)
+            # The all-gather needs no row order: its trackers skip the sorts (most of the tracking's CPU).
+            self._trackers, self._untracked = track(self._tensors, kernels or [], capture_bases=self._deltas, sorted_pieces=not self._gather)
         self._untracked_buckets = _buckets(self._untracked, bucket_bytes)
         self._rows_untracked = self._rows_total - sum(table.rows for tracker in self._trackers for table in tracker.tables)
         self._tracked_rows = sum(int(tracker.mask.numel()) for tracker in self._trackers)  # the masks end to end
@@ -337,7 +338,7 @@ class ReplicaSynchronizer:
             for table in tracker.tables:
                 # A delta sync captured every touched row's base at first touch: those rows are the touched rows.
                 tables.append(table)
-                rows.append(table.bases()[0])
+                rows.append(table.bases(sort=False)[0])
         defer = overlap and self.config.every_n_steps > 1
         gathered = GatheredSync(
             tables, rows, self._group, self._num_replicas, weight_precision=self.config.precision, overlap=overlap,

@@ -222,7 +222,7 @@ class GatheredSync:
                     marks.index_fill_(0, rows, 1)
             moved: Optional[tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]] = None  # rows touched since launch (overlap)
             if self._overlap:
-                captured, captured_values = table.bases()
+                captured, captured_values = table.bases(sort=False)
                 if captured.numel():
                     at = marks.index_select(0, captured).nonzero().squeeze(1)
                     if at.numel():
@@ -296,14 +296,15 @@ def _write_average(
 
 def _own_bases(table: Table, rows: torch.Tensor) -> list[torch.Tensor]:
     """Per tensor, the values of ``rows`` as of the last sync (captured at first touch); takes them from the table."""
-    captured, values = table.take_bases()
-    if captured.numel() == rows.numel():
-        return values  # the captured rows are the touched rows, both sorted
+    captured, values = table.take_bases(sort=False)
+    if captured is rows:
+        return values  # the captured rows are the touched rows (ReplicaSynchronizer sends bases(sort=False)'s rows)
     bases = [t.index_select(0, rows) for t in table.tensors]  # a row without a captured base has not changed
     if captured.numel():
-        where, hit = _lookup(rows, captured)
+        order = torch.argsort(rows)
+        where, hit = _lookup(rows[order], captured)
         for base, value in zip(bases, values):
-            base[where[hit]] = value[hit]
+            base[order[where[hit]]] = value[hit]
     return bases
 
 

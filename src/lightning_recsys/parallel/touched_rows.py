@@ -26,10 +26,11 @@ class Table:
     offset: int  # first row in the kernel's mask
     rows: int
     tensors: list[torch.Tensor]  # the weight [rows, dim] first, then the row-aligned optimizer state ([rows] or [rows, dim])
-    # Delta syncs: rows first touched since the last sync (table-local ids) and their values then, per tensor.
+    # Delta syncs: rows first touched since the last sync (table-local ids, distinct) and their values then, per tensor.
     base_rows: list[torch.Tensor] = field(default_factory=list)
     base_values: list[list[torch.Tensor]] = field(default_factory=list)
-    _compacted: Optional[torch.Tensor] = field(default=None, repr=False)  # the one sorted piece bases() made
+    _compacted: Optional[torch.Tensor] = field(default=None, repr=False)  # the one piece bases() made
+    _compacted_sorted: bool = field(default=False, repr=False)
     _marks: Optional[torch.Tensor] = field(default=None, repr=False)  # see marks()
 
     def marks(self) -> torch.Tensor:
@@ -38,25 +39,27 @@ class Table:
             self._marks = torch.zeros(self.rows, dtype=torch.uint8, device=self.tensors[0].device)
         return self._marks
 
-    def take_bases(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The captured rows (sorted) and their values per tensor; clears the store."""
-        rows, values = self.bases()
+    def take_bases(self, *, sort: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``bases(sort=sort)``, and clears the store."""
+        rows, values = self.bases(sort=sort)
         self.base_rows, self.base_values = [], []
         return rows, values
 
-    def bases(self) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The captured rows (sorted) and their values per tensor, compacted into one piece each."""
+    def bases(self, *, sort: bool = True) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The captured rows (sorted, or in capture order with ``sort=False``) and their values per tensor,
+        compacted into one piece each."""
         device = self.tensors[0].device
         if not self.base_rows:
             return torch.empty(0, dtype=torch.long, device=device), [t.new_empty((0, *t.shape[1:])) for t in self.tensors]
-        if len(self.base_rows) == 1 and self.base_rows[0] is self._compacted:
+        if len(self.base_rows) == 1 and self.base_rows[0] is self._compacted and (self._compacted_sorted or not sort):
             return self.base_rows[0], self.base_values[0]  # compacted already, nothing captured since
         rows = torch.cat(self.base_rows)
-        order = torch.argsort(rows)
-        values = [torch.cat([piece[j] for piece in self.base_values])[order] for j in range(len(self.tensors))]
-        rows = rows[order]
+        values = [torch.cat([piece[j] for piece in self.base_values]) for j in range(len(self.tensors))]
+        if sort:
+            order = torch.argsort(rows)
+            rows, values = rows[order], [v[order] for v in values]
         self.base_rows, self.base_values = [rows], [values]
-        self._compacted = rows
+        self._compacted, self._compacted_sorted = rows, sort
         return rows, values
 
     def rebase(self, index: int, rows: torch.Tensor, synced: torch.Tensor) -> None:
@@ -82,7 +85,10 @@ class RowTracker:
     column shard holds all rows and gets the full ids). Key ``i`` belongs to table
     ``kernel._feature_table_map[i]``. Ids out of a table's range mark row 0, the row FBGEMM's bounds
     check clamps them to. With ``capture_bases`` a row's values are copied at its first touch since
-    the last sync (before the fused update changes them in backward).
+    the last sync (before the fused update changes them in backward). With ``sorted_pieces=False`` (the
+    all-gather sync, which needs no order) a lookup's new rows are kept in lookup order, made distinct
+    without a sort (``_first_of_each``); otherwise each lookup's are sorted, so ``touched()`` and
+    ``Table.bases()`` sort nearly sorted runs.
 
     On the CPU (and with ``capture_bases``) a lookup costs O(ids): a gather from the 1-byte mask
     finds the rows not marked yet, an ``index_fill_`` marks them and their positions are kept;
@@ -91,9 +97,12 @@ class RowTracker:
     scans it once per sync, which is cheap there.
     """
 
-    def __init__(self, module: nn.Module, tables: list[Table], row_counts: list[int], *, capture_bases: bool = False) -> None:
+    def __init__(
+        self, module: nn.Module, tables: list[Table], row_counts: list[int], *, capture_bases: bool = False, sorted_pieces: bool = True
+    ) -> None:
         self.tables = tables
         self.capture_bases = capture_bases
+        self.sorted_pieces = sorted_pieces
         device = tables[0].tensors[0].device
         offsets = [0]
         for rows in row_counts:
@@ -104,6 +113,9 @@ class RowTracker:
         self._feature_offsets = torch.tensor(offsets[:-1], dtype=torch.long)[feature_table].to(device)
         # The synced tables' [first, end) in the mask, for splitting sorted positions by table.
         self._table_bounds = torch.tensor([b for t in tables for b in (t.offset, t.offset + t.rows)], dtype=torch.long, device=device)
+        tracked = {(t.offset, t.rows): t for t in tables}
+        self._feature_tables = [tracked.get((offsets[i], row_counts[i])) for i in feature_table.tolist()]
+        self._has_empty_tables = any(rows == 0 for rows in row_counts)
         self.mask = torch.zeros(offsets[-1], dtype=torch.uint8, device=device)
         self._fresh: list[torch.Tensor] = []  # positions first marked since the last sync (one piece per lookup)
         self._sorted = False  # _fresh is one sorted piece without repeats
@@ -132,9 +144,15 @@ class RowTracker:
         ids = ids.long()
         valid = (ids >= 0) & (ids < self._feature_rows[feature])
         positions = self._feature_offsets[feature] + torch.where(valid, ids, torch.zeros_like(ids))
+        if self._has_empty_tables:  # an empty table has no row 0 to clamp to: its ids mark nothing
+            positions = positions[self._feature_rows[feature] > 0]
+            per_feature = per_feature * (self._feature_rows > 0)
         if not self._keep_positions:
             self.mask.index_fill_(0, positions, 1)
             self._sorted = False
+            return
+        if self.capture_bases and not self.sorted_pieces:
+            self._record_in_order(positions, per_feature)
             return
         fresh = positions[self.mask.index_select(0, positions) == 0]  # may repeat a row looked up twice in this batch
         if fresh.numel():
@@ -144,6 +162,44 @@ class RowTracker:
                 self._capture(fresh)
             self._fresh.append(fresh)
             self._sorted = False
+
+    def _record_in_order(self, positions: torch.Tensor, per_feature: torch.Tensor) -> None:
+        """Mark and capture a lookup's new rows with no sort: the lookup's ids are feature by feature, a feature reads one table."""
+        fresh_at = (self.mask.index_select(0, positions) == 0).nonzero().squeeze(1)
+        if fresh_at.numel() == 0:
+            return
+        fresh_at = fresh_at.index_select(0, self._first_of_each(positions.index_select(0, fresh_at)))
+        fresh = positions.index_select(0, fresh_at)
+        self.mask.index_fill_(0, fresh, 1)
+        starts = torch.zeros(self._num_features + 1, dtype=torch.long, device=fresh_at.device)
+        torch.cumsum(per_feature, 0, out=starts[1:])
+        bounds = torch.searchsorted(fresh_at, starts).tolist()
+        with torch.no_grad():
+            for table, lo, hi in zip(self._feature_tables, bounds[:-1], bounds[1:]):
+                if table is not None and hi > lo:
+                    rows = fresh[lo:hi] - table.offset
+                    table.base_rows.append(rows)
+                    table.base_values.append([t.index_select(0, rows) for t in table.tensors])
+        self._fresh.append(fresh)
+        self._sorted = False
+
+    def _first_of_each(self, fresh: torch.Tensor) -> torch.Tensor:
+        """Indices of one occurrence of each distinct row in ``fresh`` (rows unmarked in the mask), in order.
+
+        No sort: each occurrence writes a tag, a base-255 digit of its index, into its row's byte, and
+        only occurrences whose tag stayed survive. Survivors of one row share that digit, so the next
+        digit tells them apart; after the digits of ``len(fresh)`` one is left per row.
+        """
+        keep = torch.arange(fresh.numel(), device=fresh.device)
+        digit = 1
+        while True:
+            rows = fresh.index_select(0, keep)
+            tag = ((keep if digit == 1 else keep // digit) % 255 + 1).to(torch.uint8)
+            self.mask.index_put_((rows,), tag)  # one occurrence's tag stays per row
+            keep = keep[self.mask.index_select(0, rows) == tag]
+            if digit * 255 >= fresh.numel():
+                return keep
+            digit *= 255
 
     def touched(self) -> torch.Tensor:
         """The sorted positions (in the mask) of the rows looked up since the last sync."""
@@ -236,7 +292,7 @@ def tensor_key(t: torch.Tensor) -> tuple[int, int, torch.dtype]:
 
 
 def track(
-    tensors: list[torch.Tensor], kernels: list[nn.Module], *, capture_bases: bool = False
+    tensors: list[torch.Tensor], kernels: list[nn.Module], *, capture_bases: bool = False, sorted_pieces: bool = True
 ) -> tuple[list[RowTracker], list[torch.Tensor]]:
     """Row trackers for the fused kernels' tables among ``tensors``; the tensors no tracker covers."""
     wanted = {tensor_key(t): t for t in tensors}
@@ -258,7 +314,7 @@ def track(
                 covered.update(tensor_key(t) for t in synced)
             offset += rows
         if tables:
-            trackers.append(RowTracker(kernel, tables, row_counts, capture_bases=capture_bases))
+            trackers.append(RowTracker(kernel, tables, row_counts, capture_bases=capture_bases, sorted_pieces=sorted_pieces))
     return trackers, [t for t in tensors if tensor_key(t) not in covered]
 
 
