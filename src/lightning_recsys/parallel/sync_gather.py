@@ -7,9 +7,9 @@ replica's ``change / replicas`` to its rows in replica order, so every replica w
 ``row = base + change_0 / replicas + change_1 / replicas + ...`` on the union of the rows sent.
 ``base`` is equal on every replica: the row's value as of the last sync (captured at first touch for
 a replica's own rows; the row's value for rows it did not touch). The union is never built (no
-sort): a byte per row (``Table.marks``) says which rows were sent, and by how many replicas. There is no union agreement: one small
-all-gather of per-table row counts sizes the buffers, and the buffers' all-gather can run in the
-background (``overlap``). With ``defer_exchange`` the counts' all-gather runs in the background too
+sort): a byte per row (``Table.marks``) says which rows were sent, and by how many replicas. There
+is no union agreement: one small all-gather of per-table row counts sizes the buffers, and the
+buffers' all-gather can run in the background (``overlap``). With ``defer_exchange`` the counts' all-gather runs in the background too
 and the buffers' starts at ``progress()`` (the next step's end), so a launch never waits on the network.
 With ``exchange_pieces`` > 1 the buffers go in that many all-gathers, one per ``progress()``: the
 link carries a piece during a step's forward instead of the whole sync in one burst that the step's
