@@ -30,8 +30,10 @@ DIM = 16
 
 
 def _heavy_tailed_rows(rows: int, draws: int, generator: torch.Generator) -> torch.Tensor:
-    """Distinct sorted rows from ``draws`` log-uniform draws (a few hot rows, a long tail)."""
-    return torch.unique((rows ** torch.rand(draws, generator=generator)).long().clamp_(max=rows - 1))
+    """Distinct rows from ``draws`` log-uniform draws (a few hot rows, a long tail), in no order (the all-gather
+    sync's row tracker keeps them in lookup order)."""
+    distinct = torch.unique((rows ** torch.rand(draws, generator=generator)).long().clamp_(max=rows - 1))
+    return distinct[torch.randperm(distinct.numel(), generator=generator)]
 
 
 def _capture(table: Table, rows: torch.Tensor) -> None:
