@@ -1,4 +1,4 @@
-"""Users' own rankers (the README's "bring your own ranker"), sharded on 2 processes."""
+"""Users' own rankers (docs/models-and-metrics.md, "Bring your own ranker"), sharded on 2 processes."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def _tables(config_class: type, prefix: str, dim: int, sizes: list[int]) -> list
 
 
 class ConcatRanker(RankerModule):
-    """Pooled embeddings read by position (``.values()``), as the README's ranker does."""
+    """Pooled embeddings read by position (``.values()``), as the ranker in docs/models-and-metrics.md does."""
 
     def __init__(self) -> None:
         super().__init__(dense_optimizer="sgd", dense_lr=DENSE_LR)
