@@ -18,7 +18,7 @@ from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology
 from lightning_recsys.parallel.comms import EffectiveQComms, QCommsConfig
 from lightning_recsys.parallel.input import InputValidator, feature_tables
 from lightning_recsys.parallel.sharding import ROW_SHARDED_TYPES, ShardedRuntime
-from lightning_recsys.planner import PlanningConfig, PlanReport, plan_rows, summarize_plan
+from lightning_recsys.planner import PlanningConfig, PlanReport, model_tables, plan_rows, summarize_plan
 from lightning_recsys.planner.pipeline import PlanningPipeline
 from lightning_recsys.strategies.planning import PlanningSettings, planning_sharders
 
@@ -117,7 +117,7 @@ def _shard(strategy: ShardingStrategy, module: LightningModule, settings: Shardi
         final_sharders=lambda plan: planning_sharders(strategy, compute_device=device.type, topology=topology, plan=plan, device=device)[0],
     )
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
-    planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
+    planned = pipeline.run(module, datamodule, tables=model_tables(module))  # the Trainer has set the DataModule up
     sharders, codecs = planning_sharders(strategy, compute_device=device.type, topology=topology, plan=planned.plan, device=device)
     if planned.report is not None:
         report = planned.report.to_table()  # has its own header

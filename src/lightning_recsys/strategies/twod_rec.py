@@ -43,8 +43,7 @@ from lightning_recsys.parallel.topology import (
     report_lost_ranks,
     was_raised_on_every_rank,
 )
-from lightning_recsys.planner import PlanningConfig, PlanReport
-from lightning_recsys.planner.torchrec_planner import embedding_tables
+from lightning_recsys.planner import PlanningConfig, PlanReport, embedding_tables
 from lightning_recsys.strategies.batches import CoordinatedBatchHooks
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
