@@ -12,6 +12,10 @@ propagate to the root, so after that every Lightning line was printed twice. Whe
 * FBGEMM's fused tables, built when a model is sharded: ``fbgemm_gpu/split_table_batched_embeddings_ops_training.py``,
   ``SplitTableBatchedEmbeddingBagsCodegen.log``: ``logging.info(f"[TBE={self.uuid}] {msg}")``.
 
+Lightning decides at its import whether its loggers get their own handler and stop propagating (when the root has
+none: ``lightning/pytorch/__init__.py``), so the handler left by FBGEMM's import is the one that doubled its lines. A
+handler added later doubles nothing, but it still turns a user's later ``logging.basicConfig()`` into a no-op.
+
 ``root_logger_left_unconfigured()`` removes what such a call added, and only that: the handlers the root logger
 gained inside the block, and only when it had none when the block began. A root logger configured before (by the
 user's ``logging.basicConfig``, say) is never touched, and one configured later keeps its handlers.

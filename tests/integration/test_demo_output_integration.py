@@ -11,6 +11,7 @@ import collections
 import re
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -44,3 +45,29 @@ def test_demo_prints_no_line_twice(tmp_path):
     assert "Seed set to 0" in output and "TwoDRecStrategy: 1D sharding over 2 ranks" in output  # the lines that were doubled
     assert "INFO:lightning" not in output, "a root-logger handler printed Lightning's lines (the basicConfig format)"
     assert not repeated_lines(output), f"lines printed more than once: {repeated_lines(output)}"
+
+
+@pytest.mark.slow
+def test_after_a_fit_the_users_basic_config_takes_effect(tmp_path):
+    """TorchRec's plan check on a data-parallel table and FBGEMM's table constructor call ``logging.warning`` /
+    ``logging.info``; the root logger must still be unconfigured afterwards, so the user's ``basicConfig`` works."""
+    script = textwrap.dedent("""
+        import logging
+        import lightning.pytorch as pl
+        from lightning_recsys import PlanningConfig, TwoDRecStrategy
+        from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+        from lightning_recsys.models import DLRMRanker
+
+        config = SyntheticClickLogConfig(table_sizes=[40, 40], num_dense_features=4, global_batch_size=32, train_batches=2, val_batches=1)
+        model = DLRMRanker(table_sizes=config.table_sizes, num_dense_features=4, embedding_dim=8, dense_arch_layer_sizes=[8])
+        strategy = TwoDRecStrategy(planning=PlanningConfig(sharding_types=["data_parallel"]))
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+        logging.basicConfig(level=logging.INFO, format="USER %(name)s: %(message)s")
+        logging.getLogger("my_project").info("hello")
+    """)
+    result = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "data_parallel" in result.stderr + result.stdout, "the plan should hold a data-parallel table"
+    assert result.stderr.count("USER my_project: hello") == 1, result.stderr[-3000:]

@@ -104,7 +104,7 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
         final_sharders=lambda plan: planning_sharders(strategy, compute_device=device.type, topology=topology, plan=plan, device=device)[0],
     )
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
-    with root_logger_left_unconfigured():  # TorchRec's plan check calls logging.warning, which adds a root handler
+    with root_logger_left_unconfigured():  # TorchRec's plan check calls logging.warning: it would configure the root logger
         planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
     sharders, codecs = planning_sharders(strategy, compute_device=device.type, topology=topology, plan=planned.plan, device=device)
     if planned.report is not None:
