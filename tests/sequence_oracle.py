@@ -28,6 +28,7 @@ ITEMS, ACTIONS, CONTEXT = 48, 4, {"user_id": 20, "genre": 12}
 DIM, NUM_DENSE, MAX_HISTORY = 8, 3, 6
 TABLES = ["item", "action", "t_user_id", "t_genre"]
 ITEM_KEY = "sequence_embeddings.embeddings.item.weight"
+ACTION_KEY = "sequence_embeddings.embeddings.action.weight"
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class SequenceLogConfig:
     test_batches: int = 1
     max_length: int = 9  # longer than MAX_HISTORY: the cut is exercised sharded too
     seed: int = 5
+    with_context: bool = True  # False: the sequence features only (for a model without context tables)
 
 
 def global_batch(config: SequenceLogConfig, split: str, index: int) -> RecBatch:
@@ -46,16 +48,17 @@ def global_batch(config: SequenceLogConfig, split: str, index: int) -> RecBatch:
     size = config.global_batch_size
     history_lengths = torch.randint(0, config.max_length + 1, (size,), generator=generator)
     total = int(history_lengths.sum())
-    context_lengths = {name: torch.randint(1, 3, (size,), generator=generator) for name in CONTEXT}
+    context = CONTEXT if config.with_context else {}
+    context_lengths = {name: torch.randint(1, 3, (size,), generator=generator) for name in context}
     values = [
         torch.randint(0, ITEMS, (total,), generator=generator),
         torch.randint(0, ACTIONS, (total,), generator=generator),
         torch.randint(0, ITEMS, (size,), generator=generator),
-        *(torch.randint(0, rows, (int(context_lengths[name].sum()),), generator=generator) for name, rows in CONTEXT.items()),
+        *(torch.randint(0, rows, (int(context_lengths[name].sum()),), generator=generator) for name, rows in context.items()),
     ]
     lengths = [history_lengths, history_lengths, torch.ones(size, dtype=torch.long), *context_lengths.values()]
     sparse = KeyedJaggedTensor.from_lengths_sync(
-        keys=["history_item_id", "history_action", "candidate_item_id", *CONTEXT], values=torch.cat(values), lengths=torch.cat(lengths)
+        keys=["history_item_id", "history_action", "candidate_item_id", *context], values=torch.cat(values), lengths=torch.cat(lengths)
     )
     dense = torch.rand(size, NUM_DENSE, generator=generator)
     labels = torch.randint(0, 2, (size,), generator=generator).float()
@@ -102,10 +105,12 @@ def is_table(name: str) -> bool:
     return "sequence_embeddings.embeddings." in name or "context_embeddings.embedding_bags." in name
 
 
-def train_unsharded(config: SequenceLogConfig | None = None, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+def train_unsharded(
+    config: SequenceLogConfig | None = None, steps: int = STEPS, **model_overrides: object
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Plain SGD on the whole global batches: the state dict and the validation predictions."""
     config = config or SequenceLogConfig()
-    model = make_model()
+    model = make_model(**model_overrides)
     params = dict(model.named_parameters())
     optimizer = torch.optim.SGD([
         {"params": [p for n, p in params.items() if not is_table(n)], "lr": DENSE_LR},
@@ -122,12 +127,13 @@ def train_unsharded(config: SequenceLogConfig | None = None, steps: int = STEPS)
     return {k: v.clone() for k, v in model.state_dict().items() if is_table(k) or "metrics" not in k}, predictions
 
 
-def sgd_strategy(*, sharding_types: list[str] | None = None, **kwargs: object) -> TwoDRecStrategy:
-    """SGD tables; column_wise splits each dim-8 table in two (TorchRec's default min_partition keeps it whole)."""
+def sgd_strategy(*, sharding_types: list[str] | None = None, column_width: int = DIM // 2, **kwargs: object) -> TwoDRecStrategy:
+    """SGD tables; column_wise cuts each table into ``column_width``-wide shards (TorchRec's default
+    min_partition keeps a small table whole)."""
     kwargs.setdefault("process_group_timeout", 60)
     constraints = {}
     if sharding_types == ["column_wise"]:
-        constraints = {t: TableConstraints(sharding_types=sharding_types, min_partition=4) for t in TABLES}
+        constraints = {t: TableConstraints(sharding_types=sharding_types, min_partition=column_width) for t in TABLES}
     kwargs.setdefault("planning", PlanningConfig(sharding_types=sharding_types, table_constraints=constraints))
     kwargs.setdefault("guard", GuardConfig(validate_inputs="error", check_finite=False))
     return TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), **kwargs)
