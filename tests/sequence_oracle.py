@@ -19,7 +19,7 @@ from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConf
 from lightning_recsys.data import RecBatch, slice_batch
 from lightning_recsys.data.module import RankSlicedDataModule
 from lightning_recsys.models import SequenceRanker
-from lightning_recsys.parallel.sharded_model import local_shards
+from lightning_recsys.parallel.sharding.sharded_model import local_shards
 from torchrec import KeyedJaggedTensor
 
 STEPS = 3
