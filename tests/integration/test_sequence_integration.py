@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_ranks
 from oracle import assemble
 from sequence_oracle import (
@@ -12,6 +13,7 @@ from sequence_oracle import (
     train_unsharded,
 )
 
+from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.models import SequenceRanker
 
 WORLD_SIZE = 2
@@ -172,3 +174,79 @@ def test_sequence_all_to_all_sends_the_bytes_per_value_of_its_precision_forward_
         assert results[0][(forward, backward)]["effective"][0].startswith(forward), results[0][(forward, backward)]
         measured = sum(r[(forward, backward)]["bytes"] for r in results)
         assert measured == rows * WIRE_DIM * (forward_bytes + backward_bytes), (forward, backward, measured, rows)
+
+
+# ----------------------------------------------------------------- checkpoints: save, reshard load, evaluate, export
+RESHARD_CONFIG = SequenceLogConfig(global_batch_size=12, train_batches=STEPS, val_batches=1, test_batches=2)  # 2 and 3 ranks
+
+
+def _checkpoint_strategy(sharding_types: list[str]) -> TwoDRecStrategy:
+    return TwoDRecStrategy(
+        embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
+        planning=PlanningConfig(sharding_types=sharding_types, table_constraints={
+            t: TableConstraints(sharding_types=sharding_types, min_partition=4) for t in ("item", "action", "t_user_id", "t_genre")
+        } if sharding_types == ["column_wise"] else {}),
+        process_group_timeout=60,
+    )
+
+
+def _evaluation_trainer(world_size: int, strategy: TwoDRecStrategy, **kwargs) -> Trainer:
+    return Trainer(accelerator="cpu", devices=world_size, strategy=strategy, logger=False, enable_progress_bar=False,
+                   enable_model_summary=False, **kwargs)
+
+
+def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    strategy = _checkpoint_strategy(["table_wise"])
+    trainer = _evaluation_trainer(world_size, strategy, max_epochs=1, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")])
+    model = make_model(embedding_device="meta", seed=None)  # tables initialized by TorchRec on each rank's shards
+    data = SequenceDataModule(RESHARD_CONFIG)
+    trainer.fit(model, datamodule=data)
+    return {
+        "tables": table_shards(model),
+        "val_auc": trainer.validate(model, datamodule=data, verbose=False)[0]["val/auc"],
+        "predictions": torch.cat(trainer.predict(model, datamodule=data)),
+    }
+
+
+def _evaluate_resharded(rank: int, world_size: int, ckpt_path: str, sharding_type: str) -> dict:
+    data = SequenceDataModule(RESHARD_CONFIG)
+    out: dict = {}
+    for fn in ("validate", "test", "predict"):
+        model = make_model(embedding_device="meta", seed=None)
+        out[fn] = getattr(_evaluation_trainer(world_size, _checkpoint_strategy([sharding_type])), fn)(model, datamodule=data, ckpt_path=ckpt_path)
+    out["tables"] = table_shards(model)
+    out["predictions"] = torch.cat(out.pop("predict"))
+    return out
+
+
+def _in_example_order(per_rank: list[torch.Tensor], local: int) -> torch.Tensor:
+    """Per-rank predictions (each rank's slice of every batch, batch after batch) in global example order."""
+    batches = per_rank[0].numel() // local
+    return torch.cat([p[b * local : (b + 1) * local] for b in range(batches) for p in per_rank])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_reshards_onto_other_ranks_and_types_and_exports_to_one_unsharded_model(tmp_path):
+    saved = run_ranks(_fit_and_save, 2, str(tmp_path), timeout=300)
+    checkpoint = str(tmp_path / "fitted.ckpt")
+    shapes = make_model().state_dict()
+    tables = {key: assemble([r["tables"] for r in saved], key, shapes[key]) for key in saved[0]["tables"]}
+    assert set(tables) == {ITEM_KEY, ACTION_KEY, "context_embeddings.embedding_bags.t_user_id.weight",
+                           "context_embeddings.embedding_bags.t_genre.weight"}
+    saved_predictions = _in_example_order([r["predictions"] for r in saved], 6)  # 2 test batches of 12: 6 per rank
+    for sharding_type in ("row_wise", "column_wise"):
+        loaded = run_ranks(_evaluate_resharded, 3, checkpoint, sharding_type, timeout=300)
+        for key, expected in tables.items():
+            assert torch.equal(assemble([r["tables"] for r in loaded], key, expected), expected), f"{sharding_type}: {key}"
+        assert loaded[0]["validate"][0]["val/auc"] == pytest.approx(saved[0]["val_auc"], abs=1e-6)
+        assert "test/auc" in loaded[0]["test"][0]
+        torch.testing.assert_close(_in_example_order([r["predictions"] for r in loaded], 4), saved_predictions)
+
+    # Export: one unsharded model in this process, from the same directory, predicts as the sharded ones did.
+    exported = SequenceRanker.load_from_checkpoint(checkpoint).eval()
+    assert not any(p.is_meta for p in exported.parameters())
+    for key, expected in tables.items():
+        assert torch.equal(exported.state_dict()[key], expected), key
+    with torch.no_grad():
+        predictions = torch.cat([torch.sigmoid(exported(global_batch(RESHARD_CONFIG, "test", i))) for i in range(2)])
+    torch.testing.assert_close(predictions, saved_predictions)
