@@ -250,3 +250,67 @@ def test_a_checkpoint_reshards_onto_other_ranks_and_types_and_exports_to_one_uns
     with torch.no_grad():
         predictions = torch.cat([torch.sigmoid(exported(global_batch(RESHARD_CONFIG, "test", i))) for i in range(2)])
     torch.testing.assert_close(predictions, saved_predictions)
+
+
+# ----------------------------------------------------------------- bad input on one rank
+class _BadOnRank1(SequenceDataModule):
+    """Rank 1's second training batch is broken: an out-of-range history id, or an action missing."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+
+    def _dataset(self, split: str, rank: int, world_size: int):
+        return _Broken(super()._dataset(split, rank, world_size), self.kind if split == "train" and rank == 1 else None)
+
+
+class _Broken(torch.utils.data.IterableDataset):
+    def __init__(self, dataset, kind: str | None) -> None:
+        self.dataset, self.kind = dataset, kind
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self):
+        for index, batch in enumerate(self.dataset):
+            yield _broken(batch, self.kind) if self.kind is not None and index == 1 else batch
+
+
+def _broken(batch, kind: str):
+    from lightning_recsys.data import RecBatch
+    from torchrec import JaggedTensor, KeyedJaggedTensor
+
+    features = batch.sparse.to_dict()
+    history = features["history_item_id"]
+    if kind == "out_of_range":
+        values = history.values().clone()
+        values[-1] = 48  # the item table has 48 rows
+        features["history_item_id"] = JaggedTensor(values=values, lengths=history.lengths())
+    else:  # the last example with a history loses its newest action
+        actions = features["history_action"]
+        lengths = actions.lengths().clone()
+        lengths[int(torch.nonzero(lengths)[-1])] -= 1
+        features["history_action"] = JaggedTensor(values=actions.values()[:-1], lengths=lengths)
+    return RecBatch(batch.dense, KeyedJaggedTensor.from_jt_dict(features), batch.labels)
+
+
+def _fit_bad(rank: int, world_size: int, kind: str) -> str:
+    from lightning_recsys.parallel.input.input_guard import InvalidInputError
+
+    trainer = Trainer(accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=["row_wise"]), max_steps=STEPS,
+                      limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    try:
+        trainer.fit(make_model(), datamodule=_BadOnRank1(kind))
+    except InvalidInputError as error:
+        return f"step {trainer.global_step}: {error}"
+    return "no error"
+
+
+@pytest.mark.slow
+def test_bad_sequence_input_on_one_rank_raises_on_every_rank_naming_the_feature():
+    for kind, expected in {
+        "out_of_range": ("rank 1: batch 1: feature 'history_item_id' has id 48 at example", "but table 'item' has 48 rows"),
+        "misaligned": ("rank 1: batch 1: features 'history_item_id' and 'history_action' must have the same length in every example",),
+    }.items():
+        for message in run_ranks(_fit_bad, WORLD_SIZE, kind, timeout=300):  # both ranks stop after step 1, with rank 1's problem
+            assert message.startswith("step 1: ") and all(e in message for e in expected), (kind, message)

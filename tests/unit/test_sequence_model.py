@@ -164,8 +164,10 @@ def test_a_hundred_steps_fit_a_small_batch():
 @pytest.mark.parametrize(
     ("histories", "actions", "candidates", "match"),
     [
-        ([[1, 2], [3]], [[1], [1]], None, r"feature 'history_action' must have the same lengths as 'history_item_id'"),
-        ([[1, 2], [3]], None, "two", r"feature 'candidate_item_id' must hold exactly one item id per example"),
+        ([[1, 2], [3]], [[1], [1]], None, r"features 'history_item_id' and 'history_action' must have the same length in every "
+         r"example \(SequenceRanker reads them position by position\), but example 0 has 2 and 1"),
+        ([[1, 2], [3]], None, "two", r"feature 'candidate_item_id' must hold exactly one id per example \(SequenceRanker\), but "
+         r"example 0 has 2"),
     ],
 )
 def test_misaligned_sequence_features_raise(histories, actions, candidates, match):
@@ -219,3 +221,26 @@ def test_defaults_are_near_transact_and_the_collections_are_torchrecs():
     assert model.encoder.layers[0].self_attn.embed_dim == 3 * 32
     assert isinstance(model.sequence_embeddings, EmbeddingCollection) and model.context_embeddings is None
     assert not isinstance(model.sequence_embeddings, EmbeddingBagCollection)
+
+
+def _guard_problems(batch: RecBatch) -> list[tuple[str, bool]]:
+    from lightning_recsys.parallel.input import InputValidator, feature_tables, module_length_rules
+
+    model = small_model()
+    validator = InputValidator(feature_tables(model), module_length_rules(model))
+    return [(p.message, p.fatal) for p in validator.check(batch.sparse, batch=3)]
+
+
+def test_the_input_guard_sees_the_sequence_tables_and_names_an_out_of_range_history_id():
+    assert _guard_problems(sequence_batch([[1, 2], [3]])) == []
+    ((message, fatal),) = _guard_problems(sequence_batch([[1, 2], [3, 30]]))
+    assert "feature 'history_item_id' has id 30 at example 1, but table 'item' has 30 rows (valid ids are 0..29)" in message
+    assert not fatal  # FBGEMM would clamp it: 'warn' can let it through, as for pooled features
+    ((message, _),) = _guard_problems(sequence_batch([[1, 2], [3]], actions=[[0, 1], [3]]))
+    assert "feature 'history_action' has id 3 at example 1, but table 'action' has 3 rows" in message
+
+
+def test_the_input_guard_checks_the_models_length_rules_as_fatal():
+    ((message, fatal),) = _guard_problems(sequence_batch([[1, 2], [3, 4]], actions=[[0, 1], [2]]))
+    assert message.startswith("batch 3: features 'history_item_id' and 'history_action' must have the same length") and fatal
+    assert "example 1 has 2 and 1 (1 example(s) differ)" in message

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from torchrec.sparse.jagged_tensor import JaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
@@ -44,24 +45,12 @@ def newest_padded(lengths: torch.Tensor, values: torch.Tensor, max_length: int) 
 
 
 @torch.fx.wrap
-def _check_sequences(history: JaggedTensor, actions: JaggedTensor, candidate: JaggedTensor, names: tuple[str, str, str]) -> None:
-    """Raise ``ValueError`` unless the actions align with the history and every example has one candidate."""
-    history_name, action_name, candidate_name = names
-    history_lengths, action_lengths, candidate_lengths = history.lengths(), actions.lengths(), candidate.lengths()
-    if action_lengths.shape != history_lengths.shape or candidate_lengths.shape != history_lengths.shape:
-        misaligned = [action_lengths.shape != history_lengths.shape, candidate_lengths.shape != history_lengths.shape]
-    else:  # one host sync for both checks
-        misaligned = torch.stack([(action_lengths != history_lengths).any(), (candidate_lengths != 1).any()]).tolist()
-    if misaligned[0]:
-        raise ValueError(
-            f"feature {action_name!r} must have the same lengths as {history_name!r} (one action type per history item); "
-            f"got lengths {action_lengths.tolist()} and {history_lengths.tolist()}."
-        )
-    if misaligned[1]:
-        raise ValueError(
-            f"feature {candidate_name!r} must hold exactly one item id per example (the candidate being ranked); "
-            f"got lengths {candidate_lengths.tolist()}."
-        )
+def _check_lengths(sparse: KeyedJaggedTensor, rules: FeatureLengthRules) -> None:
+    """Raise ``ValueError`` where the batch breaks the model's length rules (the strategy's input guard
+    checks the same rules on every rank before the step, so there this never fires)."""
+    problems = length_rule_problems([rules], sparse.keys(), sparse.lengths(), sparse.stride())
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 @torch.fx.wrap
@@ -244,6 +233,10 @@ class SequenceRanker(RankerModule):
             raise ValueError(f"embedding_device={embedding_device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'meta'.") from err
 
         self._sequence_names = (history_item_feature, history_action_feature, candidate_item_feature)
+        # One action per history item, one candidate per example: checked here and, sharded, by the input guard.
+        self.sparse_length_rules = FeatureLengthRules(
+            aligned=((history_item_feature, history_action_feature),), one_per_example=(candidate_item_feature,), owner="SequenceRanker"
+        )
         self.max_history = max_history
         self.newest_tokens = newest_tokens
         self.sequence_embeddings = EmbeddingCollection(
@@ -288,9 +281,9 @@ class SequenceRanker(RankerModule):
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
         history_name, action_name, candidate_name = self._sequence_names
+        _check_lengths(batch.sparse, self.sparse_length_rules)
         sequences = self.sequence_embeddings(batch.sparse)
         history, actions, candidate = sequences[history_name], sequences[action_name], sequences[candidate_name]
-        _check_sequences(history, actions, candidate, self._sequence_names)
         candidate_embedding = candidate.values()
         tokens, padding = newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
         fused = torch.cat([tokens, candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)], dim=2)

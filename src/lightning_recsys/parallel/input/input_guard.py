@@ -32,6 +32,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 
 from lightning_recsys.parallel.comms import comm_for_batch, comm_purpose, discard_batch_comm, release_batch_comm
 from lightning_recsys.parallel.input.input_pipeline import SparseDistPipeline, pipelined
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
 from lightning_recsys.parallel.input.loader_position import LoaderPosition, Progress, drop_first
 from lightning_recsys.parallel.topology import raised_on_every_rank
 
@@ -85,8 +86,9 @@ def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
 class InputValidator:
     """Vectorized checks of a KeyedJaggedTensor against the model's features and table sizes."""
 
-    def __init__(self, features: dict[str, list[TableRef]]) -> None:
+    def __init__(self, features: dict[str, list[TableRef]], length_rules: list[FeatureLengthRules] | None = None) -> None:
         self.features = features
+        self.length_rules = list(length_rules or [])  # the model's own per-example length rules (fatal when broken)
         # A feature feeding several tables must fit the smallest.
         self._limit = {f: min(refs, key=lambda r: r.rows) for f, refs in features.items()}
 
@@ -127,6 +129,9 @@ class InputValidator:
         total = int(lengths.sum())
         if total != values.numel():
             return [InputProblem(f"batch {batch}: the lengths sum to {total} but there are {values.numel()} values")]
+        rule_problems = [InputProblem(m) for m in length_rule_problems(self.length_rules, keys, lengths, batch_size, batch)]
+        if rule_problems:
+            return rule_problems
         weight_problems = self._weights(kjt, keys, values, lengths, batch_size, batch)
         if any(p.fatal for p in weight_problems):
             return weight_problems
