@@ -119,6 +119,8 @@ def test_quantized_sequence_all_to_all_errors_stay_within_each_formats_bound_for
         assert forward[0]["effective"]["sequence_all_to_all"] == (FORMAT[precision][0], "fp32"), forward[0]["effective"]
         predictions = torch.cat([f["predictions"] for f in forward])
         bound = FORWARD_BOUND[precision] * float(untrained_predictions.abs().max())
+        largest = float((predictions - untrained_predictions).abs().max() / untrained_predictions.abs().max())
+        print(f"{sharding_type} {precision} forward: largest |error| / largest |prediction| = {largest:.2e} (bound {FORWARD_BOUND[precision]:.2e})")
         torch.testing.assert_close(predictions, untrained_predictions, rtol=0, atol=bound, msg=lambda m: f"{precision} forward: {m}")
         assert not torch.equal(predictions, untrained_predictions), f"{precision}: the forward was not quantized"
 
@@ -128,6 +130,8 @@ def test_quantized_sequence_all_to_all_errors_stay_within_each_formats_bound_for
             expected_update = trained_state[key] - initial[key]
             update = assemble([b["shards"] for b in backward], key, initial[key]) - initial[key]
             bound = BACKWARD_BOUND[precision] * float(expected_update.abs().max())
+            largest = float((update - expected_update).abs().max() / expected_update.abs().max())
+            print(f"{sharding_type} {precision} backward {key.split('.')[-2]}: largest |error| / largest |update| = {largest:.2e}")
             torch.testing.assert_close(update, expected_update, rtol=0, atol=bound, msg=lambda m: f"{precision} backward {key}: {m}")
             assert not torch.equal(update, expected_update), f"{precision}: the gradients of {key} were not quantized"
 

@@ -244,3 +244,19 @@ def test_the_input_guard_checks_the_models_length_rules_as_fatal():
     ((message, fatal),) = _guard_problems(sequence_batch([[1, 2], [3, 4]], actions=[[0, 1], [2]]))
     assert message.startswith("batch 3: features 'history_item_id' and 'history_action' must have the same length") and fatal
     assert "example 1 has 2 and 1 (1 example(s) differ)" in message
+
+
+def test_a_profile_of_sequence_batches_gives_the_shared_item_table_both_features():
+    from sequence_oracle import SequenceDataModule, SequenceLogConfig, global_batch, make_model
+
+    from lightning_recsys.planner.stats import profile_datamodule, resolve_table_stats
+
+    model = make_model()
+    tables = [*model.sequence_embeddings.embedding_configs(), *model.context_embeddings.embedding_bag_configs()]
+    stats, assumed = resolve_table_stats(tables, profile_datamodule(SequenceDataModule(), 3))
+    assert not assumed
+    histories = torch.cat([global_batch(SequenceLogConfig(), "train", i).sparse["history_item_id"].lengths() for i in range(3)])
+    # The item table serves the history and the candidate (one id per example): 2 features, their mean ids.
+    assert stats["item"].features == 2
+    assert stats["item"].pooling_factor == pytest.approx((float(histories.float().mean()) + 1) / 2)
+    assert stats["action"].features == 1 and stats["action"].pooling_factor == pytest.approx(float(histories.float().mean()))
