@@ -318,3 +318,26 @@ def test_bad_sequence_input_on_one_rank_raises_on_every_rank_naming_the_feature(
     }.items():
         for message in run_ranks(_fit_bad, WORLD_SIZE, kind, timeout=300):  # both ranks stop after step 1, with rank 1's problem
             assert message.startswith("step 1: ") and all(e in message for e in expected), (kind, message)
+
+
+# ----------------------------------------------------------------- planning on profiled sequence batches
+def _fit_balanced_profiled(rank: int, world_size: int) -> dict:
+    strategy = sgd_strategy(planning=PlanningConfig(planner="balanced", profile_batches=2))
+    _, trainer, _ = fit_sharded(rank, world_size, strategy, steps=2)
+    report = strategy.plan_report
+    tables = {} if report is None else {t.name: (t.sharding_type, t.lookups_per_example, t.stats_source) for t in report.tables}
+    return {"steps": trainer.global_step, "tables": tables}
+
+
+@pytest.mark.slow
+def test_the_balanced_planner_profiles_the_sequence_tables_and_never_makes_them_data_parallel():
+    results = run_ranks(_fit_balanced_profiled, WORLD_SIZE, timeout=300)
+    assert [r["steps"] for r in results] == [2, 2]
+    tables = results[0]["tables"]  # the report is rank 0's
+    # Rank 0 profiles its own slice (the first 8 examples) of the first 2 batches.
+    histories = torch.cat([global_batch(SequenceLogConfig(), "train", i).sparse["history_item_id"].lengths()[:8] for i in range(2)])
+    mean_history = float(histories.float().mean())
+    # The item table serves the history and the candidate: its lookups per example are both.
+    assert tables["item"][1] == pytest.approx(mean_history + 1) and tables["action"][1] == pytest.approx(mean_history)
+    assert {t[2] for t in tables.values()} != {"assumed"}, tables
+    assert tables["item"][0] != "data_parallel" and tables["action"][0] != "data_parallel", tables
