@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning_recsys._upstream_logging import root_logger_left_unconfigured
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel, shard_model
 from lightning_recsys.parallel.comms import EffectiveQComms, QCommsConfig
-from lightning_recsys.parallel.input import InputValidator, feature_tables
+from lightning_recsys.parallel.input import InputValidator, feature_tables, module_length_rules
 from lightning_recsys.parallel.sharding import ROW_SHARDED_TYPES, ShardedRuntime
 from lightning_recsys.planner import PlanningConfig, PlanReport, model_tables, plan_rows, summarize_plan
 from lightning_recsys.planner.pipeline import PlanningPipeline
@@ -108,7 +108,7 @@ def shard_or_reuse(strategy: ShardingStrategy, module: LightningModule) -> Shard
 
 
 def _shard(strategy: ShardingStrategy, module: LightningModule, settings: ShardingSettings) -> ShardedSetup:
-    validator = InputValidator(feature_tables(module))  # also refuses tables without features
+    validator = InputValidator(feature_tables(module), module_length_rules(module))  # also refuses tables without features
     topology: ParallelTopology = strategy.topology
     device = strategy.root_device
     planner_sharders, _ = planning_sharders(strategy, compute_device=device.type, topology=topology, device=device)
