@@ -1,4 +1,4 @@
-"""DataModules producing RecBatch: synthetic click logs (default), MovieLens-100k and Criteo files (TSV or npy)."""
+"""DataModules producing RecBatch: synthetic click logs (default) and histories, MovieLens-100k and Criteo files (TSV or npy)."""
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
 from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
@@ -17,6 +17,11 @@ from lightning_recsys.data.synthetic import (
     SyntheticClickLogConfig,
     SyntheticClickLogDataModule,
     slice_batch,
+)
+from lightning_recsys.data.synthetic_sequence import (
+    SyntheticSequenceConfig,
+    SyntheticSequenceDataModule,
+    SyntheticSequenceLog,
 )
 
 __all__ = [
@@ -38,6 +43,9 @@ __all__ = [
     "SyntheticClickLog",
     "SyntheticClickLogConfig",
     "SyntheticClickLogDataModule",
+    "SyntheticSequenceConfig",
+    "SyntheticSequenceDataModule",
+    "SyntheticSequenceLog",
     "slice_batch",
     "sparse_feature_names",
 ]
