@@ -11,6 +11,11 @@ from lightning_recsys.data.movielens import (
     MovieLens100KDataModule,
     MovieLens100KDataset,
 )
+from lightning_recsys.data.movielens_sequence import (
+    MOVIELENS_SEQUENCE_FEATURE_NAMES,
+    MovieLens100KSequenceConfig,
+    MovieLens100KSequenceDataModule,
+)
 from lightning_recsys.data.readers import MalformedLineError
 from lightning_recsys.data.synthetic import (
     SyntheticClickLog,
@@ -39,6 +44,9 @@ __all__ = [
     "MovieLens100KConfig",
     "MovieLens100KDataModule",
     "MovieLens100KDataset",
+    "MOVIELENS_SEQUENCE_FEATURE_NAMES",
+    "MovieLens100KSequenceConfig",
+    "MovieLens100KSequenceDataModule",
     "RecBatch",
     "SyntheticClickLog",
     "SyntheticClickLogConfig",
