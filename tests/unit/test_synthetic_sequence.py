@@ -143,6 +143,16 @@ def test_the_planted_signal_is_in_the_history_only():
     assert (rates.max() - rates.min()).item() < 0.04, rates
 
 
+def test_planted_logit_is_the_one_the_labels_were_drawn_from():
+    config = SyntheticSequenceConfig(**SMALL, global_batch_size=8192, seed=7)
+    log = SyntheticSequenceLog(config)
+    batch = log.global_batch("test", 1)
+    logit = log.planted_logit(batch)
+    # Mean click probability matches the click rate, and the planted logit ranks well (the ceiling of any model).
+    assert abs(torch.sigmoid(logit).mean().item() - batch.labels.mean().item()) < 0.015
+    assert binary_auroc(logit, batch.labels.long()).item() > 0.75
+
+
 def test_context_signal_is_learnable_by_a_pooled_model():
     config = SyntheticSequenceConfig(**SMALL, history_signal=0.0, global_batch_size=8192, seed=1)
     log = SyntheticSequenceLog(config)

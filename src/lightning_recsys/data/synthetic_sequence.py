@@ -217,6 +217,17 @@ class SyntheticSequenceLog:
         )
         return RecBatch(dense=dense, sparse=sparse, labels=labels)
 
+    def planted_logit(self, batch: RecBatch) -> torch.Tensor:
+        """The logit a batch's labels were drawn from (the best any model can do), from the batch itself."""
+        kjt, cfg = batch.sparse, self.config
+        items, actions = kjt[HISTORY_ITEM_FEATURE], kjt[HISTORY_ACTION_FEATURE]
+        width = cfg.max_history_length
+        valid = torch.arange(width) < items.lengths()[:, None]
+        history, acts = items.to_padded_dense(width, padding_value=0), actions.to_padded_dense(width, padding_value=0)
+        match = self.match(history, acts, valid, kjt[CANDIDATE_ITEM_FEATURE].values())
+        context = self.context_logit([kjt[name].values() for name in cfg.context_feature_names], batch.dense)
+        return cfg.base_logit + cfg.history_signal * match + cfg.context_signal * context
+
     def context_logit(self, context: list[torch.Tensor], dense: torch.Tensor) -> torch.Tensor:
         """The planted non-history logit, about unit variance: context-id effects and dense weights, half each."""
         parts = []
