@@ -10,7 +10,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import ShardedState
-from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, reshape_record
+from lightning_recsys.parallel.sharding import RESHAPE_CHECKPOINT_KEY, reshape_record
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 
