@@ -56,6 +56,7 @@ from lightning_recsys.strategies.batches import CoordinatedBatchHooks
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
+from lightning_recsys.strategies.elastic_restart import attempt_scoped_store
 from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.preemption import PREEMPTED_EXIT_CODE, CoordinatedSigterm
@@ -273,7 +274,13 @@ class TwoDRecStrategy(
         assert self.cluster_environment is not None
         if not _distributed_is_initialized():  # else the user (or a previous Trainer) owns the process group
             device_id = self.root_device if self.root_device.type != "cpu" else None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+            env = self.cluster_environment
+            # Under torchrun, the keys of this restart attempt only (elastic_restart.py says why).
+            store = attempt_scoped_store(
+                env.main_address, env.main_port, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
+            )
+            kwargs: dict[str, Any] = {"store": store} if store is not None else {}
+            _init_dist_connection(env, backend, timeout=self._timeout, device_id=device_id, **kwargs)
             atexit.register(destroy_process_group_at_exit)
         # A CPU group for the per-step batch handshake and failure diagnosis (gloo: monitored_barrier).
         if self._coordination_group is None:
