@@ -32,6 +32,7 @@ from typing import Any
 
 KILL_RANK_ENV = "RESTART_SOAK_KILL_RANK"
 KILL_STEP_ENV = "RESTART_SOAK_KILL_AT_STEP"
+KILLS_ENV = "RESTART_SOAK_KILLS"
 KILL_FILE = "killed_at.txt"
 RESULT_FILE = "result.json"
 TABLE_SIZES = [40, 64, 24]
@@ -72,12 +73,18 @@ def _job(args: argparse.Namespace) -> None:
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
             self.batches, self.examples = list(state_dict["batches"]), int(state_dict["examples"])
 
-    class KillOnce(Callback):
-        """SIGKILL this rank after a given step of the first attempt: a lost process, no cleanup."""
+    class KillInEarlyAttempts(Callback):
+        """SIGKILL one rank in each of the first ``kills`` attempts (a lost process, no cleanup).
+
+        Attempt a kills rank (kill_rank + a) % world_size after step kill_at_step + 3a: one step past
+        the checkpoint of that attempt's resume, so each restart resumes from a newer one."""
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            if attempt == 0 and rank == int(os.environ[KILL_RANK_ENV]) and trainer.global_step == int(os.environ[KILL_STEP_ENV]):
-                (work / KILL_FILE).write_text(f"{time.time()}\n")
+            victim = (int(os.environ[KILL_RANK_ENV]) + attempt) % trainer.world_size
+            step = int(os.environ[KILL_STEP_ENV]) + 3 * attempt
+            if attempt < int(os.environ.get(KILLS_ENV, "1")) and rank == victim and trainer.global_step == step:
+                with open(work / KILL_FILE, "a") as f:
+                    f.write(f"{time.time()}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
 
     def model(embedding_device: str) -> DLRMRanker:
@@ -108,7 +115,7 @@ def _job(args: argparse.Namespace) -> None:
         trainer.save_checkpoint(work / name / "final.ckpt")
         return trained
 
-    faulted = fit("faulted", [KillOnce()])
+    faulted = fit("faulted", [KillInEarlyAttempts()])
     reference = fit("reference", [])  # the same fit, in the same processes, without a fault
     if rank != 0:
         return
@@ -137,9 +144,11 @@ def _free_port() -> int:
 
 def run_once(
     work_dir: Path, *, nodes: int = 1, nproc_per_node: int = 2, sharding_group_size: int | None = None, kill_rank: int = 1,
-    kill_at_step: int = 7, epochs: int = 2, batches_per_epoch: int = 6, timeout: float = 60.0, launch_timeout: float = 300.0,
+    kill_at_step: int = 7, kills: int = 1, epochs: int = 2, batches_per_epoch: int = 6, timeout: float = 60.0,
+    launch_timeout: float = 300.0,
 ) -> dict[str, Any]:
-    """One kill-and-restart job; returns its record (``came_back``, ``recovery_s``, the comparison, and the output tail)."""
+    """One job with ``kills`` kill-and-restarts (``--max-restarts kills``); returns its record (``came_back``,
+    ``recovery_s`` from the last kill, the comparison with the uninterrupted fit) and each launch's ``outputs``."""
     work_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
     job = [
@@ -148,10 +157,10 @@ def run_once(
     ]
     if sharding_group_size is not None:
         job += ["--sharding-group-size", str(sharding_group_size)]
-    env = {**os.environ, KILL_RANK_ENV: str(kill_rank), KILL_STEP_ENV: str(kill_at_step)}
+    env = {**os.environ, KILL_RANK_ENV: str(kill_rank), KILL_STEP_ENV: str(kill_at_step), KILLS_ENV: str(kills)}
     launches = [
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
-         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", "1",
+         "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", str(kills),
          "--monitor-interval", "0.5", *job]
         for node in range(nodes)
     ]
@@ -171,9 +180,10 @@ def run_once(
     record: dict[str, Any] = {"exit_codes": [p.returncode for p in procs], "wall_s": round(time.time() - started, 1)}
     result_file, kill_file = work_dir / RESULT_FILE, work_dir / KILL_FILE
     result = json.loads(result_file.read_text()) if result_file.exists() else None
-    killed_at = float(kill_file.read_text()) if kill_file.exists() else None
-    record["killed"] = killed_at is not None
-    record["came_back"] = all(code == 0 for code in record["exit_codes"]) and result is not None and result["attempt"] >= 1
+    kill_times = [float(line) for line in kill_file.read_text().split()] if kill_file.exists() else []
+    killed_at = kill_times[-1] if kill_times else None
+    record["killed"] = len(kill_times) == kills
+    record["came_back"] = all(code == 0 for code in record["exit_codes"]) and result is not None and result["attempt"] == kills
     if result is not None:
         record["same_batches"] = result["faulted"]["batches"] == result["reference"]["batches"]
         record["examples"] = [result["faulted"]["examples"], result["reference"]["examples"]]
@@ -184,8 +194,7 @@ def run_once(
         record["came_back"] and record.get("same_batches") and record["examples"][0] == record["examples"][1]
         and not record["weights_differ"] and record["killed"]
     )
-    if not record["ok"]:
-        record["output_tail"] = "\n".join(o[-3000:] for o in outputs)
+    record["outputs"] = outputs
     return record
 
 
@@ -197,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: one group per node (2D with --nodes 2)")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at-step", type=int, default=7)
+    parser.add_argument("--kills", type=int, default=1, help="kill-and-restarts per job (attempt a kills rank kill_rank+a after step kill_at_step+3a)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batches-per-epoch", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=60.0, help="process_group_timeout of the job, seconds")
@@ -212,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         record = run_once(
             root / f"run{run:02d}", nodes=args.nodes, nproc_per_node=args.nproc_per_node, sharding_group_size=args.sharding_group_size,
-            kill_rank=args.kill_rank, kill_at_step=args.kill_at_step, epochs=args.epochs, batches_per_epoch=args.batches_per_epoch,
+            kill_rank=args.kill_rank, kill_at_step=args.kill_at_step, kills=args.kills, epochs=args.epochs, batches_per_epoch=args.batches_per_epoch,
             timeout=args.timeout,
         )
         records.append(record)
@@ -223,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         if not record["ok"]:
-            print(record["output_tail"][-4000:], flush=True)
+            print("\n".join(o[-3000:] for o in record["outputs"]), flush=True)
+        record.pop("outputs")
     back = sum(r["came_back"] for r in records)
     ok = sum(r["ok"] for r in records)
     recovery = [r["recovery_s"] for r in records if "recovery_s" in r]

@@ -53,7 +53,7 @@ from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_w
 from lightning_recsys.planner import PlanningConfig, PlanReport
 from lightning_recsys.planner.torchrec_planner import embedding_tables
 from lightning_recsys.strategies.batches import CoordinatedBatchHooks
-from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks, silence_no_last_checkpoint_yet
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.elastic_restart import attempt_scoped_store
@@ -177,6 +177,7 @@ class TwoDRecStrategy(
         self._runtime: Optional[ShardedRuntime] = None
         self._forward_redirection = DenseDDPForwardRedirection(self)
         self._scheduler_base_lr: Optional[float] = None
+        silence_no_last_checkpoint_yet()  # before fit parses ckpt_path; on_train_start says it in one INFO line
 
     # ----------------------------------------------------------------- ranks and devices
     @property
