@@ -46,6 +46,7 @@ from lightning_recsys.checkpoint.table_state import (
     table_name,
 )
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, ExpectedEntry, check_entries, model_key, saved_tensors
+from lightning_recsys.checkpoint.write_errors import explain_write_error
 from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
 from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
@@ -145,7 +146,7 @@ def save_checkpoint(
     """
     final = Path(path)
     prepared = _prepare_save(final, state=state, topology=topology, step=step, extra_meta=extra_meta)
-    error: Exception | None = None
+    error: BaseException | None = None
     try:
         _write_host_state(prepared.tmp, host_state)
         if prepared.dcp_state is not None:
@@ -154,8 +155,8 @@ def save_checkpoint(
                 storage_writer=storage_writer_factory(prepared.tmp),
                 process_group=topology.sharding_process_group(),
             )
-    except Exception as e:  # noqa: BLE001 - every rank must learn about it
-        error = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn about it (DCP's is a BaseException)
+        error = explain_write_error(e, final=final, tmp=prepared.tmp)
     _all_ranks_ok(error, action=f"writing checkpoint {str(prepared.tmp)!r}")
     _commit_on_rank_zero(prepared)
     return final
@@ -467,7 +468,7 @@ def to_lightning_checkpoint(path: str | os.PathLike[str], *, weights_only: bool 
 
 
 # ----------------------------------------------------------------- agreement between ranks
-def _all_ranks_ok(error: Exception | None, *, action: str) -> None:
+def _all_ranks_ok(error: BaseException | None, *, action: str) -> None:
     """Every rank learns whether every rank succeeded at ``action`` (an all-gather over WORLD).
 
     Bounded by the default process group's timeout. The rank that failed re-raises its own
