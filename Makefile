@@ -23,7 +23,7 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(VPY) -m pytest tests/unit -q
 
-gpu-check: $(STAMP)  # results under OUT (default gpu-results/); see README "GPU check"
+gpu-check: $(STAMP)  # results under OUT (default gpu-results/); see docs/architecture.md, "GPU check"
 	PYTHON=$(VPY) bash scripts/gpu_check.sh $(or $(OUT),gpu-results)
 
 bench: $(STAMP)  # about 11 min on 2 cores; the emulated cluster needs root and iproute2 (else it exits 2; make -k goes on)

@@ -288,16 +288,16 @@ class _PhaseTimer:
     """
 
     WRAPPED = (
-        ("track", "lightning_recsys.parallel.touched_rows", "RowTracker", "_record"),
-        ("agree", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "_union"),
-        ("gather", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "_table_items"),
-        ("launch", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "__init__"),
-        ("apply", "lightning_recsys.parallel.sync_deltas", "InFlightSync", "apply"),
-        ("gather_launch", "lightning_recsys.parallel.sync_gather", "GatheredSync", "__init__"),
-        ("gather_apply", "lightning_recsys.parallel.sync_gather", "GatheredSync", "apply"),
-        ("gather_wait", "lightning_recsys.parallel.sync_gather", "GatheredSync", "wait"),
-        ("gather_write", "lightning_recsys.parallel.sync_gather", "", "_write_average"),
-        ("sync_total", "lightning_recsys.parallel.replica_sync", "ReplicaSynchronizer", "step_ended"),
+        ("track", "lightning_recsys.parallel.sync.touched_rows", "RowTracker", "_record"),
+        ("agree", "lightning_recsys.parallel.sync.replica_sync", "ReplicaSynchronizer", "_union"),
+        ("gather", "lightning_recsys.parallel.sync.replica_sync", "ReplicaSynchronizer", "_table_items"),
+        ("launch", "lightning_recsys.parallel.sync.sync_deltas", "InFlightSync", "__init__"),
+        ("apply", "lightning_recsys.parallel.sync.sync_deltas", "InFlightSync", "apply"),
+        ("gather_launch", "lightning_recsys.parallel.sync.sync_gather", "GatheredSync", "__init__"),
+        ("gather_apply", "lightning_recsys.parallel.sync.sync_gather", "GatheredSync", "apply"),
+        ("gather_wait", "lightning_recsys.parallel.sync.sync_gather", "GatheredSync", "wait"),
+        ("gather_write", "lightning_recsys.parallel.sync.sync_gather", "", "_write_average"),
+        ("sync_total", "lightning_recsys.parallel.sync.replica_sync", "ReplicaSynchronizer", "step_ended"),
     )
 
     def __init__(self) -> None:

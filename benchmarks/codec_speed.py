@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from lightning_recsys.parallel.qcomms import make_codec
+from lightning_recsys.parallel.comms.qcomms import make_codec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CODECS: dict[str, torch.dtype] = {  # codec -> the element type its floor casts to

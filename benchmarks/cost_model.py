@@ -5,7 +5,7 @@
 
 Input: the JSON of ``emulated_cluster.py`` (per configuration: rank 0's bytes per step of every
 collective from ``strategy.comm_accounting``, rank 0's rows per replica sync, the unshaped and
-shaped step times, the tc settings). The model is ``lightning_recsys.parallel.cost_model`` (time),
+shaped step times, the tc settings). The model is ``lightning_recsys.planner.cost.cost_model`` (time),
 ``traffic_model`` (bytes, Zipf union of touched rows) and ``layout_advice`` (candidates, scaling).
 
 1. **Bytes.** The analytic traffic (batch, tables, dims, precisions, group size, and for touched-row
@@ -35,8 +35,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from lightning_recsys.parallel.cost_model import Cluster, Link, collectives_from_accounting, network_penalty, step_time, topology_for
-from lightning_recsys.parallel.layout_advice import (
+from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.planner.cost.cost_model import Cluster, Link, collectives_from_accounting, network_penalty, step_time, topology_for
+from lightning_recsys.planner.cost.layout_advice import (
     INTERVALS,
     TARGET_SCALING,
     TIE,
@@ -46,8 +47,7 @@ from lightning_recsys.parallel.layout_advice import (
     compute_for_scaling,
     project,
 )
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.traffic_model import (
+from lightning_recsys.planner.cost.traffic_model import (
     Feature,
     ModelShape,
     StrategyChoice,

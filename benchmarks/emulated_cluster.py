@@ -118,7 +118,7 @@ CONFIGS: tuple[BenchConfig, ...] = (
              precision="bf16", exchange="all_gather"),
     _touched("2d_gather_overlap_fp8_sync4", "2D touched all-gather every 4, overlapped, fp8 deltas", 4, overlap=True,
              precision="fp8", exchange="all_gather"),
-    # Every 16 kept quality on both quality benchmarks (README). Off by default: it needs --steps and
+    # Every 16 kept quality on both quality benchmarks (docs/performance.md, Replica sync quality). Off by default: it needs --steps and
     # --warmup-steps that are multiples of 16 (e.g. 48 and 16), which doubles every run.
     _touched("2d_touched_overlap_bf16_sync16", "2D touched sync every 16, overlapped, bf16 deltas", 16, overlap=True, precision="bf16"),
     _touched("2d_gather_overlap_fp8_sync16", "2D touched all-gather every 16, overlapped, fp8 deltas", 16, overlap=True,

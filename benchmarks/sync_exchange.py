@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_recsys.parallel.sync_gather import GatheredSync
-from lightning_recsys.parallel.touched_rows import Table
+from lightning_recsys.parallel.sync.sync_gather import GatheredSync
+from lightning_recsys.parallel.sync.touched_rows import Table
 
 ROWS = (10**6, 5 * 10**5, 2 * 10**5, 10**5) * 2
 DIM = 16

@@ -95,8 +95,8 @@ def _train_one(rank: int, name: str, every: int, data: dict[str, Any], batches: 
     from lightning_recsys.models import DLRMRanker
     from lightning_recsys.models.baselines import auc, normalized_entropy
     from lightning_recsys.parallel import EmbeddingOptimizerConfig, make_sharders, shard_model
-    from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
-    from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+    from lightning_recsys.parallel.sync.replica_sync import ReplicaSynchronizer
+    from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
     from lightning_recsys.planner import TableConstraints, make_sharding_plan
 
     group_size = WORLD if name == "1d" else PER_NODE

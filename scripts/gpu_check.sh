@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (`make gpu-check OUT=<dir>`): the gpu-marked tests, a single-GPU throughput run and the
 # same run with pipeline='off', the codec speeds on CUDA (FBGEMM's kernels against our torch codecs),
-# with every result written under OUT. Bounded to about 10 minutes; needs no network (see README).
+# with every result written under OUT. Bounded to about 10 minutes; needs no network (see docs/architecture.md, "GPU check").
 set -uo pipefail
 OUT=${1:?usage: scripts/gpu_check.sh OUTDIR}
 PYTHON=${PYTHON:-python}

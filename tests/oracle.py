@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import DLRMRanker
-from lightning_recsys.parallel.sharded_model import local_shards
+from lightning_recsys.parallel.sharding.sharded_model import local_shards
 
 STEPS = 3
 EMBEDDING_LR = 0.3

@@ -19,10 +19,10 @@ _EXPORTS = {
     "CommunicationMonitor": "lightning_recsys.callbacks",
     "DCPCheckpointIO": "lightning_recsys.strategies",
     "EmbeddingOptimizerConfig": "lightning_recsys.parallel",
-    "GuardConfig": "lightning_recsys.parallel.guard_config",
+    "GuardConfig": "lightning_recsys.parallel.input",
     "PlanningConfig": "lightning_recsys.planner.config",
-    "QCommsConfig": "lightning_recsys.parallel.qcomms",
-    "ReplicaSyncConfig": "lightning_recsys.parallel.replica_sync_config",
+    "QCommsConfig": "lightning_recsys.parallel.comms",
+    "ReplicaSyncConfig": "lightning_recsys.parallel.sync",
     "TableConstraints": "lightning_recsys.planner",
     "TwoDRecStrategy": "lightning_recsys.strategies",
 }
@@ -30,9 +30,9 @@ _EXPORTS = {
 if TYPE_CHECKING:
     from lightning_recsys.callbacks import CommunicationMonitor
     from lightning_recsys.parallel import EmbeddingOptimizerConfig
-    from lightning_recsys.parallel.guard_config import GuardConfig
-    from lightning_recsys.parallel.qcomms import QCommsConfig
-    from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+    from lightning_recsys.parallel.comms import QCommsConfig
+    from lightning_recsys.parallel.input import GuardConfig
+    from lightning_recsys.parallel.sync import ReplicaSyncConfig
     from lightning_recsys.planner import TableConstraints
     from lightning_recsys.planner.config import PlanningConfig
     from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy

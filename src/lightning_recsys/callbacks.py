@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_recsys.parallel.input_guard import CoordinatedBatches
+from lightning_recsys.parallel.input import CoordinatedBatches
 from lightning_recsys.strategies import TwoDRecStrategy
 
 
@@ -19,7 +19,7 @@ class CommunicationMonitor(Callback):
     """Logs the bytes each collective moved in the training step, as ``comm/<purpose>/<op>/<group>/bytes``.
 
     Also logs ``comm/inter_node_bytes`` and ``comm/intra_node_bytes``. The numbers are this rank's
-    (the logger writes rank 0's); see ``lightning_recsys.parallel.comm_accounting`` for what is counted.
+    (the logger writes rank 0's); see ``lightning_recsys.parallel.comms.comm_accounting`` for what is counted.
 
     Args:
         logging_interval: log every this many training steps (default: every step).

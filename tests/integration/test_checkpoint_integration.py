@@ -38,8 +38,8 @@ from lightning_recsys.checkpoint import (
 )
 from lightning_recsys.checkpoint.directory import temporary_path
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.sync.replica_sync import ReplicaSynchronizer
+from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.planner import TableConstraints, make_sharding_plan
 
 TABLES: tuple[tuple[str, int], ...] = (("t0", 3), ("t1", 20), ("t2", 7))

@@ -1,4 +1,4 @@
-"""Users' own rankers (the README's "bring your own ranker"), sharded on 2 processes."""
+"""Users' own rankers (docs/models-and-metrics.md, "Bring your own ranker"), sharded on 2 processes."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import RankerModule
-from lightning_recsys.parallel.input_guard import InvalidInputError
-from lightning_recsys.parallel.sharded_model import local_shards
+from lightning_recsys.parallel.input.input_guard import InvalidInputError
+from lightning_recsys.parallel.sharding.sharded_model import local_shards
 from lightning_recsys.planner import plan_rows
 
 WORLD_SIZE = 2
@@ -31,7 +31,7 @@ def _tables(config_class: type, prefix: str, dim: int, sizes: list[int]) -> list
 
 
 class ConcatRanker(RankerModule):
-    """Pooled embeddings read by position (``.values()``), as the README's ranker does."""
+    """Pooled embeddings read by position (``.values()``), as the ranker in docs/models-and-metrics.md does."""
 
     def __init__(self) -> None:
         super().__init__(dense_optimizer="sgd", dense_lr=DENSE_LR)

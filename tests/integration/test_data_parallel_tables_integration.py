@@ -18,7 +18,7 @@ from oracle import sgd_strategy
 from lightning_recsys.callbacks import RunSummary, format_summary
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
-from lightning_recsys.parallel.sharded_model import local_shards
+from lightning_recsys.parallel.sharding.sharded_model import local_shards
 from lightning_recsys.planner import plan_rows
 
 WORLD_SIZE, NODES, PER_NODE = 4, 2, 2

@@ -121,7 +121,7 @@ def test_embedding_lr_follows_reduce_lr_on_plateau():
 
 
 def _fit_scheduled_twice(rank: int, world_size: int) -> list[list[float]]:
-    """The same module fitted by two Trainers (the README's reuse of a sharded module), the tables following
+    """The same module fitted by two Trainers (docs/strategy.md's reuse of a sharded module), the tables following
     StepLR(gamma=0.5) in both; returns the rate FBGEMM used in each backward of each fit."""
     model = _model(_ScheduledRanker)
     seen_by_fit = []

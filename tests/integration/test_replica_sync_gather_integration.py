@@ -15,9 +15,9 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
-from lightning_recsys.parallel import sync_deltas
-from lightning_recsys.parallel.sync_gather import GatheredSync
-from lightning_recsys.parallel.touched_rows import Table
+from lightning_recsys.parallel.sync import sync_deltas
+from lightning_recsys.parallel.sync.sync_gather import GatheredSync
+from lightning_recsys.parallel.sync.touched_rows import Table
 
 pytestmark = pytest.mark.slow
 WORLD = 3

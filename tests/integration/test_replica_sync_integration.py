@@ -22,9 +22,9 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
-from lightning_recsys.parallel.comm_accounting import CommAccountant
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.comms.comm_accounting import CommAccountant
+from lightning_recsys.parallel.sync.replica_sync import ReplicaSynchronizer
+from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.planner import TableConstraints, make_sharding_plan
 
 WORLD, PER_NODE = 4, 2

@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.sync.replica_sync import ReplicaSynchronizer
+from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
 
 pytestmark = pytest.mark.slow
 TOTAL = 1000  # bitmap: 125 bytes, so up to 31 touched rows go as int32 ids

@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 
-from lightning_recsys.parallel import sync_deltas
-from lightning_recsys.parallel.sync_deltas import InFlightSync, SyncItem, whole_tensor_items
+from lightning_recsys.parallel.sync import sync_deltas
+from lightning_recsys.parallel.sync.sync_deltas import InFlightSync, SyncItem, whole_tensor_items
 
 pytestmark = pytest.mark.slow
 

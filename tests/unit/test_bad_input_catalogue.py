@@ -20,9 +20,9 @@ from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unshard
 from lightning_recsys.data import CriteoDataModule, MalformedLineError, RecBatch, SyntheticClickLogConfig
 from lightning_recsys.data.criteo import CriteoDataset
 from lightning_recsys.models import DLRMRanker
-from lightning_recsys.parallel.input_guard import CoordinatedBatches, InputValidator, feature_tables
-from lightning_recsys.parallel.sharders import validate_sharding_types
-from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.parallel.input.input_guard import CoordinatedBatches, InputValidator, feature_tables
+from lightning_recsys.parallel.sharding.sharders import validate_sharding_types
+from lightning_recsys.parallel.topology.layout import ParallelTopology
 from lightning_recsys.strategies.validation import check_device_support
 
 VALIDATOR = InputValidator(feature_tables(DLRMRanker(table_sizes=[10, 20], num_dense_features=2, embedding_dim=4, dense_arch_layer_sizes=[4])))

@@ -17,7 +17,7 @@ from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.parallel import make_sharders
-from lightning_recsys.parallel.reshape import remap_ids
+from lightning_recsys.parallel.sharding.reshape import remap_ids
 from lightning_recsys.planner import (
     BalancedPlanner,
     BalanceObjective,

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from lightning_recsys.parallel.cost_model import (
+from lightning_recsys.planner.cost.cost_model import (
     Cluster,
     Collective,
     GroupGeometry,

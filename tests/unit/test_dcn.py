@@ -1,18 +1,16 @@
 """DCNRanker (DCN-v2 on TorchRec's DLRM_DCN) and the bring-your-own-ranker example, on one process."""
 
 import math
-import re
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from docs_text import fenced_blocks
 from lightning.pytorch import Trainer, seed_everything
 
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DCNRanker, DLRMRanker
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 CONFIG = SyntheticClickLogConfig(table_sizes=[50, 80, 120], num_dense_features=4, global_batch_size=64, seed=3)
 SMALL = dict(table_sizes=CONFIG.table_sizes, num_dense_features=4, embedding_dim=8, dense_arch_layer_sizes=[16, 8])
 
@@ -92,8 +90,8 @@ def test_dlrm_shares_the_same_checks(kwargs, message):
 
 
 def test_bring_your_own_ranker_snippet_trains():
-    # The README's "bring your own ranker" block, run as it stands there.
-    (code,) = [b for b in re.findall(r"```python\n(.*?)```", README, re.S) if "class ConcatMLPRanker(RankerModule):" in b]
+    # The "bring your own ranker" block of docs/models-and-metrics.md, run as it stands there.
+    (code,) = [code for _, code in fenced_blocks("python") if "class ConcatMLPRanker(RankerModule):" in code]
     namespace: dict = {}
     exec(code, namespace)
     ConcatMLPRanker = namespace["ConcatMLPRanker"]

@@ -9,8 +9,8 @@ import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from lightning_recsys import EmbeddingOptimizerConfig
-from lightning_recsys.parallel import embedding_optimizer
-from lightning_recsys.parallel.embedding_optimizer import LookedUpRowWiseAdagrad, WeightDecayMode, fbgemm_cpu_applies_l2_decay
+from lightning_recsys.parallel.sharding import embedding_optimizer
+from lightning_recsys.parallel.sharding.embedding_optimizer import LookedUpRowWiseAdagrad, WeightDecayMode, fbgemm_cpu_applies_l2_decay
 
 LR, EPS, DECAY = 0.1, 1e-8, 0.5
 

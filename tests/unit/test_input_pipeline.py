@@ -9,8 +9,8 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys import TwoDRecStrategy
-from lightning_recsys.parallel.comm_accounting import CommAccountant, comm_for_batch, release_batch_comm
-from lightning_recsys.parallel.input_pipeline import StartedBatch, _same_inputs, pipelined
+from lightning_recsys.parallel.comms.comm_accounting import CommAccountant, comm_for_batch, release_batch_comm
+from lightning_recsys.parallel.input.input_pipeline import StartedBatch, _same_inputs, pipelined
 
 
 class _FakePipeline:
@@ -90,7 +90,7 @@ def test_held_batch_traffic_counts_for_the_step_that_releases_it() -> None:
     CommAccountant.__init__(accountant, topology=None, sharding_group=None, replica_group=None)  # type: ignore[arg-type]
     accountant._describe = lambda group: ("world", (0,), False)  # type: ignore[method-assign]
     accountant.topology = type("T", (), {"spans_nodes": staticmethod(lambda ranks: False)})()
-    from lightning_recsys.parallel import comm_accounting
+    from lightning_recsys.parallel.comms import comm_accounting
 
     comm_accounting._ACTIVE.append(accountant)
     try:

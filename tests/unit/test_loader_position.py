@@ -8,8 +8,8 @@ import torch.distributed as dist
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data import RecBatch
-from lightning_recsys.parallel.input_guard import CoordinatedBatches
-from lightning_recsys.parallel.loader_position import LoaderPosition
+from lightning_recsys.parallel.input.input_guard import CoordinatedBatches
+from lightning_recsys.parallel.input.loader_position import LoaderPosition
 
 
 @pytest.fixture

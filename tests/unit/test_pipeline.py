@@ -261,7 +261,7 @@ class _TwoWidths(torch.nn.Module):
 
 
 def _qcomms_report(precision: str):
-    from lightning_recsys.parallel.qcomms import QCommsCodecs, QCommsConfig, resolve_qcomms
+    from lightning_recsys.parallel.comms.qcomms import QCommsCodecs, QCommsConfig, resolve_qcomms
 
     effective = resolve_qcomms(QCommsConfig.preset(precision))
     fused = EmbeddingOptimizerConfig(name="sgd").fused_params()

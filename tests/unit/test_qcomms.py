@@ -7,8 +7,8 @@ from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, Shard
 from torchrec.distributed.types import CommOp, EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
 
 from lightning_recsys import QCommsConfig, TwoDRecStrategy
-from lightning_recsys.parallel import codecs as codecs_module
-from lightning_recsys.parallel.qcomms import (
+from lightning_recsys.parallel.comms import codecs as codecs_module
+from lightning_recsys.parallel.comms.qcomms import (
     BlockScaledCodec,
     CastCodec,
     PassThroughCodec,

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lightning_recsys.parallel.replica_sync import _buckets, _unique_floating
+from lightning_recsys.parallel.sync.replica_sync import _buckets, _unique_floating
 
 
 def test_buckets_respect_the_byte_cap_and_keep_dtypes_apart():
@@ -21,7 +21,7 @@ def test_integer_state_views_and_duplicates_are_left_out():
 
 
 def test_captured_bases_come_back_sorted_and_a_late_sync_rebases_them():
-    from lightning_recsys.parallel.touched_rows import Table
+    from lightning_recsys.parallel.sync.touched_rows import Table
 
     weight, state = torch.arange(12.0).view(6, 2), torch.arange(6.0)
     table = Table(0, 6, [weight, state])
@@ -40,7 +40,7 @@ def test_captured_bases_come_back_sorted_and_a_late_sync_rebases_them():
 
 
 def test_bit_packing_round_trips():
-    from lightning_recsys.parallel.touched_rows import pack_bits, unpack_bits
+    from lightning_recsys.parallel.sync.touched_rows import pack_bits, unpack_bits
 
     mask = torch.rand(37, generator=torch.Generator().manual_seed(0)) < 0.3
     packed = pack_bits(mask)
@@ -75,7 +75,7 @@ def test_run_summary_says_which_step_the_validation_metrics_describe():
 
 
 def test_an_overlapped_sync_is_split_into_shares_of_about_equal_bytes_that_cover_every_value_once():
-    from lightning_recsys.parallel import sync_deltas
+    from lightning_recsys.parallel.sync import sync_deltas
 
     chunks = [torch.arange(100, dtype=torch.float32), torch.arange(100, 130, dtype=torch.float32), torch.arange(7, dtype=torch.bfloat16)]
     old = sync_deltas.MIN_PIECE_BYTES

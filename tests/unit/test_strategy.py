@@ -12,8 +12,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_recsys  # noqa: F401 - registers "twod_rec"
 from lightning_recsys import DCPCheckpointIO, ReplicaSyncConfig, TwoDRecStrategy
-from lightning_recsys.parallel.sharders import supported_sharding_types, validate_sharding_types
-from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.parallel.sharding.sharders import supported_sharding_types, validate_sharding_types
+from lightning_recsys.parallel.topology.layout import ParallelTopology
 from lightning_recsys.planner import PlanningConfig
 from lightning_recsys.strategies.validation import check_device_support, check_trainer_settings
 

@@ -61,7 +61,7 @@ def test_mesh_needs_a_process_group():
 
 
 def test_the_dense_all_reduce_is_staged_only_for_2d_on_gloo_across_nodes() -> None:
-    from lightning_recsys.parallel.dense_all_reduce import uses_staged_all_reduce
+    from lightning_recsys.parallel.comms.dense_all_reduce import uses_staged_all_reduce
 
     two_nodes_2d = ParallelTopology.for_world(ranks_per_node=2, num_nodes=2, sharding_group_size=2)
     assert uses_staged_all_reduce(two_nodes_2d, "gloo")

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torchrec import KeyedJaggedTensor
 
-from lightning_recsys.parallel.touched_rows import RowTracker, Table, bits_at, pack_bits, pack_positions, unpack_bits, unpack_positions
+from lightning_recsys.parallel.sync.touched_rows import RowTracker, Table, bits_at, pack_bits, pack_positions, unpack_bits, unpack_positions
 
 
 class _Kernel(nn.Module):

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from lightning_recsys.parallel.cost_model import Cluster, Link, topology_for
-from lightning_recsys.parallel.layout_advice import Hardware, TableProfile, parse_cluster, recommend, shape_from_tables
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.traffic_model import (
+from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.planner.cost.cost_model import Cluster, Link, topology_for
+from lightning_recsys.planner.cost.layout_advice import Hardware, TableProfile, parse_cluster, recommend, shape_from_tables
+from lightning_recsys.planner.cost.traffic_model import (
     Feature,
     ModelShape,
     StrategyChoice,

@@ -7,8 +7,8 @@ import warnings
 
 import pytest
 
-from lightning_recsys.parallel import upstream_warnings
-from lightning_recsys.parallel.upstream_warnings import KNOWN_LOG_MESSAGES, silence_known_upstream_warnings
+from lightning_recsys.parallel.sharding import upstream_warnings
+from lightning_recsys.parallel.sharding.upstream_warnings import KNOWN_LOG_MESSAGES, silence_known_upstream_warnings
 
 # (message, category, the module that emits it), as seen on a 2-process training run.
 EMITTED = [

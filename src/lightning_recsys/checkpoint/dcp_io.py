@@ -47,10 +47,14 @@ from lightning_recsys.checkpoint.table_state import (
 )
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, ExpectedEntry, check_entries, model_key, saved_tensors
 from lightning_recsys.checkpoint.write_errors import explain_write_error
-from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
-from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
-from lightning_recsys.parallel.sharded_model import ShardedModel, find_embedding_modules
-from lightning_recsys.parallel.sharding_plan import plan_rows
+from lightning_recsys.parallel.sharding import (
+    RESHAPE_CHECKPOINT_KEY,
+    EmbeddingOptimizerConfig,
+    ShardedModel,
+    apply_recorded_reshape,
+    find_embedding_modules,
+    plan_rows,
+)
 from lightning_recsys.parallel.topology import ParallelTopology
 
 StorageWriterFactory = Callable[[Path], StorageWriter]

@@ -33,10 +33,10 @@ import yaml
 from torchrec.distributed.planner.types import PlannerError
 
 from lightning_recsys.cli.trainer import build_cli
-from lightning_recsys.parallel.layout_advice import advise_from_report, parse_cluster
 from lightning_recsys.parallel.topology import ParallelTopology
 from lightning_recsys.planner import PlanReport
 from lightning_recsys.planner.config import PLANNERS
+from lightning_recsys.planner.cost import advise_from_report, parse_cluster
 from lightning_recsys.planner.pipeline import PlanningPipeline
 from lightning_recsys.strategies import TwoDRecStrategy
 from lightning_recsys.strategies.planning import planning_sharders, planning_topology

@@ -19,7 +19,7 @@ from typing_extensions import Self
 from lightning_recsys.checkpoint import to_lightning_checkpoint
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.metrics import AUC, Calibration, LogLoss, NormalizedEntropy
-from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
+from lightning_recsys.parallel.sharding import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
 
 DenseOptimizerName = Literal["sgd", "adagrad", "adam"]
 

@@ -1,10 +1,22 @@
-"""Trainer-free core: rank topology, sharders, table reshapes, sharded model construction. No Lightning imports."""
+"""Trainer-free core, one concern per subpackage. No Lightning imports.
 
-from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
-from lightning_recsys.parallel.reshape import ReshapedEmbeddingBagCollection, apply_reshape
-from lightning_recsys.parallel.sharded_model import ShardedModel, shard_model
-from lightning_recsys.parallel.sharders import ALL_SHARDING_TYPES, make_sharders, supported_sharding_types
-from lightning_recsys.parallel.sharding_plan import plan_rows, summarize_plan
+``topology/`` the 2D rank layout and its process groups; ``comms/`` QComms codecs, bytes per
+collective, the dense all-reduce; ``input/`` batch checks and the sparse-dist pipeline; ``sync/`` the
+replica sync; ``sharding/`` sharders, reshaped tables, the sharded model and its runtime.
+"""
+
+from lightning_recsys.parallel.sharding import (
+    ALL_SHARDING_TYPES,
+    EmbeddingOptimizerConfig,
+    ReshapedEmbeddingBagCollection,
+    ShardedModel,
+    apply_reshape,
+    make_sharders,
+    plan_rows,
+    shard_model,
+    summarize_plan,
+    supported_sharding_types,
+)
 from lightning_recsys.parallel.topology import ParallelTopology
 
 __all__ = [

@@ -5,8 +5,7 @@ by ``lightning-recsys plan``: profile, stats, reshape advice, plan on rank 0 for
 No Lightning imports.
 """
 
-from lightning_recsys.parallel.reshape import ReshapedEmbeddingBagCollection, apply_reshape
-from lightning_recsys.parallel.sharding_plan import plan_rows, summarize_plan
+from lightning_recsys.parallel.sharding import ReshapedEmbeddingBagCollection, apply_reshape, plan_rows, summarize_plan
 from lightning_recsys.planner.balanced import (
     BalancedEnumerator,
     BalancedPartitioner,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from lightning_recsys.parallel.sharders import validate_sharding_types
+from lightning_recsys.parallel.sharding import validate_sharding_types
 from lightning_recsys.planner.constraints import TableConstraints
 from lightning_recsys.planner.stats import TableStats
 

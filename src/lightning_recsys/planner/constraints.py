@@ -15,7 +15,7 @@ from torchrec.distributed.planner import ParameterConstraints
 from torchrec.distributed.types import ModuleSharder, ShardingType
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
-from lightning_recsys.parallel.sharders import ALL_SHARDING_TYPES
+from lightning_recsys.parallel.sharding import ALL_SHARDING_TYPES
 from lightning_recsys.planner.stats import TableStats
 
 _COMPUTE_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching", "quant", "key_value")

@@ -34,7 +34,7 @@ from torchrec.distributed.types import (
 )
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, data_type_to_dtype
 
-from lightning_recsys.parallel.reshape import apply_reshape
+from lightning_recsys.parallel.sharding import apply_reshape
 from lightning_recsys.parallel.topology import ParallelTopology
 from lightning_recsys.planner.balanced import BalancedPlanner
 from lightning_recsys.planner.balanced.planner import DEFAULT_COMPUTE_KERNELS

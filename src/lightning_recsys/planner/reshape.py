@@ -3,7 +3,7 @@
 A pooled embedding crosses the all-to-all as one ``dim``-wide vector per bag, so a table reshaped
 from ``(rows, dim)`` to ``(2 rows, dim / 2)`` keeps its parameter count and halves its pooled
 payload; only the ids routed to it stay the same. ``suggest_reshape`` proposes this where the
-saving is worth it; ``lightning_recsys.parallel.reshape.apply_reshape`` rebuilds the model's
+saving is worth it; ``lightning_recsys.parallel.sharding.reshape.apply_reshape`` rebuilds the model's
 collections accordingly (what that changes for the user is described there).
 
 No Lightning imports.

@@ -36,8 +36,8 @@ from torch import nn
 from torchrec.distributed.planner.types import Shard, ShardingOption, Storage
 from torchrec.distributed.types import CommOp, ModuleSharder, ShardingType
 
-from lightning_recsys.parallel.codecs import BYTE_DTYPES, SCALE_BYTES, wire_bytes_per_value
-from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES
+from lightning_recsys.parallel.comms import BYTE_DTYPES, SCALE_BYTES, wire_bytes_per_value
+from lightning_recsys.parallel.sharding import ROW_SHARDED_TYPES
 from lightning_recsys.planner.stats import TableStats
 
 METRICS: tuple[str, str, str, str] = ("storage", "lookups", "comm", "step_time")
@@ -137,7 +137,7 @@ def _wire_format(codecs: Any) -> WireFormat:
 
 
 def _fbgemm_codec_precision(codec: Any) -> str | None:
-    """``"fp8_e4m3"``/``"int8"`` for FBGEMM's fp8/int8 ``QuantizedCommCodec`` (``parallel.codecs.fbgemm_codec``), else None."""
+    """``"fp8_e4m3"``/``"int8"`` for FBGEMM's fp8/int8 ``QuantizedCommCodec`` (``parallel.comms.codecs.fbgemm_codec``), else None."""
     name = getattr(getattr(codec, "_comm_precision", None), "name", None)
     if name == "FP8" and getattr(codec, "_row_dim", -1) > 0:
         return "fp8_e4m3"

@@ -7,8 +7,7 @@ from typing import Any, Optional
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_recsys.parallel.input_guard import CoordinatedBatches
-from lightning_recsys.parallel.input_pipeline import SparseDistPipeline
+from lightning_recsys.parallel.input import CoordinatedBatches, SparseDistPipeline
 from lightning_recsys.strategies.lightning_hooks import batch_hooks_after_the_check
 
 

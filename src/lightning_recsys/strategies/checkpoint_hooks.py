@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import ShardedState
-from lightning_recsys.parallel.reshape import RESHAPE_CHECKPOINT_KEY, reshape_record
+from lightning_recsys.parallel.sharding import RESHAPE_CHECKPOINT_KEY, reshape_record
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 
 _NO_LAST_CHECKPOINT_YET = r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint available'

@@ -38,7 +38,7 @@ class ShardedCheckpointSource(Protocol):
 class DCPCheckpointIO(CheckpointIO):
     """Sharded checkpoints with PyTorch Distributed Checkpoint, written and read on every rank.
 
-    A checkpoint is a directory (see the README's "Checkpoints"): DCP shards of the model and the
+    A checkpoint is a directory (see docs/checkpoints.md): DCP shards of the model and the
     embedding optimizer state, written by one replica's sharding group; the rest of Lightning's
     checkpoint (loops, callbacks, dense optimizers, schedulers, hyperparameters) from rank 0; and
     ``meta.json``. It is committed atomically, and loads into any world size, sharding group size and

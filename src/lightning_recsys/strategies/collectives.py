@@ -11,7 +11,7 @@ from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_recsys.parallel.comm_accounting import comm_purpose
+from lightning_recsys.parallel.comms import comm_purpose
 
 
 class ProcessGroupCollectives:

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
-from lightning_recsys.parallel.qcomms import QCommsCodecs, resolve_qcomms
-from lightning_recsys.parallel.sharders import make_sharders, supported_sharding_types
+from lightning_recsys.parallel.comms import QCommsCodecs, resolve_qcomms
+from lightning_recsys.parallel.sharding import make_sharders, supported_sharding_types
 from lightning_recsys.parallel.topology import ParallelTopology
 
 if TYPE_CHECKING:

@@ -14,10 +14,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel, shard_model
-from lightning_recsys.parallel.input_guard import InputValidator, feature_tables
-from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsConfig
-from lightning_recsys.parallel.runtime import ShardedRuntime
-from lightning_recsys.parallel.sharders import ROW_SHARDED_TYPES
+from lightning_recsys.parallel.comms import EffectiveQComms, QCommsConfig
+from lightning_recsys.parallel.input import InputValidator, feature_tables
+from lightning_recsys.parallel.sharding import ROW_SHARDED_TYPES, ShardedRuntime
 from lightning_recsys.planner import PlanningConfig, PlanReport, plan_rows, summarize_plan
 from lightning_recsys.planner.pipeline import PlanningPipeline
 from lightning_recsys.strategies.planning import planning_sharders

@@ -33,23 +33,19 @@ from typing_extensions import override
 
 from lightning_recsys._registration import STRATEGY_NAME, register
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel
-from lightning_recsys.parallel.comm_accounting import CommAccountant
-from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
-from lightning_recsys.parallel.guard_config import GuardConfig
-from lightning_recsys.parallel.input_pipeline import PIPELINE_MODES, PipelineMode, SparseDistPipeline
-from lightning_recsys.parallel.process_group import (
+from lightning_recsys.parallel.comms import CommAccountant, EffectiveQComms, QCommsConfig, resolve_qcomms
+from lightning_recsys.parallel.input import PIPELINE_MODES, GuardConfig, PipelineMode, SparseDistPipeline
+from lightning_recsys.parallel.sharding import EmbeddingLearningRate, ShardedRuntime, silence_known_upstream_warnings
+from lightning_recsys.parallel.sync import ReplicaSyncConfig, SyncStats
+from lightning_recsys.parallel.topology import (
+    Layout,
+    check_topology_arguments,
     destroy_process_group_at_exit,
     looks_like_lost_peer,
     raised_on_every_rank,
     report_lost_ranks,
     was_raised_on_every_rank,
 )
-from lightning_recsys.parallel.qcomms import EffectiveQComms, QCommsConfig, resolve_qcomms
-from lightning_recsys.parallel.replica_sync import SyncStats
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.runtime import ShardedRuntime
-from lightning_recsys.parallel.topology import Layout, check_topology_arguments
-from lightning_recsys.parallel.upstream_warnings import silence_known_upstream_warnings
 from lightning_recsys.planner import PlanningConfig, PlanReport
 from lightning_recsys.planner.torchrec_planner import embedding_tables
 from lightning_recsys.strategies.batches import CoordinatedBatchHooks
@@ -88,7 +84,7 @@ class TwoDRecStrategy(
     parameters only (embedding parameters are removed from it), so LR schedulers and gradient
     clipping keep working on them.
 
-    The strategy maps Lightning's hooks onto ``parallel.runtime.ShardedRuntime`` (table optimizers,
+    The strategy maps Lightning's hooks onto ``parallel.sharding.ShardedRuntime`` (table optimizers,
     replica sync, accounting, finite guard); each config documents its own fields.
 
     Args:

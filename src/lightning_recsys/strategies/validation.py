@@ -14,7 +14,7 @@ from lightning.pytorch.plugins.precision import MixedPrecision, Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_recsys.parallel import EmbeddingOptimizerConfig
-from lightning_recsys.parallel.sharders import validate_sharding_types
+from lightning_recsys.parallel.sharding import validate_sharding_types
 from lightning_recsys.planner import PlanningConfig
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from torchrec.distributed.planner.types import Enumerator, Proposer, ShardingOption, Topology
 from torchrec.distributed.types import ShardingType
 
-from lightning_recsys.parallel.sharders import COLUMN_SHARDED_TYPES
+from lightning_recsys.parallel.sharding import COLUMN_SHARDED_TYPES
 from lightning_recsys.planner.balanced.context import NUM_METRICS, BalanceContext
 from lightning_recsys.planner.shard_cost import shard_storage, tier_bytes
 

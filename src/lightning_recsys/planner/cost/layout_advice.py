@@ -22,9 +22,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
-from lightning_recsys.parallel.cost_model import Cluster, Link, StepEstimate, step_time, topology_for
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.traffic_model import Feature, ModelShape, StrategyChoice, overlapped_purposes, workload_traffic
+from lightning_recsys.parallel.sync import ReplicaSyncConfig
+from lightning_recsys.planner.cost.cost_model import Cluster, Link, StepEstimate, step_time, topology_for
+from lightning_recsys.planner.cost.traffic_model import Feature, ModelShape, StrategyChoice, overlapped_purposes, workload_traffic
 
 MODEL_TOLERANCE = 0.25  # the cost model's validated error on the emulated cluster
 TARGET_SCALING = 7.5
@@ -277,7 +277,7 @@ def shape_from_tables(
     Each table's Zipf exponent is fitted to the profile's distinct rows among its lookups where
     there is a profile, else to a stated hot-row share, else ``default_zipf`` is assumed.
     """
-    from lightning_recsys.parallel.traffic_model import zipf_exponent_for_distinct, zipf_exponent_for_hot_share
+    from lightning_recsys.planner.cost.traffic_model import zipf_exponent_for_distinct, zipf_exponent_for_hot_share
 
     features, unknown, fitted = [], [], []
     for entry in tables:

@@ -48,7 +48,7 @@ from torchrec.distributed.train_pipeline.utils import (
 )
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_recsys.parallel.comm_accounting import comm_for_batch, discard_batch_comm, release_batch_comm
+from lightning_recsys.parallel.comms import comm_for_batch, discard_batch_comm, release_batch_comm
 
 log = logging.getLogger(__name__)
 

@@ -1,22 +1,20 @@
-"""Every ```python block of the README runs (test_readme_commands.py covers the shell commands).
+"""Every ```python block of the README and the docs/ pages runs (test_docs_commands.py covers the shell commands).
 
 Each block is named below by a line it holds; a new block fails ``test_every_python_block_is_checked``
 until it gets a check here. Blocks run as written, except for the few substitutions listed with them
-(fewer steps, one process), each of which must match so that a changed README fails loudly.
+(fewer steps, one process), each of which must match so that a changed page fails loudly.
 """
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
+from docs_text import ROOT, fenced_blocks, name
 
-ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
-BLOCKS = re.findall(r"```python\n(.*?)```", README, re.S)
+BLOCKS = [code for _, code in fenced_blocks("python")]
 
 INTRO = "trainer = Trainer(strategy=TwoDRecStrategy(), accelerator=\"cpu\", devices=2)"
 QUICK_START = "trainer.fit(model, datamodule=data)"
@@ -32,21 +30,22 @@ STRATEGY_IMPORTS = (
 
 
 def block(marker: str) -> str:
-    (found,) = [b for b in BLOCKS if marker in b]
-    return found
+    found = [b for b in BLOCKS if marker in b]
+    assert len(found) == 1, f"{len(found)} python blocks of the docs hold {marker!r}, not one; update this test"
+    return found[0]
 
 
 def substituted(code: str, *pairs: tuple[str, str]) -> str:
     for old, new in pairs:
-        assert code.count(old) == 1, f"the README block no longer has {old!r} once; update this test"
+        assert code.count(old) == 1, f"the docs block no longer has {old!r} once; update this test"
         code = code.replace(old, new)
     return code
 
 
 def test_every_python_block_is_checked():
     markers = [INTRO, QUICK_START, RANKER, QCOMMS, CONFIG, EXPORT]
-    unchecked = [b.splitlines()[0] for b in BLOCKS if not any(m in b for m in markers)]
-    assert not unchecked, f"README python blocks with no check in {Path(__file__).name}: {unchecked}"
+    unchecked = [f"{name(page)}: {code.splitlines()[0]}" for page, code in fenced_blocks("python") if not any(m in code for m in markers)]
+    assert not unchecked, f"python blocks of the docs with no check in {Path(__file__).name}: {unchecked}"
 
 
 def test_strategy_fragments_build():

@@ -5,7 +5,7 @@ objects registered per collective in a sharder's ``qcomm_codecs_registry``. Its 
 (``torchrec.distributed.fbgemm_qcomm_codec.get_qcomm_codecs_registry``) replaces BF16 with FP16
 whenever the device is CPU, and FBGEMM's fp8 kernel has no CPU implementation
 (``torch.ops.fbgemm.FloatToFP8RowwiseQuantized`` raises "fp8 is not supported by CPU" in
-fbgemm_gpu 1.8), so the codecs are ours (``parallel/codecs.py``), written with plain torch ops so
+fbgemm_gpu 1.8), so the codecs are ours (``parallel/comms/codecs.py``), written with plain torch ops so
 they run the same on CPU and CUDA:
 
 * ``fp32``: no codec work at all; the tensor is sent as it is (NaN and Inf included).
@@ -40,7 +40,7 @@ import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torchrec.distributed.types import CommOp, QuantizedCommCodecs, ShardingPlan
 
-from lightning_recsys.parallel.codecs import (
+from lightning_recsys.parallel.comms.codecs import (
     BYTE_DTYPES,
     CAST_DTYPES,
     BlockScaledCodec,

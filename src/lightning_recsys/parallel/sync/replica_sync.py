@@ -12,11 +12,11 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_recsys.parallel.comm_accounting import comm_purpose
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.sync_deltas import InFlightSync, SyncItem, table_items, whole_tensor_items
-from lightning_recsys.parallel.sync_gather import GatheredSync
-from lightning_recsys.parallel.touched_rows import RowTracker, bits_at, fused_kernels, pack_positions, track, unpack_positions
+from lightning_recsys.parallel.comms import comm_purpose
+from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
+from lightning_recsys.parallel.sync.sync_deltas import InFlightSync, SyncItem, table_items, whole_tensor_items
+from lightning_recsys.parallel.sync.sync_gather import GatheredSync
+from lightning_recsys.parallel.sync.touched_rows import RowTracker, bits_at, fused_kernels, pack_positions, track, unpack_positions
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
 

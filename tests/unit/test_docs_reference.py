@@ -1,12 +1,11 @@
-"""The README's configuration reference lists exactly the arguments in the code, with the same defaults."""
+"""docs/configuration.md (the configuration reference) lists exactly the arguments in the code, with the same defaults."""
 
 import ast
 import dataclasses
 import inspect
 import re
-from pathlib import Path
-
 import pytest
+from docs_text import page
 
 from lightning_recsys import (
     CommunicationMonitor,
@@ -22,7 +21,8 @@ from lightning_recsys.callbacks import RunSummary
 from lightning_recsys.data import CriteoBinaryDataModule, CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
 from lightning_recsys.models import DCNRanker, DLRMRanker
 
-README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+REFERENCE_PAGE = "docs/configuration.md"
+REFERENCE = page(REFERENCE_PAGE)
 # Lightning fills these in; the reference says so in prose.
 LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 SECTIONS = {
@@ -43,9 +43,10 @@ SECTIONS = {
 
 
 def _table(heading: str) -> dict[str, str]:
-    reference = README[README.index("## Configuration reference") :]
-    section = reference[reference.index(f"### {heading}\n") :]
-    section = section[: section.find("\n### ", 4) if "\n### " in section[4:] else section.find("\n## ")]
+    assert f"\n## {heading}\n" in REFERENCE, f"{REFERENCE_PAGE} has no section '## {heading}'"
+    section = REFERENCE[REFERENCE.index(f"\n## {heading}\n") + 1 :]
+    end = section.find("\n## ", 3)
+    section = section if end < 0 else section[:end]
     rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \|", section, flags=re.MULTILINE)
     return {name: default.strip() for name, default in rows}
 
@@ -76,12 +77,12 @@ def test_reference_table_matches_the_signature(heading):
     params: dict[str, inspect.Parameter] = {}
     for cls in SECTIONS[heading]:
         params.update({n: p for n, p in inspect.signature(cls.__init__).parameters.items() if n not in {"self", *LIGHTNING_PLUMBING}})
-    assert set(documented) == set(params), f"README {heading}: missing {set(params) - set(documented)}, stale {set(documented) - set(params)}"
+    assert set(documented) == set(params), f"{REFERENCE_PAGE} {heading}: missing {set(params) - set(documented)}, stale {set(documented) - set(params)}"
     for name, param in params.items():
         cell = documented[name]
         if param.default is inspect.Parameter.empty:
-            assert cell == "required", f"{heading}.{name}: README says {cell!r}, the code has no default"
+            assert cell == "required", f"{heading}.{name}: {REFERENCE_PAGE} says {cell!r}, the code has no default"
         elif cell.startswith("`"):
             literal = cell[1 : cell.index("`", 1)]
             default = _factory_defaults(SECTIONS[heading]).get(name, param.default)
-            assert ast.literal_eval(literal) == default, f"{heading}.{name}: README {literal}, code {default!r}"
+            assert ast.literal_eval(literal) == default, f"{heading}.{name}: {REFERENCE_PAGE} {literal}, code {default!r}"

@@ -81,7 +81,7 @@ class _ShardedEmbeddingBagCollection(_WorldDataParallelMixin, ShardedEmbeddingBa
 
     TorchRec's sharded EBC concatenates its output by sharding type, then by rank (a table_wise plan
     that puts ``t1`` on rank 0 returns ``[f1, f0]``), while the unsharded module returns its tables'
-    order. A model reading ``ebc(kjt).values()`` by position (as the README's own ranker does) would
+    order. A model reading ``ebc(kjt).values()`` by position (as the ranker in docs/models-and-metrics.md does) would
     then feed its dense layers permuted columns: a different model than the one built, whose meaning
     changes with the plan (a checkpoint resharded to another world is silently wrong).
     """

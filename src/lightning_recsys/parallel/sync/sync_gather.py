@@ -32,9 +32,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_recsys.parallel.codecs import BlockScaledCodec
-from lightning_recsys.parallel.sync_deltas import piece_count
-from lightning_recsys.parallel.touched_rows import Table
+from lightning_recsys.parallel.comms import BlockScaledCodec
+from lightning_recsys.parallel.sync.sync_deltas import piece_count
+from lightning_recsys.parallel.sync.touched_rows import Table
 
 _ALIGN = 8
 _WIRE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -28,15 +28,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_recsys.parallel.comm_accounting import CommAccountant
-from lightning_recsys.parallel.embedding_hooks import EmbeddingOutputHooks
-from lightning_recsys.parallel.embedding_lr import EmbeddingLearningRate
-from lightning_recsys.parallel.embedding_optimizer import EmbeddingOptimizerConfig
-from lightning_recsys.parallel.process_group import raised_on_every_rank
-from lightning_recsys.parallel.replica_sync import ReplicaSynchronizer, SyncStats, SyncTotals
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.sharded_model import ShardedModel
-from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.parallel.comms import CommAccountant
+from lightning_recsys.parallel.sharding.embedding_hooks import EmbeddingOutputHooks
+from lightning_recsys.parallel.sharding.embedding_lr import EmbeddingLearningRate
+from lightning_recsys.parallel.sharding.embedding_optimizer import EmbeddingOptimizerConfig
+from lightning_recsys.parallel.sharding.sharded_model import ShardedModel
+from lightning_recsys.parallel.sync import ReplicaSyncConfig, ReplicaSynchronizer, SyncStats, SyncTotals
+from lightning_recsys.parallel.topology import ParallelTopology, raised_on_every_rank
 
 log = logging.getLogger(__name__)
 

@@ -31,9 +31,12 @@ from torchrec.distributed.types import (
 )
 from torchrec.optim.keyed import KeyedOptimizer
 
-from lightning_recsys.parallel.comm_accounting import comm_purpose
-from lightning_recsys.parallel.dense_all_reduce import staged_all_reduce_hook, uses_staged_all_reduce
-from lightning_recsys.parallel.qcomms import dense_grads_hook
+from lightning_recsys.parallel.comms import (
+    comm_purpose,
+    dense_grads_hook,
+    staged_all_reduce_hook,
+    uses_staged_all_reduce,
+)
 from lightning_recsys.parallel.topology import ParallelTopology
 
 log = logging.getLogger(__name__)

@@ -51,10 +51,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from lightning_recsys.parallel.cost_model import Collective, row_bytes
-from lightning_recsys.parallel.replica_sync_config import ReplicaSyncConfig
-from lightning_recsys.parallel.sync_gather import change_bytes_per_row
+from lightning_recsys.parallel.sync import ReplicaSyncConfig, change_bytes_per_row
 from lightning_recsys.parallel.topology import LAYOUTS, ParallelTopology
+from lightning_recsys.planner.cost.cost_model import Collective, row_bytes
 
 _HEAD = 4096  # rows summed exactly
 _GRID = 2048  # intervals of the geometric grid for the tail integrals

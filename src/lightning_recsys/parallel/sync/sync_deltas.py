@@ -21,7 +21,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from lightning_recsys.parallel.touched_rows import Table
+from lightning_recsys.parallel.sync.touched_rows import Table
 
 MIN_PIECE_BYTES = 64 * 1024  # an overlapped sync's smallest share or piece: less is not worth a collective of its own
 

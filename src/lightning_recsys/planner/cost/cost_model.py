@@ -46,12 +46,12 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from lightning_recsys.parallel.codecs import wire_bytes_per_value
+from lightning_recsys.parallel.comms import wire_bytes_per_value
 from lightning_recsys.parallel.topology import LAYOUTS, ParallelTopology
 
 OPS: tuple[str, ...] = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather", "broadcast")
 GROUPS: tuple[str, ...] = ("shard", "replicate", "world")
-# The cost model's precision names -> the QComms precision whose wire bytes they cost (parallel/codecs.py).
+# The cost model's precision names -> the QComms precision whose wire bytes they cost (parallel/comms/codecs.py).
 _QCOMMS_PRECISION: dict[str, str] = {"fp32": "fp32", "bf16": "bf16", "fp16": "fp16", "fp8": "fp8_e4m3", "int8": "int8"}
 
 

@@ -30,10 +30,10 @@ import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
-from lightning_recsys.parallel.comm_accounting import comm_for_batch, comm_purpose, discard_batch_comm, release_batch_comm
-from lightning_recsys.parallel.input_pipeline import SparseDistPipeline, pipelined
-from lightning_recsys.parallel.loader_position import LoaderPosition, Progress, drop_first
-from lightning_recsys.parallel.process_group import raised_on_every_rank
+from lightning_recsys.parallel.comms import comm_for_batch, comm_purpose, discard_batch_comm, release_batch_comm
+from lightning_recsys.parallel.input.input_pipeline import SparseDistPipeline, pipelined
+from lightning_recsys.parallel.input.loader_position import LoaderPosition, Progress, drop_first
+from lightning_recsys.parallel.topology import raised_on_every_rank
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""Every command the README shows runs: each is checked in a fast form that fails where the real one would.
+"""Every command the README and the docs/ pages show runs: each is checked in a fast form that fails where the real
+one would.
 
 * ``lightning-recsys fit|validate|test|predict ...`` and ``make demo ARGS="..."``: the CLI parses the
   config and options and builds every object (``run=False``), which rejects unknown options and values.
@@ -21,16 +22,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from docs_text import PAGES, README, ROOT, fenced_blocks
 
-ROOT = Path(__file__).resolve().parents[2]
-README = (ROOT / "README.md").read_text()
 PREFIXES = ("make ", "lightning-recsys ", "python ", "python3 ", "torchrun ", "srun ")
 DEMO_CONFIG = "examples/configs/synthetic_dlrm.yaml"  # what `make demo` runs (Makefile)
 
 
-def readme_commands() -> list[str]:
-    commands = {m.group(1).strip() for m in re.finditer(r"`((?:%s)[^`]*)`" % "|".join(PREFIXES), README)}
-    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+def documented_commands(pages: list[Path] = PAGES) -> list[str]:
+    """The commands in ``pages``: inline code that starts with a command, and the lines of ```bash blocks."""
+    commands = {m.group(1).strip() for page in pages for m in re.finditer(r"`((?:%s)[^`]*)`" % "|".join(PREFIXES), page.read_text())}
+    for _, block in (b for b in fenced_blocks("bash") if b[0] in pages):
         for line in block.replace("\\\n", " ").splitlines():
             line = re.split(r"\s#\s", line)[0].strip()
             if line.startswith(PREFIXES):
@@ -61,7 +62,7 @@ def _example_parses(script: str, args: list[str]) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _help(args: tuple[str, ...]) -> tuple[int, str]:
-    """``python <args> --help`` from the repository root: its exit code and stderr. Cached: the README shows some
+    """``python <args> --help`` from the repository root: its exit code and stderr. Cached: the docs show some
     scripts several times with other options, and each of those commands is checked by the same ``--help`` run."""
     result = subprocess.run([sys.executable, *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     return result.returncode, result.stderr
@@ -99,14 +100,14 @@ def check(command: str, tmp_path: Path) -> None:
         returncode, stderr = _help((script,))
         assert returncode == 0, stderr[-3000:]
     else:
-        assert script == "train.py", f"unknown command form in the README: {command}"  # the quick start's own script
+        assert script == "train.py", f"unknown command form in the docs: {command}"  # the quick start's own script
 
 
-def test_the_readme_shows_commands():
-    assert "make demo" in readme_commands() and "make test" in readme_commands()
+def test_the_readme_shows_the_two_commands():
+    assert {"make demo", "make test"} <= set(documented_commands([README]))
 
 
-@pytest.mark.parametrize("command", readme_commands())
-def test_readme_command_runs(command, tmp_path, monkeypatch):
+@pytest.mark.parametrize("command", documented_commands())
+def test_documented_command_runs(command, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     check(command, tmp_path)

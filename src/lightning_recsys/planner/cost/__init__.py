@@ -1,0 +1,36 @@
+"""Cost models: bytes per collective to step time (``cost_model``), a workload's bytes (``traffic_model``)
+and a ranking of candidate layouts (``layout_advice``). They run no collective; ``lightning-recsys plan``
+and the benchmarks ask them for advice. No Lightning imports."""
+
+from lightning_recsys.planner.cost.cost_model import (
+    Cluster,
+    Collective,
+    Link,
+    Parallelism,
+    StepEstimate,
+    Workload,
+    step_time,
+    topology_for,
+)
+from lightning_recsys.planner.cost.layout_advice import Advice, Hardware, advise_from_report, parse_cluster, recommend
+from lightning_recsys.planner.cost.traffic_model import Feature, ModelShape, StrategyChoice, workload_traffic
+
+__all__ = [
+    "Advice",
+    "Cluster",
+    "Collective",
+    "Feature",
+    "Hardware",
+    "Link",
+    "ModelShape",
+    "Parallelism",
+    "StepEstimate",
+    "StrategyChoice",
+    "Workload",
+    "advise_from_report",
+    "parse_cluster",
+    "recommend",
+    "step_time",
+    "topology_for",
+    "workload_traffic",
+]
