@@ -1,6 +1,6 @@
 """torchrun --max-restarts with a rank SIGKILLed mid-fit: every restart comes back and resumes exactly.
 
-The jobs are scripts/restart_soak.py's (a tiny DLRM, ModelCheckpoint(every_n_train_steps=3,
+The jobs are benchmarks/restart_soak.py's (a tiny DLRM, ModelCheckpoint(every_n_train_steps=3,
 save_last=True), fit(ckpt_path="last")); each job also fits without a fault in the same processes,
 and the final models are compared: batches and examples trained, weights bit for bit.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("restart_soak", ROOT / "scripts" / "restart_soak.py")
+_spec = importlib.util.spec_from_file_location("restart_soak", ROOT / "benchmarks" / "restart_soak.py")
 restart_soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(restart_soak)
 

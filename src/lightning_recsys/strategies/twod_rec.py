@@ -39,6 +39,7 @@ from lightning_recsys.parallel.sharding import EmbeddingLearningRate, ShardedRun
 from lightning_recsys.parallel.sync import ReplicaSyncConfig, SyncStats
 from lightning_recsys.parallel.topology import (
     Layout,
+    attempt_scoped_store,
     check_topology_arguments,
     destroy_process_group_at_exit,
     looks_like_lost_peer,
@@ -52,7 +53,6 @@ from lightning_recsys.strategies.batches import CoordinatedBatchHooks
 from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks, silence_no_last_checkpoint_yet
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
-from lightning_recsys.strategies.elastic_restart import attempt_scoped_store
 from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.preemption import PREEMPTED_EXIT_CODE, CoordinatedSigterm
@@ -272,7 +272,7 @@ class TwoDRecStrategy(
         if not _distributed_is_initialized():  # else the user (or a previous Trainer) owns the process group
             device_id = self.root_device if self.root_device.type != "cpu" else None
             env = self.cluster_environment
-            # Under torchrun, the keys of this restart attempt only (elastic_restart.py says why).
+            # Under torchrun, the keys of this restart attempt only (attempt_scoped_store says why).
             store = attempt_scoped_store(
                 env.main_address, env.main_port, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
             )

@@ -1,7 +1,7 @@
 """Kill a rank mid-fit under ``torchrun --max-restarts 1``, N times in a row: does the job come back every time?
 
-    python scripts/restart_soak.py                     # 20 runs, 1 node x 2 ranks
-    python scripts/restart_soak.py --runs 3 --nodes 2  # two torchrun launches (node ranks 0 and 1), 2D
+    python benchmarks/restart_soak.py                     # 20 runs, 1 node x 2 ranks
+    python benchmarks/restart_soak.py --runs 3 --nodes 2  # two torchrun launches (node ranks 0 and 1), 2D
 
 Each run is one torchrun job (two launches for ``--nodes 2``) of a tiny DLRM with
 ``ModelCheckpoint(every_n_train_steps=3, save_last=True)`` and ``fit(ckpt_path="last")``. In the
