@@ -81,7 +81,16 @@ class ShardedCheckpointHooks:
 
     def on_train_start(self) -> None:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if trainer is not None and trainer.ckpt_path is None and trainer.global_step == 0:
+        if trainer is None:
+            return
+        fit_loop = trainer.fit_loop
+        if fit_loop.restarted_mid_epoch and fit_loop.epoch_loop.restarted_on_train_batch_end and fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Workaround (Lightning 2.6, loops/fit_loop.py): resuming from a checkpoint saved at an epoch's last batch,
+            # _FitLoop.reset() counts that epoch complete but keeps RESTARTED_MID_EPOCH, so on_advance_start skips the
+            # next epoch's increment_ready/started (and on_train_epoch_start); a checkpoint saved in that epoch then
+            # resumes it from its first batch, training those batches twice.
+            fit_loop.reset_restart_stage()
+        if trainer.ckpt_path is None and trainer.global_step == 0:
             rank_zero_info(
                 "TwoDRecStrategy: fit starts fresh at step 0: no checkpoint to resume from (none was given, or "
                 'ckpt_path="last" found no committed one yet).'
