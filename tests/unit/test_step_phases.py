@@ -84,3 +84,10 @@ def test_every_label_is_documented_once() -> None:
     names = [getattr(step_phases, n) for n in dir(step_phases) if n.isupper() and isinstance(getattr(step_phases, n), str)]
     assert sorted(names) == sorted(STEP_PHASES) and len(set(names)) == len(names)
     assert all(label.startswith("recsys:") and STEP_PHASES[label] for label in STEP_PHASES)
+
+
+def test_every_label_is_in_the_performance_docs() -> None:
+    from docs_text import ROOT
+
+    text = (ROOT / "docs" / "performance.md").read_text()
+    assert all(f"`{label}`" in text for label in STEP_PHASES), [label for label in STEP_PHASES if f"`{label}`" not in text]
