@@ -5,10 +5,12 @@ from lightning_recsys.parallel.input.batch_check import InputValidator, InvalidI
 from lightning_recsys.parallel.input.guard_config import GuardConfig
 from lightning_recsys.parallel.input.input_guard import CoordinatedBatches
 from lightning_recsys.parallel.input.input_pipeline import PIPELINE_MODES, PipelineMode, SparseDistPipeline
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, module_length_rules
 from lightning_recsys.parallel.input.loader_position import LoaderPosition
 
 __all__ = [
     "CoordinatedBatches",
+    "FeatureLengthRules",
     "GuardConfig",
     "InputValidator",
     "InvalidInputError",
@@ -17,4 +19,5 @@ __all__ = [
     "PipelineMode",
     "SparseDistPipeline",
     "feature_tables",
+    "module_length_rules",
 ]

@@ -17,6 +17,8 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTensor
 
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
+
 ValidateInputs = Literal["error", "warn", "off"]
 VALIDATE_INPUTS: tuple[str, ...] = ("error", "warn", "off")
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -64,8 +66,9 @@ def feature_tables(module: nn.Module) -> dict[str, list[TableRef]]:
 class InputValidator:
     """Vectorized checks of a KeyedJaggedTensor against the model's features and table sizes."""
 
-    def __init__(self, features: dict[str, list[TableRef]]) -> None:
+    def __init__(self, features: dict[str, list[TableRef]], length_rules: list[FeatureLengthRules] | None = None) -> None:
         self.features = features
+        self.length_rules = list(length_rules or [])  # the model's own per-example length rules (fatal when broken)
         # A feature feeding several tables must fit the smallest.
         self._limit = {f: min(refs, key=lambda r: r.rows) for f, refs in features.items()}
 
@@ -106,6 +109,9 @@ class InputValidator:
         total = int(lengths.sum())
         if total != values.numel():
             return [InputProblem(f"batch {batch}: the lengths sum to {total} but there are {values.numel()} values")]
+        rule_problems = [InputProblem(m) for m in length_rule_problems(self.length_rules, keys, lengths, batch_size, batch)]
+        if rule_problems:
+            return rule_problems
         weight_problems = self._weights(kjt, keys, values, lengths, batch_size, batch)
         if any(p.fatal for p in weight_problems):
             return weight_problems
