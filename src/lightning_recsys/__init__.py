@@ -37,7 +37,13 @@ if TYPE_CHECKING:
     from lightning_recsys.planner.config import PlanningConfig
     from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
 
-register_strategy_name()
+
+def _make_twod_rec_strategy(**kwargs: Any) -> Any:
+    """``TwoDRecStrategy(**kwargs)``, imported when the Trainer first asks for ``"twod_rec"`` (the registry's factory)."""
+    return __getattr__("TwoDRecStrategy")(**kwargs)
+
+
+register_strategy_name(_make_twod_rec_strategy)
 
 
 def __getattr__(name: str) -> Any:
