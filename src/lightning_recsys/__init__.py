@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_recsys._registration import register_strategy_name
+from lightning_recsys._upstream_logging import keep_upstream_import_from_configuring_logging
 
 __version__ = "0.1.0"
 
@@ -44,6 +45,7 @@ def _make_twod_rec_strategy(**kwargs: Any) -> Any:
 
 
 register_strategy_name(_make_twod_rec_strategy)
+keep_upstream_import_from_configuring_logging()  # FBGEMM's import would add a root handler: Lightning's lines twice
 
 
 def __getattr__(name: str) -> Any:

@@ -45,6 +45,7 @@ from lightning_recsys.checkpoint.validation import (
     optimizer_entries,
     saved_tensors,
 )
+from lightning_recsys.checkpoint.write_errors import explain_write_error
 from lightning_recsys.parallel.sharding import (
     RESHAPE_CHECKPOINT_KEY,
     EmbeddingOptimizerConfig,
@@ -148,7 +149,7 @@ def save_checkpoint(
     """
     final = Path(path)
     prepared = _prepare_save(final, state=state, topology=topology, step=step, extra_meta=extra_meta)
-    error: Exception | None = None
+    error: BaseException | None = None
     try:
         _write_host_state(prepared.tmp, host_state)
         if prepared.dcp_state is not None:
@@ -157,8 +158,8 @@ def save_checkpoint(
                 storage_writer=storage_writer_factory(prepared.tmp),
                 process_group=topology.sharding_process_group(),
             )
-    except Exception as e:  # noqa: BLE001 - every rank must learn about it
-        error = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn about it (DCP's is a BaseException)
+        error = explain_write_error(e, final=final, tmp=prepared.tmp)
     _all_ranks_ok(error, action=f"writing checkpoint {str(prepared.tmp)!r}")
     _commit_on_rank_zero(prepared)
     return final
@@ -450,7 +451,7 @@ def to_lightning_checkpoint(path: str | os.PathLike[str], *, weights_only: bool 
 
 
 # ----------------------------------------------------------------- agreement between ranks
-def _all_ranks_ok(error: Exception | None, *, action: str) -> None:
+def _all_ranks_ok(error: BaseException | None, *, action: str) -> None:
     """Every rank learns whether every rank succeeded at ``action`` (an all-gather over WORLD).
 
     Bounded by the default process group's timeout. The rank that failed re-raises its own

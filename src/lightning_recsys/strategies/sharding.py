@@ -14,6 +14,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_recsys._upstream_logging import root_logger_left_unconfigured
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel, shard_model
 from lightning_recsys.parallel.comms import EffectiveQComms, QCommsConfig
 from lightning_recsys.parallel.input import InputValidator, feature_tables, module_length_rules
@@ -117,7 +118,8 @@ def _shard(strategy: ShardingStrategy, module: LightningModule, settings: Shardi
         final_sharders=lambda plan: planning_sharders(strategy, compute_device=device.type, topology=topology, plan=plan, device=device)[0],
     )
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
-    planned = pipeline.run(module, datamodule, tables=model_tables(module))  # the Trainer has set the DataModule up
+    with root_logger_left_unconfigured():  # TorchRec's plan check calls logging.warning: it would configure the root logger
+        planned = pipeline.run(module, datamodule, tables=model_tables(module))  # the Trainer has set the DataModule up
     sharders, codecs = planning_sharders(strategy, compute_device=device.type, topology=topology, plan=planned.plan, device=device)
     if planned.report is not None:
         report = planned.report.to_table()  # has its own header
@@ -126,10 +128,11 @@ def _shard(strategy: ShardingStrategy, module: LightningModule, settings: Shardi
     rank_zero_info(f"TwoDRecStrategy: {topology.describe()}\n{report}\nQComms (effective precisions):\n{codecs.effective.describe()}")
     if codecs.effective.fallbacks:
         rank_zero_warn("QComms: " + "; ".join(codecs.effective.fallbacks) + ".")
-    sharded = shard_model(
-        module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
-        dense_grads_precision=codecs.effective.dense_grads,
-    )
+    with root_logger_left_unconfigured():  # FBGEMM's fused-table constructor calls logging.info (SplitTableBatchedEmbeddingBagsCodegen.log)
+        sharded = shard_model(
+            module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
+            dense_grads_precision=codecs.effective.dense_grads,
+        )
     if not topology.is_1d and not sharded.model_parallel_tables:
         rank_zero_info(
             "TwoDRecStrategy: every table is data_parallel, so the replica sync has nothing to sync and is skipped "

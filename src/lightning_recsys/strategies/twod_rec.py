@@ -36,6 +36,7 @@ from lightning_recsys.parallel.sharding import ShardedRuntime, silence_known_ups
 from lightning_recsys.parallel.sync import ReplicaSyncConfig
 from lightning_recsys.parallel.topology import (
     Layout,
+    attempt_scoped_store,
     check_topology_arguments,
     destroy_process_group_at_exit,
     looks_like_lost_peer,
@@ -45,7 +46,7 @@ from lightning_recsys.parallel.topology import (
 )
 from lightning_recsys.planner import PlanningConfig, PlanReport, embedding_tables
 from lightning_recsys.strategies.batches import CoordinatedBatchHooks
-from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks, silence_no_last_checkpoint_yet
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst
@@ -174,6 +175,7 @@ class TwoDRecStrategy(
         self._runtime: Optional[ShardedRuntime] = None
         self._forward_redirection = DenseDDPForwardRedirection(self)
         self._scheduler_base_lr: Optional[float] = None
+        silence_no_last_checkpoint_yet()  # before fit parses ckpt_path; on_train_start says it in one INFO line
 
     # ----------------------------------------------------------------- ranks and devices
     @property
@@ -261,7 +263,13 @@ class TwoDRecStrategy(
         assert self.cluster_environment is not None
         if not _distributed_is_initialized():  # else the user (or a previous Trainer) owns the process group
             device_id = self.root_device if self.root_device.type != "cpu" else None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+            env = self.cluster_environment
+            # Under torchrun, the keys of this restart attempt only (attempt_scoped_store says why).
+            store = attempt_scoped_store(
+                env.main_address, env.main_port, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
+            )
+            kwargs: dict[str, Any] = {"store": store} if store is not None else {}
+            _init_dist_connection(env, backend, timeout=self._timeout, device_id=device_id, **kwargs)
             atexit.register(destroy_process_group_at_exit)
         # A CPU group for the per-step batch handshake and failure diagnosis (gloo: monitored_barrier).
         if self._coordination_group is None:
