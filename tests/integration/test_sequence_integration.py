@@ -255,6 +255,17 @@ def test_a_checkpoint_reshards_onto_other_ranks_and_types_and_exports_to_one_uns
         predictions = torch.cat([torch.sigmoid(exported(global_batch(RESHARD_CONFIG, "test", i))) for i in range(2)])
     torch.testing.assert_close(predictions, saved_predictions)
 
+    # And as safetensors (weights only, no pickle) into a model built from its arguments.
+    from safetensors.torch import load_file
+
+    from lightning_recsys.checkpoint.safetensors_export import export_safetensors
+
+    rebuilt = make_model(seed=0)
+    rebuilt.load_state_dict(load_file(export_safetensors(checkpoint, tmp_path / "fitted.safetensors")))
+    with torch.no_grad():
+        rebuilt_predictions = torch.cat([torch.sigmoid(rebuilt.eval()(global_batch(RESHARD_CONFIG, "test", i))) for i in range(2)])
+    torch.testing.assert_close(rebuilt_predictions, saved_predictions)
+
 
 # ----------------------------------------------------------------- bad input on one rank
 class _BadOnRank1(SequenceDataModule):
