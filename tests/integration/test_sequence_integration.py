@@ -255,6 +255,17 @@ def test_a_checkpoint_reshards_onto_other_ranks_and_types_and_exports_to_one_uns
         predictions = torch.cat([torch.sigmoid(exported(global_batch(RESHARD_CONFIG, "test", i))) for i in range(2)])
     torch.testing.assert_close(predictions, saved_predictions)
 
+    # And as safetensors (weights only, no pickle) into a model built from its arguments.
+    from safetensors.torch import load_file
+
+    from lightning_recsys.checkpoint.safetensors_export import export_safetensors
+
+    rebuilt = make_model(seed=0)
+    rebuilt.load_state_dict(load_file(export_safetensors(checkpoint, tmp_path / "fitted.safetensors")))
+    with torch.no_grad():
+        rebuilt_predictions = torch.cat([torch.sigmoid(rebuilt.eval()(global_batch(RESHARD_CONFIG, "test", i))) for i in range(2)])
+    torch.testing.assert_close(rebuilt_predictions, saved_predictions)
+
 
 # ----------------------------------------------------------------- bad input on one rank
 class _BadOnRank1(SequenceDataModule):
@@ -341,3 +352,29 @@ def test_the_balanced_planner_profiles_the_sequence_tables_and_never_makes_them_
     assert tables["item"][1] == pytest.approx(mean_history + 1) and tables["action"][1] == pytest.approx(mean_history)
     assert {t[2] for t in tables.values()} != {"assumed"}, tables
     assert tables["item"][0] != "data_parallel" and tables["action"][0] != "data_parallel", tables
+
+
+# ----------------------------------------------------------------- CUDA (skipped without a GPU)
+def _fit_on_cuda(rank: int, world_size: int, qcomms: str) -> dict:
+    strategy = sgd_strategy(sharding_types=["table_wise"], qcomms=qcomms)
+    model, _, predictions = fit_sharded(rank, world_size, strategy, accelerator="gpu", model_factory=_qcomms_model)
+    return {"predictions": predictions, "shards": table_shards(model), "effective": strategy.effective_qcomms.describe()}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qcomms", ["fp32", "fp8"])
+def test_sequence_ranker_on_cuda_trains_as_the_unsharded_cpu_model(qcomms):
+    # FBGEMM's CUDA kernels (and, for fp8, its fused rowwise codec where it applies) against the CPU reference.
+    world_size = min(2, torch.cuda.device_count())
+    expected_state, expected_predictions = train_unsharded(embedding_dim=QCOMMS_DIM)
+    results = run_ranks(_fit_on_cuda, world_size, qcomms, timeout=300)
+    rtol = 1e-4 if qcomms == "fp32" else RTOL_AFTER_TRAINING_FP8
+    scale = float(expected_predictions.abs().max())
+    torch.testing.assert_close(torch.cat([r["predictions"] for r in results]), expected_predictions, rtol=rtol, atol=rtol * scale)
+    items = assemble([r["shards"] for r in results], ITEM_KEY, expected_state[ITEM_KEY])
+    torch.testing.assert_close(items, expected_state[ITEM_KEY], rtol=rtol, atol=rtol * float(expected_state[ITEM_KEY].abs().max()))
+
+
+# fp8 forward and backward over 3 SGD steps: max-pool and ReLU route the gradients by the quantized forward, so the
+# trajectories part more than one rounding (a loose end-to-end bound; the per-direction bounds are tested above).
+RTOL_AFTER_TRAINING_FP8 = 0.25

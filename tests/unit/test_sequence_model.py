@@ -260,3 +260,20 @@ def test_a_profile_of_sequence_batches_gives_the_shared_item_table_both_features
     assert stats["item"].features == 2
     assert stats["item"].pooling_factor == pytest.approx((float(histories.float().mean()) + 1) / 2)
     assert stats["action"].features == 1 and stats["action"].pooling_factor == pytest.approx(float(histories.float().mean()))
+
+
+def test_bf16_autocast_gives_finite_logits_close_to_fp32_with_empty_histories():
+    # What Trainer(precision="bf16-mixed") runs on CPU: the padding masks and the -inf max-pool fill in bf16.
+    model = small_model().eval()
+    batch = sequence_batch([[], [1, 2, 3, 4, 5, 6], [7]])
+    with torch.no_grad():
+        reference = model(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(batch)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), reference, rtol=0, atol=2e-2)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.binary_cross_entropy_with_logits(model(batch).float(), batch.labels)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -46,8 +46,9 @@ def newest_padded(lengths: torch.Tensor, values: torch.Tensor, max_length: int) 
 
 @torch.fx.wrap
 def _check_lengths(sparse: KeyedJaggedTensor, rules: FeatureLengthRules) -> None:
-    """Raise ``ValueError`` where the batch breaks the model's length rules (the strategy's input guard
-    checks the same rules on every rank before the step, so there this never fires)."""
+    """Raise ``ValueError`` where the batch breaks the model's length rules. Under TwoDRecStrategy its
+    input guard checks the same rules on every rank before the step (unless ``validate_inputs="off"``),
+    so every rank raises together and this never fires."""
     problems = length_rule_problems([rules], sparse.keys(), sparse.lengths(), sparse.stride())
     if problems:
         raise ValueError("; ".join(problems))
