@@ -211,7 +211,7 @@ def _baselines_history(config: MovieLens100KConfig) -> dict:
 
 
 def _synthetic_dlrm_config(sequence_config: Path, workdir: Path) -> Path:
-    """The shipped synthetic DLRM's model and strategy on a sequence config's data: its candidate and context features."""
+    """The shipped synthetic DLRM's model and strategy on a sequence config's examples, without their history features."""
     import yaml
 
     sequence = yaml.safe_load(sequence_config.read_text())
@@ -226,7 +226,8 @@ def _synthetic_dlrm_config(sequence_config: Path, workdir: Path) -> Path:
         table_sizes=[resolved.num_items, *resolved.context_table_sizes],
         num_dense_features=resolved.num_dense_features,
     )
-    config = {**sequence, "model": {"class_path": dlrm["model"]["class_path"], "init_args": model}}
+    without_history = {**sequence["data"], "init_args": {**sequence["data"]["init_args"], "config": {**data, "emit_history": False}}}
+    config = {**sequence, "model": {"class_path": dlrm["model"]["class_path"], "init_args": model}, "data": without_history}
     config["trainer"] = {**sequence["trainer"], "strategy": dlrm["trainer"]["strategy"]}
     path = workdir / "synthetic_sequence_dlrm.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
