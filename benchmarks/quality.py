@@ -28,6 +28,8 @@ import argparse
 import json
 import math
 import os
+import shlex
+import subprocess
 import sys
 import tempfile
 import time
@@ -113,7 +115,7 @@ def make_synthetic_movielens(directory: Path, seed: int = 0, num_ratings: int = 
 def _baselines_movielens(config: MovieLens100KConfig) -> dict:
     """Fit on ``config``'s train ratings, pick the strength on its val ratings: the model's own split."""
     from lightning_recsys.data.movielens import MovieLens100K
-    from lightning_recsys.models.baselines import PopularityBaseline, UserItemBiasBaseline, auc, normalized_entropy
+    from lightning_recsys.models.baselines import PopularityBaseline, UserItemBiasBaseline, auc, log_loss, normalized_entropy
 
     data = MovieLens100K(config, warn=False)
     arrays = {name: np.array(data.ratings[name]).reshape(-1, 3) for name in ("train", "val", "test")}
@@ -135,6 +137,7 @@ def _baselines_movielens(config: MovieLens100KConfig) -> dict:
                 best = {
                     "strength": strength, "val_auc": val_auc,
                     "test_auc": auc(test, arrays["test"][:, 2]), "test_ne": normalized_entropy(test, arrays["test"][:, 2]),
+                    "test_logloss": log_loss(test, arrays["test"][:, 2]),
                 }
         out[name] = best
     return out
@@ -164,6 +167,89 @@ def _baselines_criteo(path: str, train_days: list[int], val_days: list[int], tes
     return {"examples": {s: len(v) for s, v in labels.items()}, "popularity": best}
 
 
+WINDOWS: list[int | None] = [5, 10, 20, 50, None]
+
+
+def _baselines_history(config: MovieLens100KConfig) -> dict:
+    """The history-aware baselines (``RecentPositiveRateBaseline``) on the sequence DataModule's histories.
+
+    A history is the user's strictly earlier training ratings (``MovieLens100KSequenceDataModule``);
+    its positives are the ratings >= 4. The window, the strength and the item term are picked on val.
+    """
+    from lightning_recsys.data.movielens import POSITIVE_RATING, MovieLens100K
+    from lightning_recsys.data.movielens_sequence import TrainingHistories
+    from lightning_recsys.models.baselines import RecentPositiveRateBaseline, auc, log_loss, normalized_entropy
+
+    data = MovieLens100K(config, warn=False)
+    histories = TrainingHistories(data, max_length=10**9)
+    splits = {}
+    for name in ("train", "val", "test"):
+        users = np.array([u for u, _, _ in data.ratings[name]], dtype=np.int64)
+        times = np.array([t for _, t in data.rating_times[name]], dtype=np.int64)
+        _, actions, lengths = histories.before(users, times)
+        items = np.array([i for _, i, _ in data.ratings[name]], dtype=np.int64)
+        labels = np.array([label for _, _, label in data.ratings[name]])
+        splits[name] = {"positive": (actions.numpy() >= POSITIVE_RATING - 1), "lengths": lengths.numpy(), "items": items, "labels": labels}
+    train, val, test = splits["train"], splits["val"] if len(splits["val"]["labels"]) else splits["train"], splits["test"]
+    out: dict = {}
+    for name, with_item in (("recent_rate", False), ("recent_rate_item", True)):
+        best = None
+        for window in WINDOWS:
+            for strength in STRENGTHS[1:]:  # strength 0 would score an empty history's 0 / 0
+                model = RecentPositiveRateBaseline(window, strength, with_item).fit(train["labels"], train["items"], config.num_items)
+                score = lambda d, model=model: model.predict(d["positive"], d["lengths"], d["items"])  # noqa: E731
+                val_auc = auc(score(val), val["labels"])
+                if best is None or val_auc > best["val_auc"]:
+                    scores = score(test)
+                    best = {
+                        "window": window, "strength": strength, "val_auc": val_auc, "test_auc": auc(scores, test["labels"]),
+                        "test_ne": normalized_entropy(scores, test["labels"]), "test_logloss": log_loss(scores, test["labels"]),
+                    }
+        out[name] = best
+    out["empty_history_share"] = {s: float(np.mean(d["lengths"] == 0)) if len(d["lengths"]) else 0.0 for s, d in splits.items()}
+    return out
+
+
+def _synthetic_dlrm_config(sequence_config: Path, workdir: Path) -> Path:
+    """The shipped synthetic DLRM's model and strategy on a sequence config's data: its candidate and context features."""
+    import yaml
+
+    sequence = yaml.safe_load(sequence_config.read_text())
+    dlrm = yaml.safe_load((CONFIGS / "synthetic_dlrm.yaml").read_text())
+    data = sequence["data"]["init_args"]["config"]
+    from lightning_recsys.data.synthetic_sequence import CANDIDATE_ITEM_FEATURE, SyntheticSequenceConfig
+
+    resolved = SyntheticSequenceConfig(**data)
+    model = dict(dlrm["model"]["init_args"])
+    model.update(
+        feature_names=[CANDIDATE_ITEM_FEATURE, *resolved.context_feature_names],
+        table_sizes=[resolved.num_items, *resolved.context_table_sizes],
+        num_dense_features=resolved.num_dense_features,
+    )
+    config = {**sequence, "model": {"class_path": dlrm["model"]["class_path"], "init_args": model}}
+    config["trainer"] = {**sequence["trainer"], "strategy": dlrm["trainer"]["strategy"]}
+    path = workdir / "synthetic_sequence_dlrm.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return path
+
+
+def _synthetic_ceiling(sequence_config: Path, overrides: list[str], workdir: Path) -> dict:
+    """The AUC of the logit the test labels were drawn from (no model can beat it), and of its non-history part."""
+    from lightning_recsys.models.baselines import auc
+
+    cli = _build(sequence_config, overrides, workdir)
+    log = cli.datamodule.log
+    planted, context, labels = [], [], []
+    for index in range(log.config.test_batches):
+        batch = log.global_batch("test", index)
+        planted.append(log.planted_logit(batch).numpy())
+        cfg = log.config
+        context.append(log.context_logit([batch.sparse[n].values() for n in cfg.context_feature_names], batch.dense).numpy())
+        labels.append(batch.labels.numpy())
+    y = np.concatenate(labels)
+    return {"planted_logit_auc": auc(np.concatenate(planted), y), "context_only_auc": auc(np.concatenate(context), y)}
+
+
 # ----------------------------------------------------------------------------- the model
 
 
@@ -190,6 +276,60 @@ def _train(cli: LightningCLI) -> dict:
     }
 
 
+def _train_in_subprocess(config: Path, overrides: list[str], seed: int, workdir: Path) -> dict:
+    """One fit and test of ``config`` in a fresh process (its strategy launches its own ranks), rank 0's metrics."""
+    out = workdir / f"run-{config.stem}-{seed}-{time.monotonic_ns()}.json"
+    command = [sys.executable, str(Path(__file__).resolve()), "--train-only", str(config), "--seed", str(seed), "--json", str(out),
+               "--override", *overrides]
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
+    return json.loads(out.read_text())["model"]
+
+
+def _mean_over_seeds(runs: list[dict]) -> dict:
+    """Test AUC, NE and logloss: mean and standard deviation over the seeds' runs."""
+    out = {}
+    for metric in ("auc", "ne", "logloss"):
+        values = np.array([run["test"].get(f"test/{metric}", math.nan) for run in runs])
+        out[metric] = float(values.mean())
+        out[f"{metric}_std"] = float(values.std(ddof=1)) if len(values) > 1 else 0.0
+    return out
+
+
+def _compare(args: argparse.Namespace, workdir: Path) -> dict:
+    """The DLRM config and (with --sequence) the sequence config on the same data, over every seed, with the baselines."""
+    models: dict[str, tuple[Path, list[str]]] = {}
+    if args.synthetic_sequence:
+        sequence_config = args.sequence_config or CONFIGS / "synthetic_sequence.yaml"
+        data_overrides = shlex.split(args.data_override)
+        result: dict = {"dataset": "synthetic-sequence", "path": None, "config": str(sequence_config)}
+        models["dlrm"] = (args.config or _synthetic_dlrm_config(sequence_config, workdir), [*data_overrides, *args.override])
+        models["sequence"] = (sequence_config, [*data_overrides, *shlex.split(args.sequence_override)])
+        result["baselines"] = _synthetic_ceiling(sequence_config, data_overrides, workdir)
+    else:
+        config = args.config or CONFIGS / "movielens_dlrm.yaml"
+        data = ["--data.path", args.path, "--data.split", args.split, *shlex.split(args.data_override)]
+        models["dlrm"] = (config, [*data, *args.override])
+        if args.sequence:
+            models["sequence"] = (args.sequence_config or CONFIGS / "movielens_sequence.yaml", [*data, *shlex.split(args.sequence_override)])
+        data_config = _build(config, models["dlrm"][1], workdir).datamodule.config
+        result = {"dataset": "movielens-100k", "path": args.path, "split": args.split, "config": str(config),
+                  "val_holdout": data_config.effective_val_holdout}
+        start = time.perf_counter()
+        result["baselines"] = _baselines_movielens(data_config)
+        if args.sequence:
+            result["baselines"].update(_baselines_history(data_config))
+        result["baselines"]["seconds"] = round(time.perf_counter() - start, 1)
+    result["seeds"] = args.seeds
+    result["configs"] = {name: str(config) for name, (config, _) in models.items()}
+    result["runs"] = {name: [_train_in_subprocess(config, overrides, seed, workdir) for seed in args.seeds] for name, (config, overrides) in models.items()}
+    result["mean"] = {name: _mean_over_seeds(runs) for name, runs in result["runs"].items()}
+    if "sequence" in result["mean"]:
+        result["sequence_auc_gain"] = result["mean"]["sequence"]["auc"] - result["mean"]["dlrm"]["auc"]
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--path", help="MovieLens-100k directory (u.user, u.item, u1.base, u1.test)")
@@ -205,17 +345,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--baselines-only", action="store_true")
     parser.add_argument("--json", type=Path, default=RESULTS / "quality.json")
-    parser.add_argument("--override", nargs=argparse.REMAINDER, default=[], help="CLI arguments passed on to the config (last)")
+    parser.add_argument("--sequence", action="store_true", help="also train the sequence config on the same split, with the history-aware baselines")
+    parser.add_argument("--synthetic-sequence", action="store_true", help="the sequence config against the DLRM on SyntheticSequenceDataModule")
+    parser.add_argument("--sequence-config", type=Path, default=None, help="default: the shipped movielens_sequence.yaml / synthetic_sequence.yaml")
+    parser.add_argument("--sequence-override", default="", help="CLI arguments for the sequence config, one quoted string")
+    parser.add_argument("--data-override", default="", help="CLI arguments for both configs' data, one quoted string")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="train each model once per seed; report the mean (default: --seed)")
+    parser.add_argument("--train-only", type=Path, default=None, help=argparse.SUPPRESS)  # one fit of this config (a _compare child)
+    parser.add_argument("--override", nargs=argparse.REMAINDER, default=[], help="CLI arguments passed on to the (DLRM) config (last)")
     args = parser.parse_args(argv)
 
     if args.make_synthetic:
         make_synthetic_movielens(args.make_synthetic, seed=args.seed, num_ratings=args.synthetic_ratings)
         print(f"synthetic MovieLens-100k-format data in {args.make_synthetic}")
         return 0
+    workdir = Path(tempfile.mkdtemp(prefix="quality-"))
+    if args.train_only:
+        result = {"model": _train(_build(args.train_only, [*args.override, "--seed_everything", str(args.seed)], workdir))}
+        if result["model"]["rank"] == 0:
+            args.json.write_text(json.dumps(result, indent=2))
+        return 0
+    if args.synthetic_sequence or args.sequence or args.seeds is not None:
+        if not args.synthetic_sequence and not args.path:
+            parser.error("--sequence and --seeds need --path (MovieLens-100k), or use --synthetic-sequence")
+        args.seeds = args.seeds or [args.seed]
+        result = _compare(args, workdir)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=2))
+        _print_comparison(result)
+        print(f"JSON: {args.json}")
+        return 0
     if bool(args.path) == bool(args.criteo_path):
         parser.error("give --path (MovieLens-100k) or --criteo-path (npy Criteo files)")
 
-    workdir = Path(tempfile.mkdtemp(prefix="quality-"))
     if args.path:
         config = args.config or CONFIGS / "movielens_dlrm.yaml"
         cli = _build(config, ["--data.path", args.path, "--data.split", args.split, *args.override, "--seed_everything", str(args.seed)], workdir)
@@ -274,6 +436,27 @@ def _print(result: dict) -> None:
     print(f"{'':<16}{'test AUC':>10}{'test NE':>10}  notes")
     for name, test_auc, test_ne, notes in rows:
         print(f"{name:<16}{test_auc:>10.4f}{test_ne:>10.4f}  {notes}")
+
+
+def _print_comparison(result: dict) -> None:
+    seeds = result["seeds"]
+    print(f"\n{result['dataset']}" + (f" ({result['path']}, split {result['split']})" if result["path"] else "") + f", seeds {seeds}")
+    print(f"{'':<18}{'test AUC':>10}{'test NE':>10}{'logloss':>10}  notes")
+    for name, stats in result["mean"].items():
+        runs = result["runs"][name]
+        notes = f"{result['configs'][name]}; mean of {len(runs)} (AUC std {stats['auc_std']:.4f}); fit {np.mean([r['fit_seconds'] for r in runs]):.0f} s, {runs[0]['world_size']} processes"
+        print(f"{name:<18}{stats['auc']:>10.4f}{stats['ne']:>10.4f}{stats['logloss']:>10.4f}  {notes}")
+    for name, b in result["baselines"].items():
+        if isinstance(b, dict) and "test_auc" in b:
+            knobs = ", ".join(f"{k} {b[k]}" for k in ("window", "strength") if k in b)
+            print(f"{name:<18}{b['test_auc']:>10.4f}{b['test_ne']:>10.4f}{b.get('test_logloss', math.nan):>10.4f}  {knobs} (picked on val)")
+    if "planted_logit_auc" in result["baselines"]:
+        b = result["baselines"]
+        print(f"planted logit AUC {b['planted_logit_auc']:.4f} (the ceiling), its non-history part {b['context_only_auc']:.4f}")
+    if "empty_history_share" in result["baselines"]:
+        print("empty histories: " + ", ".join(f"{s} {v:.1%}" for s, v in result["baselines"]["empty_history_share"].items()))
+    if "sequence_auc_gain" in result:
+        print(f"sequence - dlrm test AUC: {result['sequence_auc_gain']:+.4f}")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from lightning_recsys import (
 )
 from lightning_recsys.callbacks import RunSummary
 from lightning_recsys.data import CriteoBinaryDataModule, CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
-from lightning_recsys.models import DCNRanker, DLRMRanker
+from lightning_recsys.models import DCNRanker, DLRMRanker, SequenceRanker
 
 REFERENCE_PAGE = "docs/configuration.md"
 REFERENCE = page(REFERENCE_PAGE)
@@ -34,6 +34,7 @@ SECTIONS = {
     "`ReplicaSyncConfig`": [ReplicaSyncConfig],
     "`TableConstraints`": [TableConstraints],
     "`DLRMRanker` and `DCNRanker`": [DLRMRanker, DCNRanker],
+    "`SequenceRanker`": [SequenceRanker],
     "`SyntheticClickLogConfig`": [SyntheticClickLogConfig],
     "`MovieLens100KDataModule`": [MovieLens100KDataModule],
     "`CriteoDataModule`": [CriteoDataModule],

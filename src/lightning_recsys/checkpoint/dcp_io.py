@@ -36,16 +36,15 @@ from lightning_recsys.checkpoint.directory import (
     temporary_path,
     utc_now,
 )
-from lightning_recsys.checkpoint.table_state import (
-    STEP,
-    EmbeddingOptimizerState,
-    StateReads,
-    TablePlacement,
-    accepted_shapes,
-    state_key,
-    table_name,
+from lightning_recsys.checkpoint.table_state import EmbeddingOptimizerState, StateReads, TablePlacement, table_name
+from lightning_recsys.checkpoint.validation import (
+    MODEL_NAMESPACE,
+    check_entries,
+    model_entries,
+    model_key,
+    optimizer_entries,
+    saved_tensors,
 )
-from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, ExpectedEntry, check_entries, model_key, saved_tensors
 from lightning_recsys.checkpoint.write_errors import explain_write_error
 from lightning_recsys.parallel.sharding import (
     RESHAPE_CHECKPOINT_KEY,
@@ -298,9 +297,9 @@ def load_checkpoint(
                 "saved without host_state, or the file was deleted. Load it with load_checkpoint()/load_unsharded() instead."
             )
         optimizer_state = state.embedding_optimizer_state(group) if load_embedding_optimizer_state else None
-        expected = _model_entries(state.model_state_dict, set(state.table_placements()))
+        expected = model_entries(state.model_state_dict, set(state.table_placements()))
         if optimizer_state is not None:
-            expected += _optimizer_entries(optimizer_state)
+            expected += optimizer_entries(optimizer_state)
         to_load = check_entries(
             expected,
             metadata,
@@ -326,26 +325,6 @@ def load_checkpoint(
     if reads is not None:
         reads.apply()
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
-
-
-def _model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> list[ExpectedEntry]:
-    entries = []
-    for key, value in model_state_dict.items():
-        shapes = (tuple(value.size()),) if isinstance(value, torch.Tensor) else None
-        entries.append(ExpectedEntry(key=model_key(key), shapes=shapes, table=key if key in tables else None))
-    return entries
-
-
-def _optimizer_entries(optimizer_state: EmbeddingOptimizerState) -> list[ExpectedEntry]:
-    entries = []
-    for key, placement in optimizer_state.tables.items():
-        for state in optimizer_state.states:
-            entries.append(
-                ExpectedEntry(key=state_key(key, state), shapes=accepted_shapes(state, placement.rows, placement.dim), table=key)
-            )
-        if placement.shards is None and optimizer_state.states:
-            entries.append(ExpectedEntry(key=state_key(key, STEP), shapes=((),), table=key, optional=True))
-    return entries
 
 
 def _damaged(path: Path, error: Exception) -> UncommittedCheckpointError:
@@ -428,7 +407,7 @@ def load_unsharded(
         for k in sub.state_dict()
     }
     to_load = check_entries(
-        _model_entries(model_state, tables),
+        model_entries(model_state, tables),
         metadata,
         path=directory,
         strict=strict,

@@ -1,4 +1,4 @@
-"""DataModules producing RecBatch: synthetic click logs (default), MovieLens-100k and Criteo files (TSV or npy)."""
+"""DataModules producing RecBatch: synthetic click logs (default) and histories, MovieLens-100k and Criteo files (TSV or npy)."""
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
 from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
@@ -11,12 +11,22 @@ from lightning_recsys.data.movielens import (
     MovieLens100KDataModule,
     MovieLens100KDataset,
 )
+from lightning_recsys.data.movielens_sequence import (
+    MOVIELENS_SEQUENCE_FEATURE_NAMES,
+    MovieLens100KSequenceConfig,
+    MovieLens100KSequenceDataModule,
+)
 from lightning_recsys.data.readers import MalformedLineError
 from lightning_recsys.data.synthetic import (
     SyntheticClickLog,
     SyntheticClickLogConfig,
     SyntheticClickLogDataModule,
     slice_batch,
+)
+from lightning_recsys.data.synthetic_sequence import (
+    SyntheticSequenceConfig,
+    SyntheticSequenceDataModule,
+    SyntheticSequenceLog,
 )
 
 __all__ = [
@@ -34,10 +44,16 @@ __all__ = [
     "MovieLens100KConfig",
     "MovieLens100KDataModule",
     "MovieLens100KDataset",
+    "MOVIELENS_SEQUENCE_FEATURE_NAMES",
+    "MovieLens100KSequenceConfig",
+    "MovieLens100KSequenceDataModule",
     "RecBatch",
     "SyntheticClickLog",
     "SyntheticClickLogConfig",
     "SyntheticClickLogDataModule",
+    "SyntheticSequenceConfig",
+    "SyntheticSequenceDataModule",
+    "SyntheticSequenceLog",
     "slice_batch",
     "sparse_feature_names",
 ]

@@ -4,7 +4,8 @@ Point ``MovieLens100KConfig(path=...)`` at the extracted ``ml-100k`` directory. 
 (``id|age|gender|occupation|zip``), ``u.item`` (``id|title|release date|video release date|IMDb
 URL|19 genre flags``, latin-1) and the ratings (``user_id\\titem_id\\trating\\ttimestamp``): ``u.data``
 for ``split="time"``, ``uN.base``/``uN.test`` for ``split="u1" .. "u5"``, ``"ua"``, ``"ub"``.
-``u.occupation`` is not read: the 21 occupations are fixed (``OCCUPATIONS``).
+``u.occupation`` is not read: the 21 occupations are fixed (``OCCUPATIONS``). A ratings file may start
+with the header line ``user id\\titem id\\trating\\ttimestamp`` (some copies have one); it is skipped.
 
 Sparse features (KJT keys, in this order; ``table_sizes`` gives the rows of each):
 
@@ -81,6 +82,8 @@ POSITIVE_RATING = 4  # ratings >= this are label 1.0
 _NUMERIC_ZIP_PREFIXES = 1000
 _OCCUPATION_IDS = {name: i for i, name in enumerate(OCCUPATIONS)}
 _ENCODING = "latin-1"  # u.item's titles are latin-1; the other files are ASCII
+_RATINGS_HEADER = ["user id", "item id", "rating", "timestamp"]
+_RatingRow = tuple[int, int, float, int, int]  # user row, item row, label, rating 1-5, timestamp
 
 
 @dataclass(kw_only=True)
@@ -238,14 +241,14 @@ class MovieLens100K:
         self.item_dense = torch.zeros(config.num_items, 2)
         self._users = self._read_users()
         self._items = self._read_items()
-        self.ratings: dict[Split, list[tuple[int, int, float]]] = {}
         self.split_files: dict[Split, list[str]] = {}
+        rows: dict[Split, list[_RatingRow]]
         if config.split == "time":
             path = self._file("u.data")
             ratings = self._read_ratings(path)
             end_train = round(len(ratings) * config.train_fraction)
             end_val = round(len(ratings) * (config.train_fraction + config.val_fraction))
-            self.ratings = {"train": ratings[:end_train], "val": ratings[end_train:end_val], "test": ratings[end_val:]}
+            rows = {"train": ratings[:end_train], "val": ratings[end_train:end_val], "test": ratings[end_val:]}
             self.split_files = {"train": [path], "val": [path], "test": [path]}
         else:
             base, test = self._file(f"{config.split}.base"), self._file(f"{config.split}.test")
@@ -255,12 +258,15 @@ class MovieLens100K:
                 val_positions = set(range(len(ratings) - held_out, len(ratings)))
             else:
                 val_positions = set(np.random.default_rng(config.seed).choice(len(ratings), size=held_out, replace=False).tolist())
-            self.ratings = {  # both parts stay in timestamp order
+            rows = {  # both parts stay in timestamp order
                 "train": [r for i, r in enumerate(ratings) if i not in val_positions],
                 "val": [r for i, r in enumerate(ratings) if i in val_positions],
                 "test": self._read_ratings(test),
             }
             self.split_files = {"train": [base], "val": [base], "test": [test]}
+        self.ratings: dict[Split, list[tuple[int, int, float]]] = {s: [r[:3] for r in part] for s, part in rows.items()}
+        # Beside ``ratings[split][k]``: its rating value (1-5) and timestamp, for histories (movielens_sequence.py).
+        self.rating_times: dict[Split, list[tuple[int, int]]] = {s: [r[3:] for r in part] for s, part in rows.items()}
 
     def skipped_lines_for(self, split: Split) -> int:
         """Lines skipped in the files behind ``split``: u.user, u.item and its ratings file."""
@@ -352,12 +358,14 @@ class MovieLens100K:
         self.skipped_lines[path] = tally.finish()
         return seen
 
-    def _read_ratings(self, path: str) -> list[tuple[int, int, float]]:
+    def _read_ratings(self, path: str) -> list[_RatingRow]:
         """The file's ratings in timestamp order; ``sorted`` is stable, so ties keep the line order."""
         tally = BadLineTally(path, self.config.on_bad_line, warn=self._warn)
-        rows: list[tuple[int, int, int, float]] = []
+        rows: list[_RatingRow] = []
         for number, line in iter_lines(path, _ENCODING):
             fields = line.split("\t")
+            if number == 1 and fields == _RATINGS_HEADER:
+                continue  # some copies of ml-100k add this header line to u.data and the .base files
             if len(fields) != 4:
                 problem = f"expected 4 tab-separated fields (user_id, item_id, rating, timestamp), found {len(fields)}"
             elif not all(_is_whole_number(field) for field in fields):
@@ -370,12 +378,12 @@ class MovieLens100K:
                 problem = f"item_id {fields[1]} is not a movie of u.item"
             else:
                 user, item, rating, timestamp = (int(field) for field in fields)
-                rows.append((timestamp, user - 1, item - 1, float(rating >= POSITIVE_RATING)))
+                rows.append((user - 1, item - 1, float(rating >= POSITIVE_RATING), rating, timestamp))
                 continue
             tally.bad(number, line, problem)
         self.skipped_lines[path] = tally.finish()
-        rows.sort(key=lambda row: row[0])
-        return [(user, item, label) for _, user, item, label in rows]
+        rows.sort(key=lambda row: row[4])
+        return rows
 
 
 class MovieLens100KDataset(GlobalBatchDataset[tuple[int, int, float]]):
@@ -397,11 +405,15 @@ class MovieLens100KDataset(GlobalBatchDataset[tuple[int, int, float]]):
 
     def _records(self, warn: bool) -> Iterator[tuple[int, int, float]]:
         ratings = self.data.ratings[self.split]  # parsed (and skips logged) when ``data`` was built
+        return (ratings[i] for i in self._order())
+
+    def _order(self) -> list[int] | range:
+        """This pass's order of the split's ratings (a pass starts here: it counts the epoch)."""
+        count = len(self.data.ratings[self.split])
         self.epoch += 1
         if self.split != "train" or not self.data.config.shuffle:
-            return iter(ratings)
-        order = np.random.default_rng([self.data.config.seed, self.epoch - 1]).permutation(len(ratings))
-        return (ratings[i] for i in order.tolist())
+            return range(count)
+        return np.random.default_rng([self.data.config.seed, self.epoch - 1]).permutation(count).tolist()
 
     def _collate(self, records: list[tuple[int, int, float]]) -> RecBatch:
         data = self.data

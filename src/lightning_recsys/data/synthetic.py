@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch.utils.data import IterableDataset
@@ -136,10 +137,18 @@ def slice_batch(batch: RecBatch, start: int, stop: int) -> RecBatch:
     return RecBatch(dense=batch.dense[start:stop], sparse=sparse, labels=batch.labels[start:stop])
 
 
+class GlobalBatchLog(Protocol):
+    """A generator of global batches by index (``SyntheticClickLog``, ``SyntheticSequenceLog``)."""
+
+    config: Any  # has ``global_batch_size``
+
+    def global_batch(self, split: Split, index: int) -> RecBatch: ...
+
+
 class SyntheticClickLogDataset(IterableDataset):
     """The ``rank``-th slice of every global batch of a split."""
 
-    def __init__(self, log: SyntheticClickLog, split: Split, num_batches: int, rank: int, world_size: int) -> None:
+    def __init__(self, log: GlobalBatchLog, split: Split, num_batches: int, rank: int, world_size: int) -> None:
         batch = log.config.global_batch_size
         if batch % world_size:
             raise ValueError(

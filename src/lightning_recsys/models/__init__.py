@@ -4,5 +4,6 @@ from lightning_recsys.models.base import RankerModule
 from lightning_recsys.models.dcn import DCNRanker
 from lightning_recsys.models.dlrm import DLRMRanker
 from lightning_recsys.models.metrics import AUC, Calibration, LogLoss, NormalizedEntropy
+from lightning_recsys.models.sequence import SequenceRanker
 
-__all__ = ["AUC", "Calibration", "DCNRanker", "DLRMRanker", "LogLoss", "NormalizedEntropy", "RankerModule"]
+__all__ = ["AUC", "Calibration", "DCNRanker", "DLRMRanker", "LogLoss", "NormalizedEntropy", "RankerModule", "SequenceRanker"]

@@ -9,6 +9,10 @@ once is not scored 0 or 1, and a key never seen in training scores ``p``.
 - ``UserItemBiasBaseline``: the user's and the item's smoothed rates added as log-odds, relative to
   the base rate: ``sigmoid(logit(r_user) + logit(r_item) - logit(p))``. (The ``- logit(p)`` makes
   it a probability where neither key says anything; AUC does not depend on it.)
+- ``RecentPositiveRateBaseline``: history-aware: the smoothed positive rate of the user's newest
+  ``window`` earlier actions, ``(positives + strength * p) / (actions + strength)``, optionally
+  added as log-odds to the item's smoothed rate like ``UserItemBiasBaseline``. It reads the same
+  histories a sequence ranker does, so a sequence ranker's gain over it is the gain of learning.
 
 ``auc`` and ``normalized_entropy`` score predicted probabilities the way the rankers' ``val/auc``
 and ``val/ne`` do (``NE = logloss / H(mean label)``); both are NaN where the rankers' are (one
@@ -106,6 +110,64 @@ class UserItemBiasBaseline:
         return 1.0 / (1.0 + np.exp(-logits))
 
 
+class RecentPositiveRateBaseline:
+    """The smoothed positive rate of each example's newest ``window`` history actions (``None``: all of them).
+
+    Histories are jagged: ``lengths[b]`` flags per example, oldest first, concatenated in
+    ``positive`` (1 where that earlier action was a positive one). ``fit`` takes the training
+    labels (for the base rate ``p``) and, with ``with_item=True``, the training items (the item's
+    smoothed rate is then added as log-odds, as in ``UserItemBiasBaseline``).
+    """
+
+    def __init__(self, window: int | None = 10, strength: float = 10.0, with_item: bool = False) -> None:
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"window={window!r} must be an integer >= 1, or None for the whole history.")
+        if not strength >= 0:
+            raise ValueError(f"strength={strength} must be >= 0.")
+        self.window, self.strength, self.with_item = window, strength, with_item
+        self.base_rate: float | None = None
+        self.item: SmoothedRate | None = None
+
+    def fit(self, labels: np.ndarray, items: np.ndarray | None = None, num_items: int | None = None) -> RecentPositiveRateBaseline:
+        labels = np.asarray(labels, dtype=np.float64)
+        if labels.size == 0:
+            raise ValueError("no training examples to fit a rate on.")
+        self.base_rate = float(labels.mean())
+        if self.with_item:
+            if items is None or num_items is None:
+                raise ValueError("with_item=True needs the training items and num_items.")
+            self.item = SmoothedRate.fit(items, labels, num_items, self.strength)
+        return self
+
+    def predict(self, positive: np.ndarray, lengths: np.ndarray, items: np.ndarray | None = None) -> np.ndarray:
+        if self.base_rate is None:
+            raise RuntimeError("RecentPositiveRateBaseline.predict before fit.")
+        positive, lengths = np.asarray(positive, dtype=np.float64), np.asarray(lengths, dtype=np.int64)
+        if lengths.ndim != 1 or lengths.min(initial=0) < 0 or lengths.sum() != positive.size:
+            raise ValueError(f"lengths (sum {lengths.sum()}) must be >= 0 and add up to the {positive.size} history flags.")
+        ends = np.cumsum(lengths)
+        starts = ends - lengths if self.window is None else np.maximum(ends - lengths, ends - self.window)
+        totals = np.concatenate([[0.0], np.cumsum(positive)])
+        counts = (ends - starts).astype(np.float64)
+        p = self.base_rate
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rates = (totals[ends] - totals[starts] + self.strength * p) / (counts + self.strength)
+        rates[counts + self.strength == 0] = p  # an empty history with no smoothing
+        if not self.with_item:
+            return rates
+        if self.item is None or items is None:
+            raise ValueError("with_item=True: pass the items being scored (and fit with the training items).")
+        logits = _logit(rates) + _logit(self.item(items)) - _logit(p)
+        return 1.0 / (1.0 + np.exp(-logits))
+
+
+def log_loss(probabilities: np.ndarray, labels: np.ndarray) -> float:
+    """Mean binary log loss of probabilities (clipped to ``[eps, 1 - eps]``), as the rankers' ``logloss``."""
+    p = np.clip(np.asarray(probabilities, dtype=np.float64), _EPS, 1 - _EPS)
+    y = np.asarray(labels, dtype=np.float64)
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log1p(-p)))
+
+
 def auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
     """ROC AUC, computed by the rankers' ``val/auc`` metric (``lightning_recsys.models.AUC``; it depends
     only on the order, so probabilities give what their logits would). NaN with a warning where AUC
@@ -118,10 +180,8 @@ def auc(probabilities: np.ndarray, labels: np.ndarray) -> float:
 
 def normalized_entropy(probabilities: np.ndarray, labels: np.ndarray) -> float:
     """Mean log loss over the entropy of the labels' own positive rate; 1.0 is the constant base-rate guess."""
-    p = np.clip(np.asarray(probabilities, dtype=np.float64), _EPS, 1 - _EPS)
-    y = np.asarray(labels, dtype=np.float64)
-    logloss = -np.mean(y * np.log(p) + (1 - y) * np.log1p(-p))
-    ctr = y.mean()
+    logloss = log_loss(probabilities, labels)
+    ctr = float(np.mean(labels))
     if not 0 < ctr < 1:
         return math.nan
     return float(logloss / -(ctr * math.log(ctr) + (1 - ctr) * math.log1p(-ctr)))

@@ -1,0 +1,299 @@
+"""SequenceRanker: a TransAct-style transformer over the user's recent actions, beside pooled context features."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.models.base import DenseOptimizerName, RankerModule
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
+
+ITEM_TABLE = "item"
+ACTION_TABLE = "action"
+
+
+def context_table_name(feature: str) -> str:
+    """The pooled context table of ``feature`` (prefixed, so it never collides with the item and action tables)."""
+    return f"t_{feature}"
+
+
+@torch.fx.wrap  # data-dependent shapes: TorchRec's pipeline fx-traces forward, and keeps this call whole
+def newest_padded(lengths: torch.Tensor, values: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The newest ``max_length`` rows of each example of a jagged ``values [sum(lengths), W]``, right-aligned.
+
+    TorchRec's ``JaggedTensor.to_padded_dense(desired_length)`` keeps the first values of each example;
+    a history is stored oldest first, so that would drop the newest actions. Here slot ``j`` of example
+    ``i`` holds value ``end_i - max_length + j`` (``end_i`` its offset end): the newest value is always in
+    the last slot, the oldest kept one ``min(length, max_length)`` slots earlier, and the slots before it
+    are zeros. One gather, no loop over examples.
+
+    Returns ``(padded [B, max_length, W], padding_mask [B, max_length])``; the mask is True on padding
+    (``nn.TransformerEncoder``'s ``src_key_padding_mask`` convention).
+    """
+    lengths = lengths.long()
+    ends = torch.cumsum(lengths, 0)
+    slots = torch.arange(max_length, device=lengths.device)
+    kept = lengths.clamp(max=max_length)
+    valid = slots[None, :] >= (max_length - kept)[:, None]
+    # Row 0 of the gathered tensor is a zero row: every padding slot reads it (also when values is empty).
+    index = torch.where(valid, ends[:, None] - max_length + slots[None, :] + 1, 0)
+    with_zero_row = torch.cat([values.new_zeros(1, values.shape[1]), values])
+    return with_zero_row[index], ~valid
+
+
+@torch.fx.wrap
+def _check_lengths(sparse: KeyedJaggedTensor, rules: FeatureLengthRules) -> None:
+    """Raise ``ValueError`` where the batch breaks the model's length rules. Under TwoDRecStrategy its
+    input guard checks the same rules on every rank before the step (unless ``validate_inputs="off"``),
+    so every rank raises together and this never fires."""
+    problems = length_rule_problems([rules], sparse.keys(), sparse.lengths(), sparse.stride())
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+@torch.fx.wrap
+def _pool_tokens(encoded: torch.Tensor, padding: torch.Tensor, newest_tokens: int) -> torch.Tensor:
+    """Max over each example's valid tokens (zeros for an empty history), then its newest tokens flattened.
+
+    Padding slots of the newest tokens are zeros, so a short history reads the same whatever the
+    encoder made of its padding.
+    """
+    valid = ~padding[..., None]
+    pooled = encoded.masked_fill(~valid, float("-inf")).amax(dim=1)
+    pooled = torch.where(valid.any(dim=1), pooled, torch.zeros_like(pooled))
+    newest = (encoded * valid)[:, encoded.shape[1] - newest_tokens :].flatten(1)
+    return torch.cat([pooled, newest], dim=1)
+
+
+@torch.fx.wrap
+def _attendable(padding: torch.Tensor) -> torch.Tensor:
+    """The padding mask with the newest slot of an empty history unmasked.
+
+    Attention over a row with every key masked is a softmax over only ``-inf``: NaN, which would
+    also reach the gradients. The unmasked slot holds a zero token (plus its position embedding);
+    ``_pool_tokens`` still treats it as padding.
+    """
+    empty = padding.all(dim=1)
+    newest_is_key = torch.zeros_like(padding)
+    newest_is_key[:, -1] = empty
+    return padding & ~newest_is_key
+
+
+def _mlp(in_features: int, layer_sizes: list[int]) -> nn.Sequential:
+    """Linear layers of ``layer_sizes`` with ReLU between them (none after the last, the logit)."""
+    layers: list[nn.Module] = []
+    for i, size in enumerate(layer_sizes):
+        layers.append(nn.Linear(in_features, size))
+        if i < len(layer_sizes) - 1:
+            layers.append(nn.ReLU())
+        in_features = size
+    return nn.Sequential(*layers)
+
+
+def _positive_int(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")
+
+
+class SequenceRanker(RankerModule):
+    """A TransAct-style ranker: a transformer over the user's newest actions, fused early with the candidate.
+
+    Inputs (one ``KeyedJaggedTensor`` holds every sparse feature):
+
+    - ``history_item_feature``: the user's earlier items, oldest first and newest last, any length
+      (also 0); ``history_action_feature``: one action type per history item (the same lengths);
+    - ``candidate_item_feature``: exactly one item id per example, looked up in the same item table
+      as the history (one ``EmbeddingConfig`` with both feature names);
+    - ``context_feature_names``: pooled features (any lengths), one ``EmbeddingBagCollection`` table each;
+    - ``batch.dense``: ``num_dense_features`` floats per example.
+
+    The item and action tables form one ``EmbeddingCollection`` (tables ``item`` and ``action``), the
+    context tables one ``EmbeddingBagCollection`` (tables ``t_<feature>``). Of each history the
+    newest ``max_history`` actions are kept (newest in the last slot, padding before the oldest).
+    Each token is ``[item embedding, action embedding, candidate embedding]`` (early fusion, as in
+    Pinterest's TransAct), projected to ``model_dim`` if that is set, plus a learned position
+    embedding if ``position_embedding``, and goes through ``num_layers`` ``nn.TransformerEncoder``
+    layers with the padding masked. The encoder output is max-pooled over the valid tokens and the
+    newest ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
+    the pooled context embeddings and the dense features feed an MLP that gives one logit.
+    An empty history gives a zero max-pool and zero tokens, never NaN.
+
+    Every history id goes through the embedding lookup (and, sharded, the sequence all-to-all) before
+    the newest ``max_history`` are cut: the lookup reads the batch's own features, which keeps the
+    sparse-distribution pipeline on. Histories no longer than ``max_history`` send nothing extra.
+
+    Args:
+        item_table_size: rows of the item table (ids ``0 .. item_table_size - 1``), shared by the
+            history and the candidate.
+        num_action_types: rows of the action-type table (ids ``0 .. num_action_types - 1``).
+        context_feature_names: the pooled context features, one table each; default none.
+        context_table_sizes: rows of each context table, in the order of ``context_feature_names``.
+        num_dense_features: width of ``batch.dense`` (0: no dense features).
+        embedding_dim: the dimension of the item and action tables (one ``EmbeddingCollection``
+            has one dimension); a multiple of 4 to be sharded (FBGEMM's kernels).
+        context_embedding_dim: the dimension of the context tables; default ``embedding_dim``.
+        max_history: how many of each history's newest actions the encoder reads.
+        num_layers: transformer encoder layers.
+        num_heads: attention heads; must divide the token width (``model_dim``, or
+            ``3 * embedding_dim`` without it).
+        feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token width.
+        dropout: the encoder's dropout probability, in ``[0, 1)``.
+        newest_tokens: how many of the newest encoded tokens are kept beside the max-pool
+            (``0 .. max_history``; 0: the max-pool only).
+        model_dim: project the fused tokens to this width before the encoder; default no projection.
+        position_embedding: add a learned embedding of each slot (its recency) to the tokens.
+        over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
+        history_item_feature, history_action_feature, candidate_item_feature: the names of the
+            three sequence features in the batch; all distinct, and distinct from the context features.
+        embedding_device: where the tables are built. ``"meta"`` allocates nothing: the sharding
+            strategy materializes only this rank's shards (randomly initialized by TorchRec).
+        dense_optimizer, dense_lr: see ``RankerModule``.
+    """
+
+    def __init__(
+        self,
+        item_table_size: int,
+        num_action_types: int,
+        context_feature_names: list[str] | None = None,
+        context_table_sizes: list[int] | None = None,
+        num_dense_features: int = 0,
+        embedding_dim: int = 32,
+        context_embedding_dim: int | None = None,
+        max_history: int = 100,
+        num_layers: int = 2,
+        num_heads: int = 2,
+        feedforward_dim: int | None = None,
+        dropout: float = 0.1,
+        newest_tokens: int = 10,
+        model_dim: int | None = None,
+        position_embedding: bool = True,
+        over_arch_layer_sizes: list[int] | None = None,
+        history_item_feature: str = "history_item_id",
+        history_action_feature: str = "history_action",
+        candidate_item_feature: str = "candidate_item_id",
+        embedding_device: str | None = None,
+        dense_optimizer: DenseOptimizerName = "adagrad",
+        dense_lr: float = 0.05,
+    ) -> None:
+        super().__init__(dense_optimizer=dense_optimizer, dense_lr=dense_lr)
+        self.save_hyperparameters()
+        context_names = [] if context_feature_names is None else list(context_feature_names)
+        context_sizes = [] if context_table_sizes is None else list(context_table_sizes)
+        context_dim = embedding_dim if context_embedding_dim is None else context_embedding_dim
+        over_sizes = [128, 32, 1] if over_arch_layer_sizes is None else list(over_arch_layer_sizes)
+        _positive_int("item_table_size", item_table_size)
+        _positive_int("num_action_types", num_action_types)
+        _positive_int("num_dense_features", num_dense_features, minimum=0)
+        _positive_int("embedding_dim", embedding_dim)
+        _positive_int("context_embedding_dim", context_dim)
+        _positive_int("max_history", max_history)
+        _positive_int("num_layers", num_layers)
+        _positive_int("num_heads", num_heads)
+        if model_dim is not None:
+            _positive_int("model_dim", model_dim)
+        token_width = 3 * embedding_dim if model_dim is None else model_dim
+        if feedforward_dim is not None:
+            _positive_int("feedforward_dim", feedforward_dim)
+        if isinstance(newest_tokens, bool) or not isinstance(newest_tokens, int) or not 0 <= newest_tokens <= max_history:
+            raise ValueError(f"newest_tokens={newest_tokens!r} must be an integer in [0, max_history={max_history}].")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+            raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
+        if token_width % num_heads:
+            source = f"model_dim={model_dim}" if model_dim is not None else f"3 * embedding_dim={token_width}"
+            raise ValueError(
+                f"num_heads={num_heads} must divide the token width ({source}): each head attends over an equal "
+                "slice. Change num_heads, embedding_dim or model_dim."
+            )
+        if len(context_names) != len(context_sizes):
+            raise ValueError(
+                f"context_feature_names has {len(context_names)} entries but context_table_sizes has "
+                f"{len(context_sizes)}; pass one table size per context feature."
+            )
+        if any(isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 for rows in context_sizes):
+            raise ValueError(f"context_table_sizes={context_sizes} must all be integers >= 1 (rows per table).")
+        sequence_names = [history_item_feature, history_action_feature, candidate_item_feature]
+        names = sequence_names + context_names
+        if any(not isinstance(name, str) or not name for name in names):
+            raise ValueError(f"feature names must be non-empty strings; got {names}.")
+        if len(set(names)) != len(names):
+            duplicates = sorted({name for name in names if names.count(name) > 1})
+            raise ValueError(
+                f"feature name(s) {duplicates} are used twice among history_item_feature, history_action_feature, "
+                f"candidate_item_feature and context_feature_names={context_names}; every feature needs its own name."
+            )
+        if not over_sizes or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in over_sizes):
+            raise ValueError(f"over_arch_layer_sizes={over_sizes} must be a non-empty list of integers >= 1 (or None for the default).")
+        if over_sizes[-1] != 1:
+            raise ValueError(f"over_arch_layer_sizes={over_sizes} must end in 1 (one logit per example).")
+        try:
+            device = torch.device(embedding_device) if embedding_device else None
+        except RuntimeError as err:  # torch's own message does not name our argument
+            raise ValueError(f"embedding_device={embedding_device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'meta'.") from err
+
+        self._sequence_names = (history_item_feature, history_action_feature, candidate_item_feature)
+        # One action per history item, one candidate per example: checked here and, sharded, by the input guard.
+        self.sparse_length_rules = FeatureLengthRules(
+            aligned=((history_item_feature, history_action_feature),), one_per_example=(candidate_item_feature,), owner="SequenceRanker"
+        )
+        self.max_history = max_history
+        self.newest_tokens = newest_tokens
+        self.sequence_embeddings = EmbeddingCollection(
+            tables=[
+                EmbeddingConfig(
+                    name=ITEM_TABLE, embedding_dim=embedding_dim, num_embeddings=item_table_size,
+                    feature_names=[history_item_feature, candidate_item_feature],
+                ),
+                EmbeddingConfig(
+                    name=ACTION_TABLE, embedding_dim=embedding_dim, num_embeddings=num_action_types,
+                    feature_names=[history_action_feature],
+                ),
+            ],
+            device=device,
+        )
+        self.context_embeddings = (
+            EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(name=context_table_name(name), embedding_dim=context_dim, num_embeddings=rows, feature_names=[name])
+                    for name, rows in zip(context_names, context_sizes)
+                ],
+                device=device,
+            )
+            if context_names
+            else None
+        )
+        self.token_projection = nn.Linear(3 * embedding_dim, token_width) if model_dim is not None else nn.Identity()
+        self.positions = nn.Parameter(torch.zeros(max_history, token_width)) if position_embedding else None
+        if self.positions is not None:
+            nn.init.normal_(self.positions, std=0.02)
+        layer = nn.TransformerEncoderLayer(
+            d_model=token_width,
+            nhead=num_heads,
+            dim_feedforward=4 * token_width if feedforward_dim is None else feedforward_dim,
+            dropout=float(dropout),
+            batch_first=True,
+        )
+        # No nested tensors: the fast path would turn padding into a nested tensor in evaluation only.
+        self.encoder = nn.TransformerEncoder(layer, num_layers=num_layers, enable_nested_tensor=False)
+        over_in = (1 + newest_tokens) * token_width + embedding_dim + len(context_names) * context_dim + num_dense_features
+        self.over_arch = _mlp(over_in, over_sizes)
+
+    def forward(self, batch: RecBatch) -> torch.Tensor:
+        history_name, action_name, candidate_name = self._sequence_names
+        _check_lengths(batch.sparse, self.sparse_length_rules)
+        sequences = self.sequence_embeddings(batch.sparse)
+        history, actions, candidate = sequences[history_name], sequences[action_name], sequences[candidate_name]
+        candidate_embedding = candidate.values()
+        tokens, padding = newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
+        fused = torch.cat([tokens, candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)], dim=2)
+        fused = self.token_projection(fused)
+        if self.positions is not None:
+            fused = fused + self.positions
+        encoded = self.encoder(fused, src_key_padding_mask=_attendable(padding))
+        features = [_pool_tokens(encoded, padding, self.newest_tokens), candidate_embedding]
+        if self.context_embeddings is not None:
+            features.append(self.context_embeddings(batch.sparse).values())
+        features.append(batch.dense)
+        return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
