@@ -93,6 +93,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--phase-times", action="store_true", help="also time each step's phases on rank 0 (_bench_job.py --phase-times), printed per run"
     )
+    parser.add_argument(
+        "--trace", default=None, metavar="CONFIG",
+        help="save a torch.profiler trace of every rank of this configuration's shaped-cluster runs (steps 3-5) under --trace-dir",
+    )
+    parser.add_argument("--trace-dir", type=Path, default=RESULTS / "emulated_cluster_traces", help="where --trace writes (default %(default)s)")
     parser.add_argument("--json", type=Path, default=RESULTS / "emulated_cluster.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "emulated_cluster.png")
     parser.add_argument("--no-png", action="store_true")
@@ -102,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not names:
         parser.error(f"--configs={args.configs!r}: unknown {unknown}; choose from {[c.name for c in CONFIGS]}")
     args.selected = [c for c in CONFIGS if c.name in names]
+    if args.trace is not None and args.trace not in names:
+        parser.error(f"--trace={args.trace!r} must be one of the configurations run (--configs): {names}")
     args.skipped = []
     refused = [(c, why) for c in args.selected if (why := unavailable_reason(c)) is not None]
     if refused and not args.skip_unavailable:
@@ -193,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
         if not args.no_png:
             problem = write_png(rows, shaping, args.png)
             print(problem or f"wrote {args.png}")
+    if args.trace is not None:
+        traces = sorted((args.trace_dir / args.trace).glob("node*/*.json"))
+        print(f"{len(traces)} profiler trace(s) of {args.trace} (steps 3-5 of each run, one per rank) under {args.trace_dir / args.trace}; "
+              "open one in https://ui.perfetto.dev or chrome://tracing")  # fmt: skip
     if errors:
         print(f"{len(errors)} run(s) failed; see {log_dir}", file=sys.stderr)
         return 1

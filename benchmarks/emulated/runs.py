@@ -78,9 +78,17 @@ class _CpuSampler:
         return at(end, 0) - at(start, 0), at(end, 1) - at(start, 1)
 
 
-def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, port: int, out_json: Path, log_dir: Path) -> dict[str, Any]:
-    """Two torchrun launches (node ranks 0 and 1) of _bench_job.py in ``env``; rank 0's JSON result."""
-    job_args = [
+def trace_dir(env: Environment, cfg: BenchConfig, args: argparse.Namespace) -> Path | None:
+    """Where ``cfg``'s run in ``env`` writes its profiler traces: the ``--trace`` configuration on the shaped cluster only."""
+    if getattr(args, "trace", None) != cfg.name or not env.shaped_links:
+        return None
+    return Path(args.trace_dir) / cfg.name
+
+
+def job_arguments(env: Environment, cfg: BenchConfig, args: argparse.Namespace, out_json: Path) -> list[str]:
+    """_bench_job.py's arguments for ``cfg`` in ``env``."""
+    traces = trace_dir(env, cfg, args)
+    return [
         "--out", str(out_json), "--devices", str(RANKS_PER_NODE), "--num-nodes", str(NODES),
         *WORKLOADS[args.workload].job_argv(args),
         "--sharding-group-size", str(cfg.sharding_group_size), "--layout", cfg.layout,
@@ -88,7 +96,13 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
         "--sync-rows", cfg.sync_rows, "--sync-overlap" if cfg.sync_overlap else "--no-sync-overlap",
         "--sync-precision", cfg.sync_precision, "--sync-exchange", cfg.sync_exchange,
         *(["--phase-times"] if args.phase_times else []),
+        *(["--trace-dir", str(traces)] if traces is not None else []),
     ]  # fmt: skip
+
+
+def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, port: int, out_json: Path, log_dir: Path) -> dict[str, Any]:
+    """Two torchrun launches (node ranks 0 and 1) of _bench_job.py in ``env``; rank 0's JSON result."""
+    job_args = job_arguments(env, cfg, args, out_json)
     out_json.unlink(missing_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
