@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 KILL_RANK_ENV = "RESTART_SOAK_KILL_RANK"
-KILL_STEP_ENV = "RESTART_SOAK_KILL_AT_STEP"
-KILLS_ENV = "RESTART_SOAK_KILLS"
+PLAN_ENV = "RESTART_SOAK_PLAN"  # "point:step,point:step,...": where attempt a's victim dies
+KILL_POINTS = ("after_step", "in_step", "overlapped_sync", "sync_save", "async_save", "validation")
 KILL_FILE = "killed_at.txt"
 RESULT_FILE = "result.json"
 TABLE_SIZES = [40, 64, 24]
@@ -44,7 +44,9 @@ def _job(args: argparse.Namespace) -> None:
     import torch
     from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
-    from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
     from lightning_recsys.checkpoint import load_unsharded
     from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
     from lightning_recsys.models import DLRMRanker
@@ -52,6 +54,26 @@ def _job(args: argparse.Namespace) -> None:
     work = Path(args.work_dir)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
+    plan = parse_plan(os.environ[PLAN_ENV])
+    points = {point for point, _ in plan}
+    now = {"step": 0, "faulted_fit": True}  # what the writer patch below needs to know
+
+    def kill_here(point: str, step: int) -> None:
+        """SIGKILL this rank if it is this attempt's victim at ``point`` of ``step``: a lost process, no cleanup."""
+        victim = (int(os.environ[KILL_RANK_ENV]) + attempt) % int(os.environ["WORLD_SIZE"])
+        if now["faulted_fit"] and attempt < len(plan) and plan[attempt] == (point, step) and rank == victim:
+            with open(work / KILL_FILE, "a") as f:
+                f.write(f"{time.time()}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    if points & {"sync_save", "async_save"}:
+        write_data = FileSystemWriter.write_data
+
+        def write_data_then_die(self: Any, *a: Any, **k: Any) -> Any:
+            kill_here("async_save" if "async_save" in points else "sync_save", now["step"])  # inside DCP's write of the checkpoint of this step (in the background for async)
+            return write_data(self, *a, **k)
+
+        FileSystemWriter.write_data = write_data_then_die  # type: ignore[method-assign]
 
     class TrainedExamples(Callback):
         """The global batches (epoch, index) and examples trained into the model; saved with each checkpoint."""
@@ -74,18 +96,25 @@ def _job(args: argparse.Namespace) -> None:
             self.batches, self.examples = list(state_dict["batches"]), int(state_dict["examples"])
 
     class KillInEarlyAttempts(Callback):
-        """SIGKILL one rank in each of the first ``kills`` attempts (a lost process, no cleanup).
+        """SIGKILL rank (kill_rank + a) % world_size in attempt a, at the plan's a-th point and step.
 
-        Attempt a kills rank (kill_rank + a) % world_size after step kill_at_step + 3a: one step past
-        the checkpoint of that attempt's resume, so each restart resumes from a newer one."""
+        Points: after the step (``after_step``; ``overlapped_sync``: with the overlapped replica sync
+        in flight), inside it after backward (``in_step``), inside DCP's write of that step's
+        checkpoint (``sync_save``, ``async_save``), or in the validation that follows it (``validation``)."""
+
+        def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            now["step"] = trainer.global_step + 1  # the step this batch makes
+
+        def on_before_optimizer_step(self, trainer: pl.Trainer, pl_module: Any, optimizer: Any) -> None:
+            kill_here("in_step", trainer.global_step + 1)
 
         def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            victim = (int(os.environ[KILL_RANK_ENV]) + attempt) % trainer.world_size
-            step = int(os.environ[KILL_STEP_ENV]) + 3 * attempt
-            if attempt < int(os.environ.get(KILLS_ENV, "1")) and rank == victim and trainer.global_step == step:
-                with open(work / KILL_FILE, "a") as f:
-                    f.write(f"{time.time()}\n")
-                os.kill(os.getpid(), signal.SIGKILL)
+            kill_here("after_step", trainer.global_step)
+            kill_here("overlapped_sync", trainer.global_step)
+
+        def on_validation_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+            if trainer.state.fn == "fit":
+                kill_here("validation", trainer.global_step)
 
     def model(embedding_device: str) -> DLRMRanker:
         torch.manual_seed(1234)
@@ -96,14 +125,18 @@ def _job(args: argparse.Namespace) -> None:
 
     def fit(name: str, callbacks: list[Callback]) -> TrainedExamples:
         trained = TrainedExamples()
+        now["faulted_fit"] = name == "faulted"
+        validation = {"limit_val_batches": 1, "val_check_interval": 4} if "validation" in points else {"limit_val_batches": 0}
         trainer = pl.Trainer(
             accelerator="cpu", devices=args.nproc_per_node, num_nodes=args.nodes, max_epochs=args.epochs,
             strategy=TwoDRecStrategy(
                 sharding_group_size=args.sharding_group_size, process_group_timeout=args.timeout,
                 embedding_optimizer=EmbeddingOptimizerConfig(name="rowwise_adagrad", lr=0.1),
+                replica_sync=ReplicaSyncConfig(overlap=True) if "overlapped_sync" in points else None,
+                checkpoint_io=DCPCheckpointIO(async_save="async_save" in points),
             ),
             callbacks=[ModelCheckpoint(dirpath=work / name, every_n_train_steps=3, save_last=True, save_top_k=-1), trained, *callbacks],
-            limit_val_batches=0, num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False, **validation,
         )
         data = SyntheticClickLogDataModule(
             SyntheticClickLogConfig(
@@ -142,12 +175,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def parse_plan(text: str) -> list[tuple[str, int]]:
+    """``"in_step:7,sync_save:9"`` -> ``[("in_step", 7), ("sync_save", 9)]``; refuses unknown points."""
+    plan = []
+    for item in filter(None, text.split(",")):
+        point, _, step = item.partition(":")
+        if point not in KILL_POINTS or not step.isdigit():
+            raise ValueError(f"kill plan item {item!r} must be <point>:<step> with point one of {list(KILL_POINTS)}")
+        plan.append((point, int(step)))
+    return plan
+
+
 def run_once(
     work_dir: Path, *, nodes: int = 1, nproc_per_node: int = 2, sharding_group_size: int | None = None, kill_rank: int = 1,
-    kill_at_step: int = 7, kills: int = 1, epochs: int = 2, batches_per_epoch: int = 6, timeout: float = 60.0,
+    kill_at_step: int = 7, kills: int = 1, kill_point: str = "after_step", plan: str | None = None, epochs: int = 2, batches_per_epoch: int = 6, timeout: float = 60.0,
     launch_timeout: float = 300.0,
 ) -> dict[str, Any]:
-    """One job with ``kills`` kill-and-restarts (``--max-restarts kills``); returns its record (``came_back``,
+    """One job with ``kills`` kill-and-restarts at ``kill_point`` (attempt a: step kill_at_step + 3a), or the kills of
+    ``plan`` (``"point:step,..."``), under ``--max-restarts`` that many; returns its record (``came_back``,
     ``recovery_s`` from the last kill, the comparison with the uninterrupted fit) and each launch's ``outputs``."""
     work_dir.mkdir(parents=True, exist_ok=True)
     port = _free_port()
@@ -155,9 +200,11 @@ def run_once(
         __file__, "--job", "--work-dir", str(work_dir), "--nodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
         "--epochs", str(epochs), "--batches-per-epoch", str(batches_per_epoch), "--timeout", str(timeout),
     ]
+    plan = plan or ",".join(f"{kill_point}:{kill_at_step + 3 * a}" for a in range(kills))
+    kills = len(parse_plan(plan))
     if sharding_group_size is not None:
         job += ["--sharding-group-size", str(sharding_group_size)]
-    env = {**os.environ, KILL_RANK_ENV: str(kill_rank), KILL_STEP_ENV: str(kill_at_step), KILLS_ENV: str(kills)}
+    env = {**os.environ, KILL_RANK_ENV: str(kill_rank), PLAN_ENV: plan}
     launches = [
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc_per_node),
          "--node-rank", str(node), "--master-addr", "127.0.0.1", "--master-port", str(port), "--max-restarts", str(kills),
@@ -206,7 +253,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: one group per node (2D with --nodes 2)")
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--kill-at-step", type=int, default=7)
-    parser.add_argument("--kills", type=int, default=1, help="kill-and-restarts per job (attempt a kills rank kill_rank+a after step kill_at_step+3a)")
+    parser.add_argument("--kill-point", default="after_step", choices=KILL_POINTS, help="where in the step the rank dies")
+    parser.add_argument("--kills", type=int, default=1, help="kill-and-restarts per job (attempt a kills rank kill_rank+a at step kill_at_step+3a)")
+    parser.add_argument("--plan", default=None, help='instead of the three above: "point:step,..." per attempt, e.g. "in_step:7,sync_save:9"')
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--batches-per-epoch", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=60.0, help="process_group_timeout of the job, seconds")
@@ -222,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     for run in range(args.runs):
         record = run_once(
             root / f"run{run:02d}", nodes=args.nodes, nproc_per_node=args.nproc_per_node, sharding_group_size=args.sharding_group_size,
-            kill_rank=args.kill_rank, kill_at_step=args.kill_at_step, kills=args.kills, epochs=args.epochs, batches_per_epoch=args.batches_per_epoch,
+            kill_rank=args.kill_rank, kill_at_step=args.kill_at_step, kills=args.kills, kill_point=args.kill_point, plan=args.plan, epochs=args.epochs, batches_per_epoch=args.batches_per_epoch,
             timeout=args.timeout,
         )
         records.append(record)

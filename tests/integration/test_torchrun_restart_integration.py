@@ -19,7 +19,7 @@ restart_soak = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(restart_soak)
 
 
-def _assert_resumed_exactly(record: dict, kills: int) -> None:
+def _assert_resumed_exactly(record: dict, resumed_steps: set[int]) -> None:
     output = "\n".join(record["outputs"])
     assert record["came_back"] and record["killed"], f"exit codes {record['exit_codes']}:\n{output[-6000:]}"
     assert "connectFullMesh" not in output, output[-6000:]
@@ -29,21 +29,29 @@ def _assert_resumed_exactly(record: dict, kills: int) -> None:
     # ckpt_path="last": one INFO line at the first start, then each resume names the committed checkpoint and step.
     assert output.count("fit starts fresh at step 0") >= 1
     assert "there is no last checkpoint available" not in output
-    steps = [int(s) for s in re.findall(r"loaded the committed checkpoint \S*last\.ckpt.* at step (\d+)", output)]
-    assert sorted(set(steps)) == [6 + 3 * a for a in range(kills)], steps
+    steps = [int(s) for s in re.findall(r"loaded the committed checkpoint \S*faulted/last\.ckpt.* at step (\d+)", output)]
+    assert set(steps) == resumed_steps, steps
 
 
 @pytest.mark.slow
-def test_three_consecutive_kills_on_one_node_each_come_back(tmp_path):
-    """One job, --max-restarts 3: attempts 0, 1, 2 each lose a rank (1, 0, 1) after steps 7, 10, 13 of 18."""
-    record = restart_soak.run_once(tmp_path, nodes=1, nproc_per_node=2, kills=3, kill_at_step=7, epochs=3, batches_per_epoch=6)
-    _assert_resumed_exactly(record, kills=3)
+def test_four_consecutive_kills_at_different_points_each_come_back(tmp_path):
+    """One job, 1 node x 2 ranks in 2D (two replicas, overlapped replica sync), --max-restarts 4. Attempt a loses rank
+    (1 + a) % 2: inside step 7 (after backward), inside the sync save of step 9 (so the resume is from step 6 again),
+    in the validation after step 10, and after step 13 with its overlapped replica sync in flight."""
+    record = restart_soak.run_once(
+        tmp_path, nodes=1, nproc_per_node=2, sharding_group_size=1, epochs=3, batches_per_epoch=6,
+        plan="in_step:7,sync_save:9,validation:10,overlapped_sync:13",
+    )
+    _assert_resumed_exactly(record, resumed_steps={6, 9, 12})
     assert record["examples"][0] == 18 * 16
+    assert "2 replicas x sharding groups of 1 ranks" in record["outputs"][0]
 
 
 @pytest.mark.slow
-def test_a_kill_on_two_nodes_2d_comes_back(tmp_path):
-    """Two torchrun launches (2 nodes x 2 ranks, one sharding group per node); rank 3 (node 1) is killed after step 7."""
-    record = restart_soak.run_once(tmp_path, nodes=2, nproc_per_node=2, kills=1, kill_rank=3, kill_at_step=7)
-    _assert_resumed_exactly(record, kills=1)
+def test_a_kill_during_an_async_save_on_two_nodes_2d_comes_back(tmp_path):
+    """Two torchrun launches (2 nodes x 2 ranks, one sharding group per node); rank 1 (node 0's group writes the
+    shards) dies inside the background write of step 9's async save: the resume is from step 6, committed when that
+    save began; node 1's ranks fail on the lost peer and restart too."""
+    record = restart_soak.run_once(tmp_path, nodes=2, nproc_per_node=2, kill_rank=1, plan="async_save:9")
+    _assert_resumed_exactly(record, resumed_steps={6})
     assert "2 replicas x sharding groups of 2 ranks" in record["outputs"][0]

@@ -18,7 +18,14 @@ from lightning_recsys import (
     TwoDRecStrategy,
 )
 from lightning_recsys.callbacks import RunSummary
-from lightning_recsys.data import CriteoBinaryDataModule, CriteoDataModule, MovieLens100KDataModule, SyntheticClickLogConfig
+from lightning_recsys.data import (
+    CriteoBinaryDataModule,
+    CriteoDataModule,
+    MovieLens100KDataModule,
+    MovieLens100KSequenceDataModule,
+    SyntheticClickLogConfig,
+    SyntheticSequenceConfig,
+)
 from lightning_recsys.models import DCNRanker, DLRMRanker, SequenceRanker
 
 REFERENCE_PAGE = "docs/configuration.md"
@@ -37,6 +44,8 @@ SECTIONS = {
     "`SequenceRanker`": [SequenceRanker],
     "`SyntheticClickLogConfig`": [SyntheticClickLogConfig],
     "`MovieLens100KDataModule`": [MovieLens100KDataModule],
+    "`SyntheticSequenceConfig`": [SyntheticSequenceConfig],
+    "`MovieLens100KSequenceDataModule`": [MovieLens100KSequenceDataModule],
     "`CriteoDataModule`": [CriteoDataModule],
     "`CriteoBinaryDataModule`": [CriteoBinaryDataModule],
     "Callbacks": [CommunicationMonitor, RunSummary],

@@ -59,6 +59,15 @@ def test_datamodule_describes_its_batches_and_slices_by_rank():
     assert len(list(dm.val_dataloader())) == 1 and len(list(dm.test_dataloader())) == 10
 
 
+def test_without_history_the_examples_and_labels_are_the_same():
+    full = SyntheticSequenceLog(SyntheticSequenceConfig(**SMALL, global_batch_size=32)).global_batch("train", 1)
+    pooled = SyntheticSequenceLog(SyntheticSequenceConfig(**SMALL, global_batch_size=32, emit_history=False)).global_batch("train", 1)
+    assert pooled.sparse.keys() == ["candidate_item_id", "context_0", "context_1"]
+    assert torch.equal(pooled.labels, full.labels) and torch.equal(pooled.dense, full.dense)
+    for key in pooled.sparse.keys():
+        assert torch.equal(pooled.sparse[key].values(), full.sparse[key].values())
+
+
 def test_ids_lengths_and_actions_are_in_range():
     config = SyntheticSequenceConfig(**{**SMALL, "max_history_length": 9}, min_history_length=2, num_action_types=4, global_batch_size=2048)
     batch = SyntheticSequenceLog(config).global_batch("train", 0)

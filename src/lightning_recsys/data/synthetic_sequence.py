@@ -88,6 +88,8 @@ class SyntheticSequenceConfig:
         global_batch_size: examples per step across all ranks; each rank gets an equal slice.
         train_batches, val_batches, test_batches: global batches per epoch of each split.
         seed: everything, including the clusters and the planted effects, is a function of the seed.
+        emit_history: ``False`` leaves ``history_item_id`` and ``history_action`` out of the batches
+            (the same examples and labels otherwise): the input of a pooled model without the history.
     """
 
     num_items: int = 2000
@@ -110,8 +112,11 @@ class SyntheticSequenceConfig:
     val_batches: int = 10
     test_batches: int = 10
     seed: int = 0
+    emit_history: bool = True
 
     def __post_init__(self) -> None:
+        if not isinstance(self.emit_history, bool):
+            raise ValueError(f"emit_history={self.emit_history!r} must be true or false.")
         _check_int("num_clusters", self.num_clusters, 1)
         _check_int("num_items", self.num_items, self.num_clusters)
         if self.num_items % self.num_clusters:
@@ -144,7 +149,8 @@ class SyntheticSequenceConfig:
     @property
     def feature_names(self) -> list[str]:
         """Every KJT key, in batch order."""
-        return [HISTORY_ITEM_FEATURE, HISTORY_ACTION_FEATURE, CANDIDATE_ITEM_FEATURE, *self.context_feature_names]
+        history = [HISTORY_ITEM_FEATURE, HISTORY_ACTION_FEATURE] if self.emit_history else []
+        return [*history, CANDIDATE_ITEM_FEATURE, *self.context_feature_names]
 
 
 def _zipf_cdf(size: int, exponent: float) -> torch.Tensor:
@@ -210,11 +216,10 @@ class SyntheticSequenceLog:
         logit = logit + cfg.context_signal * self.context_logit(context, dense)
         labels = torch.bernoulli(torch.sigmoid(logit), generator=gen)
         ones = torch.ones(batch, dtype=torch.long)
-        sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=cfg.feature_names,
-            values=torch.cat([history[valid], actions[valid], candidate, *context]),
-            lengths=torch.cat([lengths, lengths, ones, *([ones] * len(context))]),
-        )
+        values, feature_lengths = [candidate, *context], [ones] * (1 + len(context))
+        if cfg.emit_history:
+            values, feature_lengths = [history[valid], actions[valid], *values], [lengths, lengths, *feature_lengths]
+        sparse = KeyedJaggedTensor.from_lengths_sync(keys=cfg.feature_names, values=torch.cat(values), lengths=torch.cat(feature_lengths))
         return RecBatch(dense=dense, sparse=sparse, labels=labels)
 
     def planted_logit(self, batch: RecBatch) -> torch.Tensor:

@@ -14,7 +14,7 @@ from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
 from lightning_recsys.parallel import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.comms import QCommsCodecs, QCommsConfig, resolve_qcomms
-from lightning_recsys.parallel.sharding import make_sharders, supported_sharding_types
+from lightning_recsys.parallel.sharding import check_index_dedup_runs, make_sharders, supported_sharding_types
 from lightning_recsys.parallel.topology import Layout, ParallelTopology
 from lightning_recsys.planner import PlanningConfig
 
@@ -65,4 +65,7 @@ def planning_sharders(
         allowed = supported_sharding_types(compute_device, two_d=True)
     codecs = QCommsCodecs.build(resolve_qcomms(strategy.qcomms_config), plan, device=device)
     fused = strategy.embedding_optimizer_config.fused_params()
-    return make_sharders(fused, allowed, qcomm_codecs_registry=codecs.registry), codecs
+    dedup = strategy.qcomms_config.index_dedup
+    if dedup:
+        check_index_dedup_runs(compute_device)
+    return make_sharders(fused, allowed, qcomm_codecs_registry=codecs.registry, index_dedup=dedup), codecs

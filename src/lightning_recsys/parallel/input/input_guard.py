@@ -31,6 +31,7 @@ from lightning_recsys.parallel.comms import comm_for_batch, comm_purpose, discar
 from lightning_recsys.parallel.input.batch_check import InputProblem, InputValidator, InvalidInputError, ValidateInputs, find_kjts
 from lightning_recsys.parallel.input.input_pipeline import SparseDistPipeline, pipelined
 from lightning_recsys.parallel.input.loader_position import LoaderPosition, Progress, drop_first
+from lightning_recsys.parallel.step_phases import BATCH_HANDSHAKE, step_phase
 from lightning_recsys.parallel.topology import raised_on_every_rank
 
 log = logging.getLogger(__name__)
@@ -207,7 +208,7 @@ class CoordinatedBatches:
         fatal = sum(p.fatal for p in problems)
         mine = torch.tensor([int(batch is not _END), size, len(problems), fatal, int(self._stop_requested())], dtype=torch.int64)
         gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
-        with comm_purpose("batch_handshake"), comm_for_batch(token):
+        with step_phase(BATCH_HANDSHAKE), comm_purpose("batch_handshake"), comm_for_batch(token):
             work = dist.all_gather(gathered, mine, group=self._group, async_op=True)
         return _Handshake(batch, problems, work, gathered, error)
 
@@ -281,7 +282,8 @@ class _Handshake:
     error: Exception | None = None  # this rank's dataloader raised it
 
     def result(self) -> list[RankBatch]:
-        self.work.wait()
+        with step_phase(BATCH_HANDSHAKE):
+            self.work.wait()
         return [
             RankBatch(bool(has), size, problems, fatal, stop) for has, size, problems, fatal, stop in (t.tolist() for t in self.gathered)
         ]

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_recsys.parallel.comms import CommAccountant
 from lightning_recsys.parallel.sharding.embedding_hooks import EmbeddingOutputHooks
+from lightning_recsys.parallel.step_phases import StepPhaseLabels
 from lightning_recsys.parallel.sharding.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.sharding.embedding_optimizer import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.sharding.sharded_model import ShardedModel
@@ -83,6 +84,7 @@ class ShardedRuntime:
         self.data_parallel_table_optimizer: Optional[Optimizer] = None
         self.embedding_lr: Optional[EmbeddingLearningRate] = None
         self.output_hooks: Optional[EmbeddingOutputHooks] = None
+        self.phase_labels = StepPhaseLabels()  # torch.profiler ranges of input dist, lookup and all-to-all
         # Each sharded embedding module with its TorchRec lookups (a plain list, so not its submodules).
         self._lookups: list[tuple[nn.Module, list[nn.Module]]] = [
             (owner, list(owner._lookups))
@@ -90,6 +92,7 @@ class ShardedRuntime:
             for owner in sharded.dmp.module.get_submodule(fqn).modules()
             if getattr(owner, "_lookups", None)
         ]
+        self.phase_labels.install([owner for owner, _ in self._lookups])
 
     # ----------------------------------------------------------------- set-up
     def start(self) -> None:
@@ -220,3 +223,4 @@ class ShardedRuntime:
         if self.output_hooks is not None:
             self.output_hooks.remove()
             self.output_hooks = None
+        self.phase_labels.remove()
