@@ -72,6 +72,20 @@ def test_labels_cover_input_dist_lookup_and_the_all_to_all_both_ways_and_change_
     assert not any(e.key in STEP_PHASES for e in prof.key_averages())
 
 
+def test_the_hooks_are_on_the_model_only_while_a_profiler_records() -> None:
+    module = _ShardedStandIn()
+    labels = StepPhaseLabels([module])
+    labels.follow_profiler()
+    assert not labels.installed and not module._lookups[0]._forward_hooks
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        labels.follow_profiler()  # a training step starts while the profiler records
+        assert labels.installed
+        _step(module)
+    assert any(e.key == LOOKUP for e in prof.key_averages())
+    labels.follow_profiler()
+    assert not labels.installed and not module._lookups[0]._forward_hooks and not module._forward_pre_hooks
+
+
 def test_step_phase_is_a_no_op_without_a_profiler() -> None:
     assert type(step_phase(LOOKUP)).__name__ == "nullcontext"
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -6,7 +6,10 @@ goes. TorchRec's own ranges (``## All2All_Pooled_fwd ##``, ``## KJTAllToAllSplit
 stay in the trace beside ours; ours name the phase whatever the sharding type or collective does it.
 
 No range is opened unless a profiler is recording (``profiling()``), and nothing is done per row: a
-step without a profiler pays one flag check per phase.
+step without a profiler pays one flag check per phase. The module hooks (``StepPhaseLabels``) are on
+the model only while a profiler records: ``follow_profiler()``, called once per training step,
+installs them when one starts and removes them when it stops, since hooks take every call of a
+module off ``nn.Module``'s fast path (no hooks: ``_call_impl`` calls ``forward`` directly).
 """
 
 from __future__ import annotations
@@ -117,10 +120,22 @@ class _LabelledWait(Awaitable[Tensor]):
 
 class StepPhaseLabels:
     """Forward hooks on TorchRec's sharded embedding modules that label input distribution, lookup and the
-    embedding all-to-all (forward and backward). The hooks only check ``profiling()`` when no profiler runs."""
+    embedding all-to-all (forward and backward)."""
 
-    def __init__(self) -> None:
+    def __init__(self, sharded_modules: list[nn.Module] | None = None) -> None:
+        self._modules = list(sharded_modules or [])
         self._handles: list[Any] = []
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def follow_profiler(self) -> None:
+        """Hook the modules while a profiler records, unhook them when none does (once per step)."""
+        if profiling() and not self._handles:
+            self.install(self._modules)
+        elif not profiling() and self._handles:
+            self.remove()
 
     def install(self, sharded_modules: list[nn.Module]) -> None:
         """Hook every module with TorchRec's ``_lookups`` and ``_output_dists`` (ShardedEmbedding(Bag)Collection)."""

@@ -84,7 +84,6 @@ class ShardedRuntime:
         self.data_parallel_table_optimizer: Optional[Optimizer] = None
         self.embedding_lr: Optional[EmbeddingLearningRate] = None
         self.output_hooks: Optional[EmbeddingOutputHooks] = None
-        self.phase_labels = StepPhaseLabels()  # torch.profiler ranges of input dist, lookup and all-to-all
         # Each sharded embedding module with its TorchRec lookups (a plain list, so not its submodules).
         self._lookups: list[tuple[nn.Module, list[nn.Module]]] = [
             (owner, list(owner._lookups))
@@ -92,7 +91,8 @@ class ShardedRuntime:
             for owner in sharded.dmp.module.get_submodule(fqn).modules()
             if getattr(owner, "_lookups", None)
         ]
-        self.phase_labels.install([owner for owner, _ in self._lookups])
+        # torch.profiler ranges of input dist, lookup and all-to-all, hooked in while a profiler records.
+        self.phase_labels = StepPhaseLabels([owner for owner, _ in self._lookups])
 
     # ----------------------------------------------------------------- set-up
     def start(self) -> None:
@@ -134,6 +134,7 @@ class ShardedRuntime:
         if lr_factor is not None and self.embedding_lr is not None:
             self.embedding_lr.set_factor(lr_factor)
         self.align_lookup_modes()
+        self.phase_labels.follow_profiler()
         self.comm.begin_step()
 
     def align_lookup_modes(self) -> None:
