@@ -103,6 +103,22 @@ def test_forward_gives_one_finite_logit_per_example_and_builds_one_collection_pe
     assert model.encoder.num_layers == 2 and model.encoder.layers[0].self_attn.num_heads == 2
 
 
+def test_candidate_product_appends_the_item_candidate_product_to_each_token():
+    plain, product = small_model(), small_model(candidate_product=True)
+    assert plain.encoder.layers[0].self_attn.embed_dim == 24 and product.encoder.layers[0].self_attn.embed_dim == 32
+    assert product.over_arch[0].in_features == 3 * 32 + 8 + 8 + 2
+    seen = []
+    product.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    batch = sequence_batch([[1, 2], [3]], candidates=[4, 5])
+    product.eval()(batch)
+    items = product.sequence_embeddings.embeddings["item"].weight.detach()
+    tokens = seen[0] - product.positions.detach()  # [B, max_history, 4 * 8] before the encoder
+    # Example 1's newest slot: item 3, action 0, candidate 5, and item 3 * candidate 5.
+    torch.testing.assert_close(tokens[1, -1, 24:], items[3] * items[5])
+    torch.testing.assert_close(tokens[1, -1, :8], items[3])
+    assert torch.equal(tokens[1, 0, 24:], torch.zeros(8)) and tokens[1, 0, 16:24].any()  # padding: a candidate, no product
+
+
 def test_projection_feedforward_and_no_context_are_configurable():
     model = small_model(context_feature_names=None, context_table_sizes=None, num_dense_features=0, model_dim=12,
                         num_heads=3, num_layers=1, feedforward_dim=20, newest_tokens=0, position_embedding=False)
@@ -195,6 +211,8 @@ _INVALID = [
     ({"dropout": 1.0}, r"dropout=1.0 must be a probability in \[0, 1\)"),
     ({"num_heads": 5}, r"num_heads=5 must divide the token width \(3 \* embedding_dim=24\)"),
     ({"model_dim": 10, "num_heads": 4}, r"num_heads=4 must divide the token width \(model_dim=10\)"),
+    ({"candidate_product": True, "num_heads": 3}, r"num_heads=3 must divide the token width \(4 \* embedding_dim=32\)"),
+    ({"candidate_product": 1}, r"candidate_product=1 must be True or False"),
     ({"context_table_sizes": [7, 8]}, r"context_feature_names has 1 entries but context_table_sizes has 2"),
     ({"context_table_sizes": [0]}, r"context_table_sizes=\[0\] must all be integers >= 1"),
     ({"context_feature_names": ["history_action"]}, r"feature name\(s\) \['history_action'\] are used twice"),

@@ -114,7 +114,7 @@ class SequenceRanker(RankerModule):
     context tables one ``EmbeddingBagCollection`` (tables ``t_<feature>``). Of each history the
     newest ``max_history`` actions are kept (newest in the last slot, padding before the oldest).
     Each token is ``[item embedding, action embedding, candidate embedding]`` (early fusion, as in
-    Pinterest's TransAct), projected to ``model_dim`` if that is set, plus a learned position
+    Pinterest's TransAct; with ``candidate_product`` also their elementwise product), projected to ``model_dim`` if that is set, plus a learned position
     embedding if ``position_embedding``, and goes through ``num_layers`` ``nn.TransformerEncoder``
     layers with the padding masked. The encoder output is max-pooled over the valid tokens and the
     newest ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
@@ -137,14 +137,17 @@ class SequenceRanker(RankerModule):
         context_embedding_dim: the dimension of the context tables; default ``embedding_dim``.
         max_history: how many of each history's newest actions the encoder reads.
         num_layers: transformer encoder layers.
-        num_heads: attention heads; must divide the token width (``model_dim``, or
-            ``3 * embedding_dim`` without it).
+        num_heads: attention heads; must divide the token width (``model_dim``, or without it
+            ``3 * embedding_dim``, ``4 * embedding_dim`` with ``candidate_product``).
         feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token width.
         dropout: the encoder's dropout probability, in ``[0, 1)``.
         newest_tokens: how many of the newest encoded tokens are kept beside the max-pool
             (``0 .. max_history``; 0: the max-pool only).
         model_dim: project the fused tokens to this width before the encoder; default no projection.
         position_embedding: add a learned embedding of each slot (its recency) to the tokens.
+        candidate_product: also append ``item embedding * candidate embedding`` (elementwise) to each
+            token, so the item-candidate similarity is a linear read-out (as DIN's interaction
+            features); the token width becomes ``4 * embedding_dim``. Off: TransAct's concatenation.
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
@@ -170,6 +173,7 @@ class SequenceRanker(RankerModule):
         newest_tokens: int = 10,
         model_dim: int | None = None,
         position_embedding: bool = True,
+        candidate_product: bool = False,
         over_arch_layer_sizes: list[int] | None = None,
         history_item_feature: str = "history_item_id",
         history_action_feature: str = "history_action",
@@ -194,7 +198,10 @@ class SequenceRanker(RankerModule):
         _positive_int("num_heads", num_heads)
         if model_dim is not None:
             _positive_int("model_dim", model_dim)
-        token_width = 3 * embedding_dim if model_dim is None else model_dim
+        if not isinstance(candidate_product, bool):
+            raise ValueError(f"candidate_product={candidate_product!r} must be True or False.")
+        fused_width = (4 if candidate_product else 3) * embedding_dim
+        token_width = fused_width if model_dim is None else model_dim
         if feedforward_dim is not None:
             _positive_int("feedforward_dim", feedforward_dim)
         if isinstance(newest_tokens, bool) or not isinstance(newest_tokens, int) or not 0 <= newest_tokens <= max_history:
@@ -202,7 +209,7 @@ class SequenceRanker(RankerModule):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
         if token_width % num_heads:
-            source = f"model_dim={model_dim}" if model_dim is not None else f"3 * embedding_dim={token_width}"
+            source = f"model_dim={model_dim}" if model_dim is not None else f"{fused_width // embedding_dim} * embedding_dim={token_width}"
             raise ValueError(
                 f"num_heads={num_heads} must divide the token width ({source}): each head attends over an equal "
                 "slice. Change num_heads, embedding_dim or model_dim."
@@ -264,7 +271,8 @@ class SequenceRanker(RankerModule):
             if context_names
             else None
         )
-        self.token_projection = nn.Linear(3 * embedding_dim, token_width) if model_dim is not None else nn.Identity()
+        self.candidate_product = candidate_product
+        self.token_projection = nn.Linear(fused_width, token_width) if model_dim is not None else nn.Identity()
         self.positions = nn.Parameter(torch.zeros(max_history, token_width)) if position_embedding else None
         if self.positions is not None:
             nn.init.normal_(self.positions, std=0.02)
@@ -287,7 +295,11 @@ class SequenceRanker(RankerModule):
         history, actions, candidate = sequences[history_name], sequences[action_name], sequences[candidate_name]
         candidate_embedding = candidate.values()
         tokens, padding = newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
-        fused = torch.cat([tokens, candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)], dim=2)
+        candidates = candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)
+        parts = [tokens, candidates]
+        if self.candidate_product:  # item x candidate, elementwise: their similarity is then a linear read-out
+            parts.append(tokens[..., : candidates.shape[-1]] * candidates)
+        fused = torch.cat(parts, dim=2)
         fused = self.token_projection(fused)
         if self.positions is not None:
             fused = fused + self.positions
