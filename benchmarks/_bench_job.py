@@ -61,6 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--phase-times", action="store_true", help="also time the replica sync's phases and forward/backward per step (rank 0)"
     )
+    parser.add_argument(
+        "--trace-dir", default=None,
+        help="write a torch.profiler trace per rank into DIR/node<N> (Lightning's PyTorchProfiler: steps 3-5 recorded)",
+    )
     return parser.parse_args(argv)
 
 
@@ -173,6 +177,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         enable_model_summary=False,
         logger=False,
         callbacks=[timer],
+        profiler=_profiler(args.trace_dir),
     )
     trainer.fit(model, datamodule=data)
     if not trainer.is_global_zero:
@@ -185,6 +190,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if "phase_ms_per_step" in result:
         print("[bench_job] ms per step: " + ", ".join(f"{k} {v:.1f}" for k, v in result["phase_ms_per_step"].items()))
     return result
+
+
+def _profiler(trace_dir: str | None) -> Any:
+    """Lightning's PyTorchProfiler writing this node's ranks' Chrome traces (None: no profiler)."""
+    if trace_dir is None:
+        return None
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    return PyTorchProfiler(dirpath=Path(trace_dir) / f"node{os.environ.get('GROUP_RANK', '0')}")  # torchrun's node rank
 
 
 class _StepTimer(pl.Callback):

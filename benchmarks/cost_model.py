@@ -19,6 +19,8 @@ shaped step times, the tc settings). The model is ``lightning_recsys.planner.cos
    NVLink-class inside a node and a 400 Gb/s EFA-class uplink per node, with every candidate layout:
    today's projection workload (compute fitted, as before, to the published 1D FP32 1.21x on 4
    nodes), a Criteo-Terabyte-like one and a sequence-heavy foundation ranker (compute times stated).
+   Every candidate also runs with TorchRec's sequence index dedup (``use_index_dedup=True``), so the
+   best 1D is the deduped one wherever dedup helps, and 2D is compared against it.
 4. **Regime map**: the best configuration and its 8-node scaling per workload, and as a function of
    pooling / sequence length, Zipf skew (touched fraction) and sync interval.
 
@@ -192,8 +194,11 @@ def validate(data: dict[str, Any]) -> list[dict[str, Any]]:
 
 # --------------------------------------------------------------------------- projection and regime map
 FAMILIES: dict[str, Any] = {
-    "1D FP32": lambda lay: not lay.is_2d and lay.forward == "fp32",
-    "1D FP8 fwd / BF16 bwd": lambda lay: not lay.is_2d and lay.forward == "fp8",
+    "1D FP32": lambda lay: not lay.is_2d and lay.forward == "fp32" and not lay.index_dedup,
+    "1D FP8 fwd / BF16 bwd": lambda lay: not lay.is_2d and lay.forward == "fp8" and not lay.index_dedup,
+    "1D FP32, index dedup": lambda lay: not lay.is_2d and lay.forward == "fp32" and lay.index_dedup,
+    "1D FP8 fwd / BF16 bwd, index dedup": lambda lay: not lay.is_2d and lay.forward == "fp8" and lay.index_dedup,
+    "best 1D (any precision, dedup or not)": lambda lay: not lay.is_2d,
     "2D whole-shard sync": lambda lay: lay.is_2d and lay.sync.rows == "all",
     "2D touched sync, blocking fp32": lambda lay: _touched(lay, False, "fp32", "all_reduce"),
     "2D touched sync, bf16 deltas": lambda lay: _touched(lay, False, "bf16", "all_reduce"),
@@ -201,7 +206,9 @@ FAMILIES: dict[str, Any] = {
     "2D touched sync, overlapped, bf16 deltas": lambda lay: _touched(lay, True, "bf16", "all_reduce"),
     "2D touched all-gather, bf16 or fp8 deltas": lambda lay: _touched(lay, False, None, "all_gather"),
     "2D touched all-gather, overlapped, bf16 or fp8 deltas": lambda lay: _touched(lay, True, None, "all_gather"),
+    "best 2D": lambda lay: lay.is_2d,
 }  # fmt: skip
+# 2D families take their best variant, with or without index dedup (it shrinks 2D's intra-node all-to-all too).
 
 
 def _touched(lay: Any, overlap: bool, precision: str | None, exchange: str) -> bool:
@@ -229,6 +236,10 @@ def project_workload(shape: ModelShape, hardware: Hardware, max_interval: int) -
         families[label] = points
     best_any = by_nodes[8][0]
     best_k = next(p for p in by_nodes[8] if not p.layout.is_2d or p.layout.sync.every_n_steps <= max_interval)
+    best_1d = best_of(by_nodes[8], FAMILIES["best 1D (any precision, dedup or not)"], max_interval)
+    best_2d = best_of(by_nodes[8], FAMILIES["best 2D"], max_interval)
+    if best_1d is None or best_2d is None:
+        raise RuntimeError("candidate_layouts() must offer both 1D and 2D layouts")
     need = None if best_k.scaling >= TARGET_SCALING else compute_for_scaling(shape, best_k.layout, hardware, 8, TARGET_SCALING, layouts)
     interval_needed = next((p.layout.sync.every_n_steps for p in sorted(by_nodes[8], key=lambda p: p.layout.sync.every_n_steps)
                             if p.layout.is_2d and p.scaling >= TARGET_SCALING), None)  # fmt: skip
@@ -237,6 +248,9 @@ def project_workload(shape: ModelShape, hardware: Hardware, max_interval: int) -
         "best_8_nodes": {"config": best_k.layout.describe(), "scaling": best_k.scaling, "max_interval": max_interval,
                          "compute_needed_for_target_s": need, "smallest_2d_interval_reaching_target": interval_needed},
         "best_8_nodes_any_interval": {"config": best_any.layout.describe(), "scaling": best_any.scaling},
+        "best_1d_8_nodes": {"config": best_1d.layout.describe(), "scaling": best_1d.scaling, "step_s": best_1d.step_s},
+        "best_2d_8_nodes": {"config": best_2d.layout.describe(), "scaling": best_2d.scaling, "step_s": best_2d.step_s,
+                            "step_vs_best_1d": best_2d.step_s / best_1d.step_s},
     }  # fmt: skip
 
 
@@ -260,16 +274,22 @@ def regime_sweep(hardware: Hardware, compute_s: float, max_interval: int) -> lis
                     features=(Feature(name="f", tables=8, rows=10_000_000, dim=128, ids_per_example=length, pooled=pooled, zipf_exponent=zipf),),
                 )  # fmt: skip
                 ranked = project(shape, layouts, hardware, 8, baseline_layouts=candidate_layouts())
-                best_1d = next(p for p in ranked if not p.layout.is_2d)
+                best_1d = next(p for p in ranked if not p.layout.is_2d)  # deduped 1D included (sequence features)
+                best_1d_plain = next(p for p in ranked if not p.layout.is_2d and not p.layout.index_dedup)
                 best_2d = next(p for p in ranked if p.layout.is_2d)
                 # As layout_advice.recommend: a tie (within 5%) goes to 1D, which needs no replicas.
                 best = best_1d if best_1d.step_s <= best_2d.step_s * (1 + TIE) else best_2d
                 k = best_2d.layout.sync.every_n_steps
                 draws = k * 1024 * 64 * length
                 fraction = expected_distinct(10_000_000, draws, zipf) / draws
+                batch_ids = 1024 * length  # what one rank's index dedup sees: its own batch, per table
+                batch_fraction = expected_distinct(10_000_000, batch_ids, zipf) / batch_ids
                 out.append({"pooled": pooled, "ids_per_example": length, "zipf_exponent": zipf,
-                            "unique_fraction_of_ids": fraction, "best": best.layout.describe(), "best_scaling": best.scaling,
-                            "best_1d_scaling": best_1d.scaling, "best_2d_scaling": best_2d.scaling, "best_2d_interval": k})  # fmt: skip
+                            "unique_fraction_of_ids": fraction, "unique_fraction_of_rank_batch": batch_fraction,
+                            "best": best.layout.describe(), "best_scaling": best.scaling,
+                            "best_1d": best_1d.layout.describe(), "best_1d_scaling": best_1d.scaling,
+                            "best_1d_without_dedup_scaling": best_1d_plain.scaling,
+                            "best_2d": best_2d.layout.describe(), "best_2d_scaling": best_2d.scaling, "best_2d_interval": k})  # fmt: skip
     return out
 
 
@@ -393,6 +413,10 @@ def main(argv: list[str] | None = None) -> int:
         b = result["best_8_nodes"]
         verdict = "meets" if b["scaling"] >= TARGET_SCALING else "short of"
         print(f"\nBest at 8 nodes (interval <= {args.max_interval}): {b['config']}: **{b['scaling']:.2f}x** ({verdict} {TARGET_SCALING}x).")
+        one, two = result["best_1d_8_nodes"], result["best_2d_8_nodes"]
+        print(f"Best 1D at 8 nodes: {one['config']}: {one['scaling']:.2f}x; best 2D (interval <= {args.max_interval}): "
+              f"{two['config']}: {two['scaling']:.2f}x, its step {two['step_vs_best_1d']:.2f}x the best 1D's "
+              f"({1 / two['step_vs_best_1d'] - 1:+.0%} throughput).")  # fmt: skip
         if b["scaling"] < TARGET_SCALING:
             need = b["compute_needed_for_target_s"]
             print(f"{TARGET_SCALING}x would need " + (f"{need * 1e3:.0f} ms of compute per step" if need else "> 10 s of compute per step")
@@ -404,8 +428,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep = regime_sweep(hardware, compute, args.max_interval)
     out["regime_sweep"] = sweep
     print(f"## 4. Regime map (8 nodes x 8 GPUs): one feature kind, 8 tables x 1e7 rows x dim 128, batch 1024/GPU, compute "
-          f"{compute * 1e3:.0f} ms, 2D interval <= {args.max_interval}. Cell: best config, its scaling (best 1D / best 2D); "
-          "u = unique fraction of the interval's ids\n")  # fmt: skip
+          f"{compute * 1e3:.0f} ms, 2D interval <= {args.max_interval}. Cell: best config, its scaling (best 1D, deduped where "
+          "that helps [best 1D without dedup] / best 2D); u = unique fraction of the 2D sync interval's ids, d = of one "
+          "rank's batch (what index dedup keeps)\n")  # fmt: skip
     zipfs = sorted({r["zipf_exponent"] for r in sweep})
     print("| feature | ids/example | " + " | ".join(f"Zipf {z:g}" for z in zipfs) + " |\n|---|---|" + "---|" * len(zipfs))
     for pooled in (True, False):
@@ -414,7 +439,9 @@ def main(argv: list[str] | None = None) -> int:
             for z in zipfs:
                 r = next(r for r in sweep if r["pooled"] == pooled and r["ids_per_example"] == length and r["zipf_exponent"] == z)
                 kind = "2D" if r["best"].startswith("2D") else "1D"
-                cells.append(f"{kind} {r['best_scaling']:.2f}x ({r['best_1d_scaling']:.2f} / {r['best_2d_scaling']:.2f}, u={r['unique_fraction_of_ids']:.2f})")
+                plain = "" if r["pooled"] else f" [{r['best_1d_without_dedup_scaling']:.2f}]"
+                cells.append(f"{kind} {r['best_scaling']:.2f}x ({r['best_1d_scaling']:.2f}{plain} / {r['best_2d_scaling']:.2f}, "
+                             f"u={r['unique_fraction_of_ids']:.2f}, d={r['unique_fraction_of_rank_batch']:.2f})")
             print(f"| {'pooled' if pooled else 'sequence'} | {length} | " + " | ".join(cells) + " |")
     intervals = interval_sweep(shapes["sequence"], hardware)
     out["interval_sweep_sequence"] = intervals

@@ -5,6 +5,8 @@
     python examples/train_synthetic_dlrm.py --accelerator gpu --devices 8
     torchrun --nnodes 2 --nproc-per-node 2 --node-rank 0 --master-addr 127.0.0.1 --master-port 29500 \
         examples/train_synthetic_dlrm.py --devices 2 --num-nodes 2          # 2D; run node-rank 1 too
+    torchrun --nproc-per-node 2 --max-restarts 3 examples/train_synthetic_dlrm.py \
+        --checkpoint-dir checkpoints --every-n-train-steps 50 --ckpt-path last   # restarted workers resume
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
@@ -40,8 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--qcomms", default="fp32", choices=["fp32", "bf16", "fp16", "fp8", "int8"], help="embedding comms precision")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--metrics-json", default=None, help="also write the final metrics to this file (rank 0)")
+    parser.add_argument("--checkpoint-dir", default=None, help="save DCP checkpoints here (ModelCheckpoint, save_last=True)")
+    parser.add_argument("--every-n-train-steps", type=int, default=None, help="with --checkpoint-dir: also save every N steps")
+    parser.add_argument("--ckpt-path", default=None, help='resume from this checkpoint, or "last" (the newest committed one)')
     parser.add_argument("--tiny", action="store_true", help="a few tiny batches; for smoke tests")
     args = parser.parse_args(argv)
+    if args.every_n_train_steps is not None and args.checkpoint_dir is None:
+        parser.error(f"--every-n-train-steps {args.every_n_train_steps} needs --checkpoint-dir (where to save)")
     if args.tiny:
         args.epochs, args.train_batches, args.val_batches, args.global_batch_size = 1, 4, 2, 32
         args.tables, args.table_rows, args.embedding_dim = 3, 50, 8
@@ -76,20 +84,26 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         replica_sync=ReplicaSyncConfig(every_n_steps=args.sync_every_n_steps),
         qcomms=args.qcomms,
     )
+    checkpoints = []
+    if args.checkpoint_dir is not None:
+        checkpoints.append(ModelCheckpoint(dirpath=args.checkpoint_dir, every_n_train_steps=args.every_n_train_steps, save_last=True))
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,
         num_nodes=args.num_nodes,
         strategy=strategy,
         max_epochs=args.epochs,
-        enable_checkpointing=False,
+        enable_checkpointing=args.checkpoint_dir is not None,
+        callbacks=checkpoints,
         logger=False,
         num_sanity_val_steps=0,
         log_every_n_steps=10,
     )
-    trainer.fit(model, datamodule=data)
+    trainer.fit(model, datamodule=data, ckpt_path=args.ckpt_path)
     metrics = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("val/")}
-    if trainer.is_global_zero:
+    if trainer.is_global_zero and not metrics:
+        print(f"\nNothing left to train: the checkpoint {args.ckpt_path!r} resumed had finished {args.epochs} epochs.")
+    elif trainer.is_global_zero:
         print(
             f"\nValidation after {args.epochs} epochs on {trainer.world_size} ranks: "
             f"AUC={metrics['val/auc']:.4f}  NE={metrics['val/ne']:.4f}  loss={metrics['val/loss']:.4f}"

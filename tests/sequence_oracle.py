@@ -142,13 +142,13 @@ def sgd_strategy(*, sharding_types: list[str] | None = None, column_width: int =
 def fit_sharded(
     rank: int, world_size: int, strategy: TwoDRecStrategy, *, devices: int | None = None, num_nodes: int = 1,
     config: SequenceLogConfig | None = None, callbacks: list[Callback] | None = None, steps: int = STEPS,
-    model_factory: Callable[[], SequenceRanker] = make_model,
+    model_factory: Callable[[], SequenceRanker] = make_model, accelerator: str = "cpu",
 ) -> tuple[SequenceRanker, Trainer, torch.Tensor]:
     """Fit the oracle's model with ``strategy``; return it, the trainer and this rank's validation predictions."""
     config = config or SequenceLogConfig()
     model = model_factory()
     trainer = Trainer(
-        accelerator="cpu", devices=devices or world_size, num_nodes=num_nodes, strategy=strategy, max_steps=steps,
+        accelerator=accelerator, devices=devices or world_size, num_nodes=num_nodes, strategy=strategy, max_steps=steps,
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=callbacks,
     )
@@ -160,8 +160,9 @@ def local_predictions(model: SequenceRanker, rank: int, world_size: int, config:
     config = config or SequenceLogConfig()
     local = config.global_batch_size // world_size
     model.eval()
+    device = next(model.over_arch.parameters()).device
     with torch.no_grad():
-        return model(slice_batch(global_batch(config, "val", 0), rank * local, (rank + 1) * local)).cpu()
+        return model(slice_batch(global_batch(config, "val", 0), rank * local, (rank + 1) * local).to(device)).cpu()
 
 
 def table_shards(model: SequenceRanker) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:

@@ -12,6 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from lightning_recsys._registration import register_strategy_name
+from lightning_recsys._upstream_logging import keep_upstream_import_from_configuring_logging
 
 __version__ = "0.1.0"
 
@@ -37,7 +38,14 @@ if TYPE_CHECKING:
     from lightning_recsys.planner.config import PlanningConfig
     from lightning_recsys.strategies import DCPCheckpointIO, TwoDRecStrategy
 
-register_strategy_name()
+
+def _make_twod_rec_strategy(**kwargs: Any) -> Any:
+    """``TwoDRecStrategy(**kwargs)``, imported when the Trainer first asks for ``"twod_rec"`` (the registry's factory)."""
+    return __getattr__("TwoDRecStrategy")(**kwargs)
+
+
+register_strategy_name(_make_twod_rec_strategy)
+keep_upstream_import_from_configuring_logging()  # FBGEMM's import would add a root handler: Lightning's lines twice
 
 
 def __getattr__(name: str) -> Any:

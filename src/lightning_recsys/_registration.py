@@ -1,6 +1,6 @@
 """Registers ``"twod_rec"`` in Lightning's ``StrategyRegistry`` without importing Lightning.
 
-``import lightning_recsys`` calls ``register_strategy_name()``. Lightning's registry exists only
+``import lightning_recsys`` calls ``register_strategy_name(factory)``. Lightning's registry exists only
 once ``lightning.pytorch.strategies`` has been imported, and the Trainer-free layers
 (``lightning_recsys.parallel``, ``.planner``, ``.checkpoint``) must not import it, so:
 
@@ -8,79 +8,53 @@ once ``lightning.pytorch.strategies`` has been imported, and the Trainer-free la
 * otherwise a hook on the import system registers it right after that module first runs, so
   ``import lightning_recsys`` before ``from lightning.pytorch import Trainer`` works too.
 
-The registry entry is a factory that imports ``TwoDRecStrategy`` when the Trainer asks for it,
-so registering never imports the strategy (or Lightning) itself. Python has no public
-post-import hook (PEP 369 was withdrawn); the hook below is a ``sys.meta_path`` finder that
-wraps the found loader's ``exec_module``, as ``wrapt.register_post_import_hook`` does.
+The registry entry is a factory, given by the caller, that imports ``TwoDRecStrategy`` when the
+Trainer asks for it, so registering never imports the strategy (or Lightning) itself, and this
+module imports nothing of the package above it (the strategy imports it for the name). The hook is
+``_import_hooks.wrap_first_import``.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.machinery
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable
+
+from lightning_recsys._import_hooks import ExecModule, wrap_first_import
 
 STRATEGY_NAME = "twod_rec"
 DESCRIPTION = "TorchRec-sharded embeddings with data-parallel dense layers (lightning-recsys)"
 _REGISTRY_MODULE = "lightning.pytorch.strategies"
 _LOCK = threading.Lock()
 
-
-def make_twod_rec_strategy(**kwargs: Any) -> Any:
-    """``TwoDRecStrategy(**kwargs)``, imported on first use (the registry entry's factory)."""
-    from lightning_recsys.strategies.twod_rec import TwoDRecStrategy
-
-    return TwoDRecStrategy(**kwargs)
+StrategyFactory = Callable[..., Any]  # keyword arguments -> a TwoDRecStrategy
 
 
-def register(registry: Any) -> None:
-    """Add ``"twod_rec"`` to a Lightning ``StrategyRegistry`` unless it is there already."""
+def register(registry: Any, factory: StrategyFactory) -> None:
+    """Add ``"twod_rec"`` (made by ``factory``) to a Lightning ``StrategyRegistry`` unless it is there already."""
     if STRATEGY_NAME not in registry:
-        registry.register(STRATEGY_NAME, make_twod_rec_strategy, description=DESCRIPTION)
+        registry.register(STRATEGY_NAME, factory, description=DESCRIPTION)
 
 
-def register_strategy_name() -> None:
+def register_strategy_name(factory: StrategyFactory) -> None:
     """Register ``"twod_rec"`` now if Lightning's registry exists, else as soon as it is created."""
     with _LOCK:
         module = sys.modules.get(_REGISTRY_MODULE)
         registry = getattr(module, "StrategyRegistry", None) if module is not None else None
         if registry is not None:
-            register(registry)
-        elif not any(isinstance(finder, _RegisterAfterImport) for finder in sys.meta_path):
-            sys.meta_path.insert(0, _RegisterAfterImport())
+            register(registry, factory)
+        else:
+            wrap_first_import(_REGISTRY_MODULE, lambda exec_module: _register_after(exec_module, factory))
 
 
-class _RegisterAfterImport(importlib.abc.MetaPathFinder):
-    """Finds ``lightning.pytorch.strategies`` as the other finders would, and registers once it has run."""
+def _register_after(exec_module: ExecModule, factory: StrategyFactory) -> ExecModule:
+    def exec_and_register(module: ModuleType) -> None:
+        exec_module(module)
+        try:
+            register(module.StrategyRegistry, factory)
+        except Exception as err:  # never break `import lightning` over our name
+            warnings.warn(f"lightning_recsys could not register {STRATEGY_NAME!r}: {err}", stacklevel=2)
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None) -> Any:
-        if fullname != _REGISTRY_MODULE:
-            return None
-        with _LOCK:
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)  # one use; also keeps the search below from finding this finder
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        for finder in sys.meta_path if spec is None else ():
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                break
-        loader = getattr(spec, "loader", None)
-        exec_module = getattr(loader, "exec_module", None)
-        if exec_module is None:
-            return spec  # not a loader this hook knows how to wrap: leave the import alone
-
-        def exec_and_register(module: ModuleType) -> None:
-            exec_module(module)
-            try:
-                register(module.StrategyRegistry)
-            except Exception as err:  # never break `import lightning` over our name
-                warnings.warn(f"lightning_recsys could not register {STRATEGY_NAME!r}: {err}", stacklevel=2)
-
-        loader.exec_module = exec_and_register  # type: ignore[union-attr]  # this spec's own loader instance
-        return spec
+    return exec_and_register

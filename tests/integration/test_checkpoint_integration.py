@@ -466,6 +466,22 @@ def test_export_to_an_unsharded_model_matches_the_sharded_predictions(chain: dic
     torch.testing.assert_close(predictions, torch.cat([r["predictions"] for r in chain["a"]]))
 
 
+def test_safetensors_export_of_the_2d_checkpoint_predicts_as_the_sharded_model(chain: dict[str, Any], tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from lightning_recsys.checkpoint.safetensors_export import export_safetensors
+
+    model = make_model(seed=321)
+    model.load_state_dict(load_file(export_safetensors(chain["root"] / "a", tmp_path / "a.safetensors")))
+    with torch.no_grad():
+        predictions = model(batch(EVAL_STEP)[0])
+    torch.testing.assert_close(predictions, torch.cat([r["predictions"] for r in chain["a"]]))
+    unsharded = make_model(seed=123)
+    load_unsharded(chain["root"] / "a", unsharded)
+    with torch.no_grad():
+        assert torch.equal(predictions, unsharded(batch(EVAL_STEP)[0]))  # the same weights, bit for bit
+
+
 # ----------------------------------------------------------------- crash during save
 def _save_then_crash(rank: int, world: int, root: str) -> None:
     init(rank, world)

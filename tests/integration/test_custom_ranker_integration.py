@@ -12,7 +12,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TwoDRecStrategy
 from lightning_recsys.data import RecBatch, SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch
 from lightning_recsys.models import RankerModule
-from lightning_recsys.parallel.input.input_guard import InvalidInputError
+from lightning_recsys.parallel.input.batch_check import InvalidInputError
 from lightning_recsys.parallel.sharding.sharded_model import local_shards
 from lightning_recsys.planner import plan_rows
 

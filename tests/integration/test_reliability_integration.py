@@ -21,7 +21,7 @@ from torchrec import KeyedJaggedTensor
 from lightning_recsys import TwoDRecStrategy
 from lightning_recsys.checkpoint import is_committed
 from lightning_recsys.data import RecBatch, SyntheticClickLog, slice_batch
-from lightning_recsys.parallel.input.input_guard import InputValidator
+from lightning_recsys.parallel.input.batch_check import InputValidator
 from lightning_recsys.strategies import sharding as strategy_sharding
 
 PG_TIMEOUT = 20

@@ -20,7 +20,8 @@ from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unshard
 from lightning_recsys.data import CriteoDataModule, MalformedLineError, RecBatch, SyntheticClickLogConfig
 from lightning_recsys.data.criteo import CriteoDataset
 from lightning_recsys.models import DLRMRanker
-from lightning_recsys.parallel.input.input_guard import CoordinatedBatches, InputValidator, feature_tables
+from lightning_recsys.parallel.input.batch_check import InputValidator, feature_tables
+from lightning_recsys.parallel.input.input_guard import CoordinatedBatches
 from lightning_recsys.parallel.sharding.sharders import validate_sharding_types
 from lightning_recsys.parallel.topology.layout import ParallelTopology
 from lightning_recsys.strategies.validation import check_device_support

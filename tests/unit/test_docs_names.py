@@ -3,6 +3,8 @@
 * ``lightning_recsys.<module>.<Name>``, and the package-relative ``parallel.runtime.ShardedRuntime`` form of a
   subpackage's module, import (a moved module or a renamed class fails here).
 * ``from lightning_recsys... import A, B`` in prose imports (the code blocks run in test_docs_snippets.py).
+* Every dotted ``lightning_recsys`` name in a fenced block (a YAML ``class_path:``, ``python -m ...``) and in
+  ``examples/configs/*.yaml`` imports.
 * Repository paths (``tests/...``, ``examples/...``, ``benchmarks/...``, ``scripts/...``, ``src/...``, and the package's
   own ``parallel/codecs.py`` form) and test files named alone (``test_x_integration.py``) exist.
 """
@@ -14,7 +16,7 @@ import re
 from pathlib import Path
 
 import pytest
-from docs_text import PAGES, ROOT, name, prose
+from docs_text import FENCE, PAGES, ROOT, name, prose
 
 PACKAGE = ROOT / "src" / "lightning_recsys"
 SUBPACKAGES = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
@@ -93,3 +95,32 @@ def test_every_documented_name_imports(page):
 def test_every_documented_path_exists(page):
     missing = missing_files(page)
     assert not missing, f"{name(page)} mentions files the repository does not have: {missing}"
+
+
+CONFIGS = sorted((ROOT / "examples" / "configs").glob("*.yaml"))
+
+
+def code_block_names(text: str) -> set[str]:
+    """Dotted ``lightning_recsys`` names in fenced blocks (``class_path:`` in YAML, ``python -m`` in shell, imports)."""
+    return {dotted for m in FENCE.finditer(text) for dotted in DOTTED.findall(m.group(2))}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=name)
+def test_every_name_in_a_code_block_imports(page):
+    unresolved = sorted(n for n in code_block_names(page.read_text()) if not resolves(n))
+    assert not unresolved, f"{name(page)} has code blocks naming what does not import: {unresolved}"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda p: p.name)
+def test_every_name_in_an_example_config_imports(config):
+    names = set(DOTTED.findall(config.read_text()))
+    assert names, f"{config.name} names no lightning_recsys class (class_path:)"
+    unresolved = sorted(n for n in names if not resolves(n))
+    assert not unresolved, f"examples/configs/{config.name} names what does not import: {unresolved}"
+
+
+def test_the_code_block_check_sees_a_moved_name():
+    text = "```yaml\nstrategy:\n  class_path: lightning_recsys.parallel.qcomms.QCommsConfig\n```\n"
+    assert code_block_names(text) == {"lightning_recsys.parallel.qcomms.QCommsConfig"}
+    assert not resolves("lightning_recsys.parallel.qcomms.QCommsConfig")  # moved to parallel.comms
+    assert resolves("lightning_recsys.parallel.comms.QCommsConfig")

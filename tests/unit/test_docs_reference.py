@@ -26,7 +26,7 @@ from lightning_recsys.data import (
     SyntheticClickLogConfig,
     SyntheticSequenceConfig,
 )
-from lightning_recsys.models import DCNRanker, DLRMRanker
+from lightning_recsys.models import DCNRanker, DLRMRanker, SequenceRanker
 
 REFERENCE_PAGE = "docs/configuration.md"
 REFERENCE = page(REFERENCE_PAGE)
@@ -41,6 +41,7 @@ SECTIONS = {
     "`ReplicaSyncConfig`": [ReplicaSyncConfig],
     "`TableConstraints`": [TableConstraints],
     "`DLRMRanker` and `DCNRanker`": [DLRMRanker, DCNRanker],
+    "`SequenceRanker`": [SequenceRanker],
     "`SyntheticClickLogConfig`": [SyntheticClickLogConfig],
     "`MovieLens100KDataModule`": [MovieLens100KDataModule],
     "`SyntheticSequenceConfig`": [SyntheticSequenceConfig],

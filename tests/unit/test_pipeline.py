@@ -83,7 +83,7 @@ def test_both_planners_get_the_profiled_batch_size_and_pooling_factors():
         planned = pipeline.plan(model, inputs)
         assert planned.report is not None and planned.report.batch_size == 32
         assert {t.stats_source for t in planned.report.tables} == {"profiled"}
-    torchrec = _pipeline(PlanningConfig(planner="torchrec"))._planner("torchrec", model, inputs)
+    torchrec = _pipeline(PlanningConfig(planner="torchrec"))._planner("torchrec", inputs)
     told = torchrec._constraints["t_sparse_0"].pooling_factors  # what TorchRec's estimators see
     assert told == [pytest.approx(inputs.stats["t_sparse_0"].pooling_factor)] and torchrec._batch_size == 32
 
@@ -165,13 +165,14 @@ def test_sequence_tables_with_only_data_parallel_allowed_on_cpu_are_told_why():
     # The message said "The planner may use {} there", with no reason.
     from torchrec import EmbeddingCollection, EmbeddingConfig
 
+    from lightning_recsys.planner import model_tables
     from lightning_recsys.planner.constraints import check_table_options
 
     module = EmbeddingCollection(tables=[EmbeddingConfig(name="seq", embedding_dim=8, num_embeddings=10, feature_names=["f"])], device=torch.device("meta"))
     sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd").fused_params(), ["data_parallel"])
     with pytest.raises(ValueError, match=r"table 'seq' \(EmbeddingCollection\): .* No sharding type of PlanningConfig\(sharding_types\) runs "
                        r"EmbeddingCollection tables there \(data_parallel is not offered for sequence tables on CPU"):
-        check_table_options(module, sharders, "cpu")
+        check_table_options(model_tables(module), sharders, "cpu")
 
 
 @pytest.mark.parametrize("planner", ["torchrec", "balanced"])

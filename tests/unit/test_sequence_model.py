@@ -103,6 +103,22 @@ def test_forward_gives_one_finite_logit_per_example_and_builds_one_collection_pe
     assert model.encoder.num_layers == 2 and model.encoder.layers[0].self_attn.num_heads == 2
 
 
+def test_candidate_product_appends_the_item_candidate_product_to_each_token():
+    plain, product = small_model(), small_model(candidate_product=True)
+    assert plain.encoder.layers[0].self_attn.embed_dim == 24 and product.encoder.layers[0].self_attn.embed_dim == 32
+    assert product.over_arch[0].in_features == 3 * 32 + 8 + 8 + 2
+    seen = []
+    product.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    batch = sequence_batch([[1, 2], [3]], candidates=[4, 5])
+    product.eval()(batch)
+    items = product.sequence_embeddings.embeddings["item"].weight.detach()
+    tokens = seen[0] - product.positions.detach()  # [B, max_history, 4 * 8] before the encoder
+    # Example 1's newest slot: item 3, action 0, candidate 5, and item 3 * candidate 5.
+    torch.testing.assert_close(tokens[1, -1, 24:], items[3] * items[5])
+    torch.testing.assert_close(tokens[1, -1, :8], items[3])
+    assert torch.equal(tokens[1, 0, 24:], torch.zeros(8)) and tokens[1, 0, 16:24].any()  # padding: a candidate, no product
+
+
 def test_projection_feedforward_and_no_context_are_configurable():
     model = small_model(context_feature_names=None, context_table_sizes=None, num_dense_features=0, model_dim=12,
                         num_heads=3, num_layers=1, feedforward_dim=20, newest_tokens=0, position_embedding=False)
@@ -164,8 +180,10 @@ def test_a_hundred_steps_fit_a_small_batch():
 @pytest.mark.parametrize(
     ("histories", "actions", "candidates", "match"),
     [
-        ([[1, 2], [3]], [[1], [1]], None, r"feature 'history_action' must have the same lengths as 'history_item_id'"),
-        ([[1, 2], [3]], None, "two", r"feature 'candidate_item_id' must hold exactly one item id per example"),
+        ([[1, 2], [3]], [[1], [1]], None, r"features 'history_item_id' and 'history_action' must have the same length in every "
+         r"example \(SequenceRanker reads them position by position\), but example 0 has 2 and 1"),
+        ([[1, 2], [3]], None, "two", r"feature 'candidate_item_id' must hold exactly one id per example \(SequenceRanker\), but "
+         r"example 0 has 2"),
     ],
 )
 def test_misaligned_sequence_features_raise(histories, actions, candidates, match):
@@ -193,6 +211,8 @@ _INVALID = [
     ({"dropout": 1.0}, r"dropout=1.0 must be a probability in \[0, 1\)"),
     ({"num_heads": 5}, r"num_heads=5 must divide the token width \(3 \* embedding_dim=24\)"),
     ({"model_dim": 10, "num_heads": 4}, r"num_heads=4 must divide the token width \(model_dim=10\)"),
+    ({"candidate_product": True, "num_heads": 3}, r"num_heads=3 must divide the token width \(4 \* embedding_dim=32\)"),
+    ({"candidate_product": 1}, r"candidate_product=1 must be True or False"),
     ({"context_table_sizes": [7, 8]}, r"context_feature_names has 1 entries but context_table_sizes has 2"),
     ({"context_table_sizes": [0]}, r"context_table_sizes=\[0\] must all be integers >= 1"),
     ({"context_feature_names": ["history_action"]}, r"feature name\(s\) \['history_action'\] are used twice"),
@@ -219,3 +239,59 @@ def test_defaults_are_near_transact_and_the_collections_are_torchrecs():
     assert model.encoder.layers[0].self_attn.embed_dim == 3 * 32
     assert isinstance(model.sequence_embeddings, EmbeddingCollection) and model.context_embeddings is None
     assert not isinstance(model.sequence_embeddings, EmbeddingBagCollection)
+
+
+def _guard_problems(batch: RecBatch) -> list[tuple[str, bool]]:
+    from lightning_recsys.parallel.input import InputValidator, feature_tables, module_length_rules
+
+    model = small_model()
+    validator = InputValidator(feature_tables(model), module_length_rules(model))
+    return [(p.message, p.fatal) for p in validator.check(batch.sparse, batch=3)]
+
+
+def test_the_input_guard_sees_the_sequence_tables_and_names_an_out_of_range_history_id():
+    assert _guard_problems(sequence_batch([[1, 2], [3]])) == []
+    ((message, fatal),) = _guard_problems(sequence_batch([[1, 2], [3, 30]]))
+    assert "feature 'history_item_id' has id 30 at example 1, but table 'item' has 30 rows (valid ids are 0..29)" in message
+    assert not fatal  # FBGEMM would clamp it: 'warn' can let it through, as for pooled features
+    ((message, _),) = _guard_problems(sequence_batch([[1, 2], [3]], actions=[[0, 1], [3]]))
+    assert "feature 'history_action' has id 3 at example 1, but table 'action' has 3 rows" in message
+
+
+def test_the_input_guard_checks_the_models_length_rules_as_fatal():
+    ((message, fatal),) = _guard_problems(sequence_batch([[1, 2], [3, 4]], actions=[[0, 1], [2]]))
+    assert message.startswith("batch 3: features 'history_item_id' and 'history_action' must have the same length") and fatal
+    assert "example 1 has 2 and 1 (1 example(s) differ)" in message
+
+
+def test_a_profile_of_sequence_batches_gives_the_shared_item_table_both_features():
+    from sequence_oracle import SequenceDataModule, SequenceLogConfig, global_batch, make_model
+
+    from lightning_recsys.planner.stats import profile_datamodule, resolve_table_stats
+
+    model = make_model()
+    tables = [*model.sequence_embeddings.embedding_configs(), *model.context_embeddings.embedding_bag_configs()]
+    stats, assumed = resolve_table_stats(tables, profile_datamodule(SequenceDataModule(), 3))
+    assert not assumed
+    histories = torch.cat([global_batch(SequenceLogConfig(), "train", i).sparse["history_item_id"].lengths() for i in range(3)])
+    # The item table serves the history and the candidate (one id per example): 2 features, their mean ids.
+    assert stats["item"].features == 2
+    assert stats["item"].pooling_factor == pytest.approx((float(histories.float().mean()) + 1) / 2)
+    assert stats["action"].features == 1 and stats["action"].pooling_factor == pytest.approx(float(histories.float().mean()))
+
+
+def test_bf16_autocast_gives_finite_logits_close_to_fp32_with_empty_histories():
+    # What Trainer(precision="bf16-mixed") runs on CPU: the padding masks and the -inf max-pool fill in bf16.
+    model = small_model().eval()
+    batch = sequence_batch([[], [1, 2, 3, 4, 5, 6], [7]])
+    with torch.no_grad():
+        reference = model(batch)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(batch)
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits.float(), reference, rtol=0, atol=2e-2)
+    model.train()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = F.binary_cross_entropy_with_logits(model(batch).float(), batch.labels)
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -20,6 +20,8 @@ EMITTED = [
     ("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning, "torchrec.distributed.embeddingbag"),
     ("fbgemm::split_embedding_codegen_lookup_sgd_function_cpu: an autograd kernel was not registered to the Autograd key(s) but we are trying to backprop through it.", UserWarning, "torch.autograd.graph"),
     ("`isinstance(treespec, LeafSpec)` is deprecated, use ...", FutureWarning, "lightning.pytorch.utilities._pytree"),
+    ("torch.distributed.nn.functional.all_gather is deprecated, use torch.distributed._functional_collectives.all_gather_single instead.",
+     FutureWarning, "lightning.fabric.utilities.distributed"),
 ]
 
 

@@ -23,12 +23,15 @@ from lightning_recsys.checkpoint.directory import (
     latest_checkpoint,
     read_meta,
 )
+from lightning_recsys.checkpoint.safetensors_export import export_safetensors
 from lightning_recsys.checkpoint.table_state import NORMALIZED_STATES
 from lightning_recsys.checkpoint.validation import CheckpointMismatchError
+from lightning_recsys.checkpoint.write_errors import CheckpointDiskFullError
 
 __all__ = [
     "AsyncCheckpointHandle",
     "AsyncCheckpointSaver",
+    "CheckpointDiskFullError",
     "CheckpointError",
     "CheckpointMeta",
     "CheckpointMismatchError",
@@ -38,6 +41,7 @@ __all__ = [
     "ShardedState",
     "UncommittedCheckpointError",
     "default_storage_writer",
+    "export_safetensors",
     "is_committed",
     "latest_checkpoint",
     "load_checkpoint",

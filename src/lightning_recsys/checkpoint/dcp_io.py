@@ -36,16 +36,16 @@ from lightning_recsys.checkpoint.directory import (
     temporary_path,
     utc_now,
 )
-from lightning_recsys.checkpoint.table_state import (
-    STEP,
-    EmbeddingOptimizerState,
-    StateReads,
-    TablePlacement,
-    accepted_shapes,
-    state_key,
-    table_name,
+from lightning_recsys.checkpoint.table_state import EmbeddingOptimizerState, StateReads, TablePlacement, table_name
+from lightning_recsys.checkpoint.validation import (
+    MODEL_NAMESPACE,
+    check_entries,
+    model_entries,
+    model_key,
+    optimizer_entries,
+    saved_tensors,
 )
-from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, ExpectedEntry, check_entries, model_key, saved_tensors
+from lightning_recsys.checkpoint.write_errors import explain_write_error
 from lightning_recsys.parallel.sharding import (
     RESHAPE_CHECKPOINT_KEY,
     EmbeddingOptimizerConfig,
@@ -149,7 +149,7 @@ def save_checkpoint(
     """
     final = Path(path)
     prepared = _prepare_save(final, state=state, topology=topology, step=step, extra_meta=extra_meta)
-    error: Exception | None = None
+    error: BaseException | None = None
     try:
         _write_host_state(prepared.tmp, host_state)
         if prepared.dcp_state is not None:
@@ -158,8 +158,8 @@ def save_checkpoint(
                 storage_writer=storage_writer_factory(prepared.tmp),
                 process_group=topology.sharding_process_group(),
             )
-    except Exception as e:  # noqa: BLE001 - every rank must learn about it
-        error = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - every rank must learn about it (DCP's is a BaseException)
+        error = explain_write_error(e, final=final, tmp=prepared.tmp)
     _all_ranks_ok(error, action=f"writing checkpoint {str(prepared.tmp)!r}")
     _commit_on_rank_zero(prepared)
     return final
@@ -297,9 +297,9 @@ def load_checkpoint(
                 "saved without host_state, or the file was deleted. Load it with load_checkpoint()/load_unsharded() instead."
             )
         optimizer_state = state.embedding_optimizer_state(group) if load_embedding_optimizer_state else None
-        expected = _model_entries(state.model_state_dict, set(state.table_placements()))
+        expected = model_entries(state.model_state_dict, set(state.table_placements()))
         if optimizer_state is not None:
-            expected += _optimizer_entries(optimizer_state)
+            expected += optimizer_entries(optimizer_state)
         to_load = check_entries(
             expected,
             metadata,
@@ -325,26 +325,6 @@ def load_checkpoint(
     if reads is not None:
         reads.apply()
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
-
-
-def _model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> list[ExpectedEntry]:
-    entries = []
-    for key, value in model_state_dict.items():
-        shapes = (tuple(value.size()),) if isinstance(value, torch.Tensor) else None
-        entries.append(ExpectedEntry(key=model_key(key), shapes=shapes, table=key if key in tables else None))
-    return entries
-
-
-def _optimizer_entries(optimizer_state: EmbeddingOptimizerState) -> list[ExpectedEntry]:
-    entries = []
-    for key, placement in optimizer_state.tables.items():
-        for state in optimizer_state.states:
-            entries.append(
-                ExpectedEntry(key=state_key(key, state), shapes=accepted_shapes(state, placement.rows, placement.dim), table=key)
-            )
-        if placement.shards is None and optimizer_state.states:
-            entries.append(ExpectedEntry(key=state_key(key, STEP), shapes=((),), table=key, optional=True))
-    return entries
 
 
 def _damaged(path: Path, error: Exception) -> UncommittedCheckpointError:
@@ -427,7 +407,7 @@ def load_unsharded(
         for k in sub.state_dict()
     }
     to_load = check_entries(
-        _model_entries(model_state, tables),
+        model_entries(model_state, tables),
         metadata,
         path=directory,
         strict=strict,
@@ -471,7 +451,7 @@ def to_lightning_checkpoint(path: str | os.PathLike[str], *, weights_only: bool 
 
 
 # ----------------------------------------------------------------- agreement between ranks
-def _all_ranks_ok(error: Exception | None, *, action: str) -> None:
+def _all_ranks_ok(error: BaseException | None, *, action: str) -> None:
     """Every rank learns whether every rank succeeded at ``action`` (an all-gather over WORLD).
 
     Bounded by the default process group's timeout. The rank that failed re-raises its own

@@ -5,11 +5,19 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_recsys.checkpoint.table_state import NAMESPACE, table_name
+from lightning_recsys.checkpoint.table_state import (
+    NAMESPACE,
+    STEP,
+    EmbeddingOptimizerState,
+    accepted_shapes,
+    state_key,
+    table_name,
+)
 
 MODEL_NAMESPACE = "model"
 
@@ -227,3 +235,25 @@ def _missing_optimizer_state(
         f"embedding optimizer {saved_name!r}), the model's optimizer {optimizer_name!r} needs "
         f"'{entry.key.removeprefix(prefix)}'."
     )
+
+
+def model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> list[ExpectedEntry]:
+    """What a model's state dict expects to find in a checkpoint: each key, its shape, whether it is a table."""
+    entries = []
+    for key, value in model_state_dict.items():
+        shapes = (tuple(value.size()),) if isinstance(value, torch.Tensor) else None
+        entries.append(ExpectedEntry(key=model_key(key), shapes=shapes, table=key if key in tables else None))
+    return entries
+
+
+def optimizer_entries(optimizer_state: EmbeddingOptimizerState) -> list[ExpectedEntry]:
+    """What the tables' fused optimizer state expects: each state of each table (and Adam's optional step)."""
+    entries = []
+    for key, placement in optimizer_state.tables.items():
+        for state in optimizer_state.states:
+            entries.append(
+                ExpectedEntry(key=state_key(key, state), shapes=accepted_shapes(state, placement.rows, placement.dim), table=key)
+            )
+        if placement.shards is None and optimizer_state.states:
+            entries.append(ExpectedEntry(key=state_key(key, STEP), shapes=((),), table=key, optional=True))
+    return entries

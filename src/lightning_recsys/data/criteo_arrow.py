@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_FEATURES, CriteoConfig, check_split_files
+from lightning_recsys.data.criteo_format import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_FEATURES, CriteoConfig, check_split_files
 from lightning_recsys.data.criteo_parse import Parsed, arrow_parse, python_parse
 from lightning_recsys.data.criteo_ranges import LineIndex, file_windows, is_gzip
 from lightning_recsys.data.module import Split

@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo import (
+from lightning_recsys.data.criteo_format import (
     _LINE,
     CRITEO_FEATURE_NAMES,
     NUM_CATEGORICAL_FEATURES,

@@ -12,7 +12,7 @@ pyarrow paths, tried in turn:
 - **any width**: categoricals as variable-length binary, up to 16 hex digits each.
 
 Both accept a window only after checks that together equal the line regular expression of
-``lightning_recsys.data.criteo``: only the bytes ``[0-9a-fA-F]``, ``-``, tab and newline occur
+``lightning_recsys.data.criteo_format``: only the bytes ``[0-9a-fA-F]``, ``-``, tab and newline occur
 (``bytes.translate``); pyarrow finds 40 fields on every line and reads the 13 integer columns as
 int64 (``-?[0-9]+`` or empty, else it raises); the label is ``0`` or ``1``; and a categorical holds
 hex digits only. In the fixed-width path that last check is a count: every ``-`` of the window must
@@ -28,19 +28,20 @@ import pyarrow as pa
 import pyarrow.compute as pa_compute
 import pyarrow.csv as pa_csv
 import torch
+from torchrec import KeyedJaggedTensor
 
-from lightning_recsys.data.criteo import (
+from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.data.criteo_format import (
     _LINE,
+    _NUM_FIELDS,
+    CRITEO_FEATURE_NAMES,
     NUM_CATEGORICAL_FEATURES,
     NUM_INTEGER_FEATURES,
     _diagnose,
-    dense_transform,
-    parse_criteo_rows,
 )
 from lightning_recsys.data.criteo_ranges import count_byte
 from lightning_recsys.data.readers import BadLineTally
 
-_NUM_FIELDS = 1 + NUM_INTEGER_FEATURES + NUM_CATEGORICAL_FEATURES
 _FIRST_CATEGORICAL = 1 + NUM_INTEGER_FEATURES
 _DASH = ord("-")
 _MAX_HEX_DIGITS = 16  # longer values (never in the released files) take the exact Python path
@@ -288,3 +289,31 @@ def python_parse(data: bytes, line_numbers: np.ndarray, sizes: list[int], tally:
     labels, dense, ids = parse_criteo_rows(rows, sizes)
     ids = ids.numpy()
     return Parsed(labels=labels.numpy(), dense=dense.numpy(), ids=ids, present=ids >= 0, valid=valid)
+
+
+def parse_criteo_rows(rows: list[list[str]], table_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Labels ``[B]``, dense ``[B, 13]`` and ids ``[26, B]`` (-1: missing) of checked lines split at tabs."""
+    labels = torch.tensor([row[0] == "1" for row in rows], dtype=torch.float32)
+    # float64 first: raw counts can exceed float32's exact range before the log shrinks them.
+    integers = torch.tensor(
+        [[float(x) if x else 0.0 for x in row[1 : 1 + NUM_INTEGER_FEATURES]] for row in rows], dtype=torch.float64
+    ).reshape(len(rows), NUM_INTEGER_FEATURES)
+    ids = torch.tensor(
+        [[int(x, 16) % size if x else -1 for x, size in zip(row[1 + NUM_INTEGER_FEATURES :], table_sizes)] for row in rows],
+        dtype=torch.long,
+    ).reshape(len(rows), NUM_CATEGORICAL_FEATURES).T  # [26, B]: a KJT is feature-major
+    return labels, dense_transform(integers), ids
+
+
+def dense_transform(integers: torch.Tensor) -> torch.Tensor:
+    """``log(1 + max(x, 0))`` of float64 raw integer features (missing already 0), as float32."""
+    return torch.log1p(integers.clamp_(min=0.0)).to(torch.float32)
+
+
+def criteo_batch(labels: torch.Tensor, dense: torch.Tensor, ids: torch.Tensor) -> RecBatch:
+    """The ``RecBatch`` of labels ``[B]``, dense ``[B, 13]`` and ids ``[26, B]``, where -1 is an empty bag."""
+    present = ids >= 0
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        keys=CRITEO_FEATURE_NAMES, values=ids[present], lengths=present.reshape(-1).long()
+    )
+    return RecBatch(dense=dense, sparse=sparse, labels=labels)

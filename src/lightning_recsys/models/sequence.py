@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from torchrec.sparse.jagged_tensor import JaggedTensor
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
@@ -44,24 +45,13 @@ def newest_padded(lengths: torch.Tensor, values: torch.Tensor, max_length: int) 
 
 
 @torch.fx.wrap
-def _check_sequences(history: JaggedTensor, actions: JaggedTensor, candidate: JaggedTensor, names: tuple[str, str, str]) -> None:
-    """Raise ``ValueError`` unless the actions align with the history and every example has one candidate."""
-    history_name, action_name, candidate_name = names
-    history_lengths, action_lengths, candidate_lengths = history.lengths(), actions.lengths(), candidate.lengths()
-    if action_lengths.shape != history_lengths.shape or candidate_lengths.shape != history_lengths.shape:
-        misaligned = [action_lengths.shape != history_lengths.shape, candidate_lengths.shape != history_lengths.shape]
-    else:  # one host sync for both checks
-        misaligned = torch.stack([(action_lengths != history_lengths).any(), (candidate_lengths != 1).any()]).tolist()
-    if misaligned[0]:
-        raise ValueError(
-            f"feature {action_name!r} must have the same lengths as {history_name!r} (one action type per history item); "
-            f"got lengths {action_lengths.tolist()} and {history_lengths.tolist()}."
-        )
-    if misaligned[1]:
-        raise ValueError(
-            f"feature {candidate_name!r} must hold exactly one item id per example (the candidate being ranked); "
-            f"got lengths {candidate_lengths.tolist()}."
-        )
+def _check_lengths(sparse: KeyedJaggedTensor, rules: FeatureLengthRules) -> None:
+    """Raise ``ValueError`` where the batch breaks the model's length rules. Under TwoDRecStrategy its
+    input guard checks the same rules on every rank before the step (unless ``validate_inputs="off"``),
+    so every rank raises together and this never fires."""
+    problems = length_rule_problems([rules], sparse.keys(), sparse.lengths(), sparse.stride())
+    if problems:
+        raise ValueError("; ".join(problems))
 
 
 @torch.fx.wrap
@@ -124,7 +114,7 @@ class SequenceRanker(RankerModule):
     context tables one ``EmbeddingBagCollection`` (tables ``t_<feature>``). Of each history the
     newest ``max_history`` actions are kept (newest in the last slot, padding before the oldest).
     Each token is ``[item embedding, action embedding, candidate embedding]`` (early fusion, as in
-    Pinterest's TransAct), projected to ``model_dim`` if that is set, plus a learned position
+    Pinterest's TransAct; with ``candidate_product`` also their elementwise product), projected to ``model_dim`` if that is set, plus a learned position
     embedding if ``position_embedding``, and goes through ``num_layers`` ``nn.TransformerEncoder``
     layers with the padding masked. The encoder output is max-pooled over the valid tokens and the
     newest ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
@@ -147,14 +137,17 @@ class SequenceRanker(RankerModule):
         context_embedding_dim: the dimension of the context tables; default ``embedding_dim``.
         max_history: how many of each history's newest actions the encoder reads.
         num_layers: transformer encoder layers.
-        num_heads: attention heads; must divide the token width (``model_dim``, or
-            ``3 * embedding_dim`` without it).
+        num_heads: attention heads; must divide the token width (``model_dim``, or without it
+            ``3 * embedding_dim``, ``4 * embedding_dim`` with ``candidate_product``).
         feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token width.
         dropout: the encoder's dropout probability, in ``[0, 1)``.
         newest_tokens: how many of the newest encoded tokens are kept beside the max-pool
             (``0 .. max_history``; 0: the max-pool only).
         model_dim: project the fused tokens to this width before the encoder; default no projection.
         position_embedding: add a learned embedding of each slot (its recency) to the tokens.
+        candidate_product: also append ``item embedding * candidate embedding`` (elementwise) to each
+            token, so the item-candidate similarity is a linear read-out (as DIN's interaction
+            features); the token width becomes ``4 * embedding_dim``. Off: TransAct's concatenation.
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
@@ -180,6 +173,7 @@ class SequenceRanker(RankerModule):
         newest_tokens: int = 10,
         model_dim: int | None = None,
         position_embedding: bool = True,
+        candidate_product: bool = False,
         over_arch_layer_sizes: list[int] | None = None,
         history_item_feature: str = "history_item_id",
         history_action_feature: str = "history_action",
@@ -204,7 +198,10 @@ class SequenceRanker(RankerModule):
         _positive_int("num_heads", num_heads)
         if model_dim is not None:
             _positive_int("model_dim", model_dim)
-        token_width = 3 * embedding_dim if model_dim is None else model_dim
+        if not isinstance(candidate_product, bool):
+            raise ValueError(f"candidate_product={candidate_product!r} must be True or False.")
+        fused_width = (4 if candidate_product else 3) * embedding_dim
+        token_width = fused_width if model_dim is None else model_dim
         if feedforward_dim is not None:
             _positive_int("feedforward_dim", feedforward_dim)
         if isinstance(newest_tokens, bool) or not isinstance(newest_tokens, int) or not 0 <= newest_tokens <= max_history:
@@ -212,7 +209,7 @@ class SequenceRanker(RankerModule):
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
         if token_width % num_heads:
-            source = f"model_dim={model_dim}" if model_dim is not None else f"3 * embedding_dim={token_width}"
+            source = f"model_dim={model_dim}" if model_dim is not None else f"{fused_width // embedding_dim} * embedding_dim={token_width}"
             raise ValueError(
                 f"num_heads={num_heads} must divide the token width ({source}): each head attends over an equal "
                 "slice. Change num_heads, embedding_dim or model_dim."
@@ -244,6 +241,10 @@ class SequenceRanker(RankerModule):
             raise ValueError(f"embedding_device={embedding_device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'meta'.") from err
 
         self._sequence_names = (history_item_feature, history_action_feature, candidate_item_feature)
+        # One action per history item, one candidate per example: checked here and, sharded, by the input guard.
+        self.sparse_length_rules = FeatureLengthRules(
+            aligned=((history_item_feature, history_action_feature),), one_per_example=(candidate_item_feature,), owner="SequenceRanker"
+        )
         self.max_history = max_history
         self.newest_tokens = newest_tokens
         self.sequence_embeddings = EmbeddingCollection(
@@ -270,7 +271,8 @@ class SequenceRanker(RankerModule):
             if context_names
             else None
         )
-        self.token_projection = nn.Linear(3 * embedding_dim, token_width) if model_dim is not None else nn.Identity()
+        self.candidate_product = candidate_product
+        self.token_projection = nn.Linear(fused_width, token_width) if model_dim is not None else nn.Identity()
         self.positions = nn.Parameter(torch.zeros(max_history, token_width)) if position_embedding else None
         if self.positions is not None:
             nn.init.normal_(self.positions, std=0.02)
@@ -288,12 +290,16 @@ class SequenceRanker(RankerModule):
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
         history_name, action_name, candidate_name = self._sequence_names
+        _check_lengths(batch.sparse, self.sparse_length_rules)
         sequences = self.sequence_embeddings(batch.sparse)
         history, actions, candidate = sequences[history_name], sequences[action_name], sequences[candidate_name]
-        _check_sequences(history, actions, candidate, self._sequence_names)
         candidate_embedding = candidate.values()
         tokens, padding = newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
-        fused = torch.cat([tokens, candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)], dim=2)
+        candidates = candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)
+        parts = [tokens, candidates]
+        if self.candidate_product:  # item x candidate, elementwise: their similarity is then a linear read-out
+            parts.append(tokens[..., : candidates.shape[-1]] * candidates)
+        fused = torch.cat(parts, dim=2)
         fused = self.token_projection(fused)
         if self.positions is not None:
             fused = fused + self.positions

@@ -33,7 +33,8 @@ from lightning_recsys.planner.shard_cost import (
     WireFormat,
 )
 from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule
-from lightning_recsys.planner.torchrec_planner import embedding_tables, make_sharding_plan
+from lightning_recsys.planner.tables import ModelTables, embedding_tables, model_tables
+from lightning_recsys.planner.torchrec_planner import make_sharding_plan
 
 __all__ = [
     "BalanceObjective",
@@ -45,6 +46,7 @@ __all__ = [
     "CommCosts",
     "Imbalance",
     "LoadProfile",
+    "ModelTables",
     "PlanReport",
     "PlanResult",
     "PlannedSharding",
@@ -64,6 +66,7 @@ __all__ = [
     "embedding_tables",
     "make_balanced_plan",
     "make_sharding_plan",
+    "model_tables",
     "plan_rows",
     "profile_datamodule",
     "suggest_reshape",

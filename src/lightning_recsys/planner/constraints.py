@@ -17,6 +17,7 @@ from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_recsys.parallel.sharding import ALL_SHARDING_TYPES
 from lightning_recsys.planner.stats import TableStats
+from lightning_recsys.planner.tables import ModelTables
 
 _COMPUTE_KERNELS = ("dense", "fused", "fused_uvm", "fused_uvm_caching", "quant", "key_value")
 
@@ -144,7 +145,7 @@ def torchrec_constraints(
 
 
 def check_table_options(
-    module: nn.Module,
+    tables: ModelTables,
     sharders: Sequence[ModuleSharder[nn.Module]],
     compute_device: str,
     *,
@@ -160,39 +161,37 @@ def check_table_options(
     search above for warning logs" for such a table, naming neither the constraint nor what was left.
     """
     by_type = {sharder.module_type: sharder for sharder in sharders}
-    for sub in module.modules():
-        sharder = by_type.get(type(sub))
+    for table, collection in zip(tables.configs, tables.collections):
+        sharder = by_type.get(collection)
         if sharder is None:
             continue
-        configs = sub.embedding_bag_configs() if isinstance(sub, EmbeddingBagCollection) else getattr(sub, "embedding_configs", list)()
         offered = {t: list(sharder.compute_kernels(t, compute_device)) for t in sharder.sharding_types(compute_device)}
-        for table in configs:
-            given = (table_constraints or {}).get(table.name)
-            types = list(offered)
-            if given is not None and given.sharding_types is not None:
-                types = [t for t in types if t in given.sharding_types]
-            if table.name in (hash_partitions or {}):
-                types = [t for t in types if t == ShardingType.ROW_WISE.value]
-            kernels = given.compute_kernels if given is not None and given.compute_kernels is not None else default_compute_kernels
-            if any(kernels is None or set(offered[t]) & set(kernels) for t in types):
-                continue
-            asked = []
-            if given is not None and given.sharding_types is not None:
-                asked.append(f"sharding_types={given.sharding_types}")
-            if given is not None and given.compute_kernels is not None:
-                asked.append(f"compute_kernels={given.compute_kernels}")
-            if table.name in (hash_partitions or {}):
-                asked.append(f"row_wise only (hash_partitions[{table.name!r}])")
-            if offered:
-                may_use = f"The planner may use {offered} there"
-            else:  # the allow-list leaves nothing that this module type runs on this device
-                may_use = f"No sharding type of PlanningConfig(sharding_types) runs {type(sub).__name__} tables there"
-                if compute_device == "cpu" and not isinstance(sub, EmbeddingBagCollection):
-                    may_use += " (data_parallel is not offered for sequence tables on CPU: TorchRec 1.8's lookup returns pooled rows)"
-            raise ValueError(
-                f"table {table.name!r} ({type(sub).__name__}): no sharding type and compute kernel are left for it on "
-                f"{compute_device!r}. {may_use} (PlanningConfig(sharding_types) and, under 2D, "
-                f"its default already applied), and the table asks for {', '.join(asked) or 'nothing more'}. Widen "
-                f"table_constraints[{table.name!r}] or PlanningConfig(sharding_types) so that they share a sharding type "
-                "and a compute kernel offered there."
-            )
+        given = (table_constraints or {}).get(table.name)
+        types = list(offered)
+        if given is not None and given.sharding_types is not None:
+            types = [t for t in types if t in given.sharding_types]
+        if table.name in (hash_partitions or {}):
+            types = [t for t in types if t == ShardingType.ROW_WISE.value]
+        kernels = given.compute_kernels if given is not None and given.compute_kernels is not None else default_compute_kernels
+        if any(kernels is None or set(offered[t]) & set(kernels) for t in types):
+            continue
+        asked = []
+        if given is not None and given.sharding_types is not None:
+            asked.append(f"sharding_types={given.sharding_types}")
+        if given is not None and given.compute_kernels is not None:
+            asked.append(f"compute_kernels={given.compute_kernels}")
+        if table.name in (hash_partitions or {}):
+            asked.append(f"row_wise only (hash_partitions[{table.name!r}])")
+        if offered:
+            may_use = f"The planner may use {offered} there"
+        else:  # the allow-list leaves nothing that this module type runs on this device
+            may_use = f"No sharding type of PlanningConfig(sharding_types) runs {collection.__name__} tables there"
+            if compute_device == "cpu" and not issubclass(collection, EmbeddingBagCollection):
+                may_use += " (data_parallel is not offered for sequence tables on CPU: TorchRec 1.8's lookup returns pooled rows)"
+        raise ValueError(
+            f"table {table.name!r} ({collection.__name__}): no sharding type and compute kernel are left for it on "
+            f"{compute_device!r}. {may_use} (PlanningConfig(sharding_types) and, under 2D, "
+            f"its default already applied), and the table asks for {', '.join(asked) or 'nothing more'}. Widen "
+            f"table_constraints[{table.name!r}] or PlanningConfig(sharding_types) so that they share a sharding type "
+            "and a compute kernel offered there."
+        )

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -45,7 +46,8 @@ from lightning_recsys.planner.report import PlanReport, build_plan_report
 from lightning_recsys.planner.reshape import ReshapeAdvice, suggest_reshape
 from lightning_recsys.planner.shard_cost import CommCosts, format_bytes
 from lightning_recsys.planner.stats import TableStats, profile_datamodule, resolve_table_stats
-from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_planner
+from lightning_recsys.planner.tables import ModelTables, model_tables
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, torchrec_planner
 
 PLANNER_LABELS: dict[str, str] = {"torchrec": "TorchRec EmbeddingShardingPlanner", "balanced": "BalancedPlanner"}
 
@@ -58,12 +60,14 @@ class HasTrainLoader(Protocol):
 
 @dataclass(frozen=True)
 class PlanningInputs:
-    """What the planners are told: examples per rank per step, per-table stats (None: assumed), reshapes made."""
+    """What the planners are told: examples per rank per step, per-table stats (None: assumed), reshapes made,
+    and the tables they plan (after the reshape; ``prepare`` sets them on every rank, None: read from the module)."""
 
     batch_size: int
     stats: dict[str, TableStats] | None
     reshape: tuple[ReshapeAdvice, ...] = ()
     stats_source: str = "given"  # "profiled": measured on profile_batches batches; "given": PlanningConfig(table_stats)
+    tables: ModelTables | None = None
 
 
 @dataclass(frozen=True)
@@ -122,26 +126,41 @@ class PlanningPipeline:
         }
 
     def run(
-        self, module: nn.Module, datamodule: HasTrainLoader | None = None, *, setup_datamodule: bool = False, batch_size: int | None = None
+        self,
+        module: nn.Module,
+        datamodule: HasTrainLoader | None = None,
+        *,
+        setup_datamodule: bool = False,
+        batch_size: int | None = None,
+        tables: ModelTables | None = None,
     ) -> PlannedSharding:
         """``prepare`` then ``plan``: every rank calls it, and gets the same plan."""
-        return self.plan(module, self.prepare(module, datamodule, setup_datamodule=setup_datamodule, batch_size=batch_size))
+        inputs = self.prepare(module, datamodule, setup_datamodule=setup_datamodule, batch_size=batch_size, tables=tables)
+        return self.plan(module, inputs)
 
     def prepare(
-        self, module: nn.Module, datamodule: HasTrainLoader | None = None, *, setup_datamodule: bool = False, batch_size: int | None = None
+        self,
+        module: nn.Module,
+        datamodule: HasTrainLoader | None = None,
+        *,
+        setup_datamodule: bool = False,
+        batch_size: int | None = None,
+        tables: ModelTables | None = None,
     ) -> PlanningInputs:
         """Profile and advise on rank 0, then reshape ``module`` on every rank; returns what planning is told.
 
         ``datamodule`` is profiled only with ``profile_batches > 0``; ``setup_datamodule`` first calls
         its ``setup("fit")`` (False where a Trainer already did). ``batch_size`` (examples per rank
-        per step) overrides the profiled one.
+        per step) overrides the profiled one. ``tables``: ``model_tables(module)`` if the caller has it.
         """
+        tables = tables if tables is not None else model_tables(module)
         inputs: PlanningInputs = on_rank_zero(
-            lambda: self._inputs(module, datamodule, setup_datamodule, batch_size), rank=self.rank, broadcast=self.broadcast
+            lambda: self._inputs(tables, datamodule, setup_datamodule, batch_size), rank=self.rank, broadcast=self.broadcast
         )
         if inputs.reshape:
             apply_reshape(module, inputs.reshape)  # every rank: the plan is for the reshaped tables
-        return inputs
+            tables = model_tables(module)  # the reshape replaced them: read the new ones once
+        return dataclasses.replace(inputs, tables=tables)
 
     def plan(self, module: nn.Module, inputs: PlanningInputs, planner: PlannerName | None = None) -> PlannedSharding:
         """Plan on rank 0 (with ``planner``, default the config's) and broadcast; rank 0 also reports."""
@@ -149,20 +168,23 @@ class PlanningPipeline:
         if name not in PLANNERS:
             raise ValueError(f"planner={name!r} is not one of {list(PLANNERS)}.")
         reports: list[PlanReport] = []
+        if inputs.tables is None:
+            inputs = dataclasses.replace(inputs, tables=model_tables(module))
 
         def plan_and_report() -> ShardingPlan:
-            check_embedding_dims(embedding_tables(module), self.config)
+            assert inputs.tables is not None
+            check_embedding_dims(list(inputs.tables), self.config)
             check_table_options(
-                module, self.sharders, self.compute_device, table_constraints=self.config.table_constraints,
+                inputs.tables, self.sharders, self.compute_device, table_constraints=self.config.table_constraints,
                 hash_partitions=self.config.hash_partitions,
                 default_compute_kernels=DEFAULT_COMPUTE_KERNELS if name == "balanced" else None,
             )
             try:
-                plan = self._planner(name, module, inputs).plan(module, self.sharders)
+                plan = self._planner(name, inputs).plan(module, self.sharders)
             except PlannerError as error:
                 if name != "torchrec" or error.error_type != PlannerErrorType.INSUFFICIENT_STORAGE:
                     raise
-                raise PlannerError(f"{error}\n{largest_tables(embedding_tables(module))}", error.error_type) from error
+                raise PlannerError(f"{error}\n{largest_tables(list(inputs.tables))}", error.error_type) from error
             if self.compute_device == "cpu":
                 check_row_shards_have_rows(plan)
             # What the plan's codecs send: fp8/int8 scale blocks (or a bf16 fallback) are known only now.
@@ -174,7 +196,7 @@ class PlanningPipeline:
         return PlannedSharding(plan=plan, report=reports[0] if reports else None, inputs=inputs)
 
     # -- stages
-    def _inputs(self, module: nn.Module, datamodule: HasTrainLoader | None, setup: bool, batch_size: int | None) -> PlanningInputs:
+    def _inputs(self, tables: ModelTables, datamodule: HasTrainLoader | None, setup: bool, batch_size: int | None) -> PlanningInputs:
         config = self.config
         stats = dict(config.table_stats) if config.table_stats else None
         source = "given"
@@ -192,7 +214,7 @@ class PlanningPipeline:
                     f"{config.profile_batches} training batches (profile_batches): give one of the two.",
                     stacklevel=2,
                 )
-            stats = profile.table_stats(embedding_tables(module))  # the original tables, before any reshape
+            stats = profile.table_stats(tables.configs)  # the original tables, before any reshape
             source = "profiled"
             batch_size = batch_size or max(1, profile.examples // profile.batches)
         batch_size = batch_size or DEFAULT_BATCH_SIZE
@@ -200,22 +222,24 @@ class PlanningPipeline:
         if config.reshape_tables:
             # As the planner is told: a table that may only be data_parallel has no all-to-all to cut,
             # and one without statistics has its TableConstraints pooling factor.
-            tables = [t for t in embedding_tables(module) if not _data_parallel_only(t.name, config)]
-            names = {t.name for t in tables}
+            shardable = [t for t in tables if not _data_parallel_only(t.name, config)]
+            names = {t.name for t in shardable}
             known = {name: s for name, s in (stats or {}).items() if name in names}
             advice = suggest_reshape(
-                tables,
-                stats=resolve_table_stats(tables, known, pooling_factor_defaults(config.table_constraints))[0],
+                shardable,
+                stats=resolve_table_stats(shardable, known, pooling_factor_defaults(config.table_constraints))[0],
                 batch_size=batch_size,
                 sharding_group_size=self.topology.sharding_group_size,
                 comm_costs=self.comm_costs,
             )
         return PlanningInputs(batch_size=batch_size, stats=stats, reshape=tuple(advice), stats_source=source)
 
-    def _planner(self, name: str, module: nn.Module, inputs: PlanningInputs) -> ShardingPlanner:
+    def _planner(self, name: str, inputs: PlanningInputs) -> ShardingPlanner:
         config = self.config
+        tables = inputs.tables
+        assert tables is not None, "PlanningPipeline.prepare (or plan) sets the inputs' tables"
         hash_partitions = config.hash_partitions or {}
-        check_hash_partitions(hash_partitions, embedding_tables(module), self.topology.sharding_group_size)
+        check_hash_partitions(hash_partitions, list(tables), self.topology.sharding_group_size)
         told: Mapping[str, Any] = {
             **self._group,
             "batch_size": inputs.batch_size,
@@ -225,8 +249,8 @@ class PlanningPipeline:
             "memory_per_rank": self.memory_per_rank,
         }
         if name == "balanced":
-            return BalancedPlanner(**told, comm_costs=self.comm_costs)
-        return torchrec_planner(module, **told)
+            return BalancedPlanner(**told, comm_costs=self.comm_costs, tables=tables)
+        return torchrec_planner(tables, **told)
 
     def _report(self, plan: ShardingPlan, module: nn.Module, inputs: PlanningInputs, label: str, comm: CommCosts) -> PlanReport:
         config = self.config
@@ -243,6 +267,7 @@ class PlanningPipeline:
             planner=label,
             reshape=inputs.reshape,
             stats_source=inputs.stats_source,
+            tables=inputs.tables,
         )
 
 

@@ -33,7 +33,8 @@ from lightning_recsys.planner.constraints import TableConstraints, pooling_facto
 from lightning_recsys.planner.reshape import ReshapeAdvice
 from lightning_recsys.planner.shard_cost import CommCosts, Imbalance, format_bytes, shard_cost, storage_tier
 from lightning_recsys.planner.stats import LoadProfile, TableStats, resolve_table_stats
-from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, torchrec_topology
+from lightning_recsys.planner.tables import ModelTables, model_tables
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, torchrec_topology
 
 REPORT_METRICS: tuple[str, ...] = ("storage_bytes", "lookups", "a2a_bytes", "step_time_ms")
 _SHORT_TYPES = {
@@ -254,20 +255,21 @@ def build_plan_report(
     planner: str = "",
     reshape: Sequence[ReshapeAdvice] = (),
     stats_source: str = "observed",
+    tables: ModelTables | None = None,
 ) -> PlanReport:
     """Measure ``plan`` (group-local ranks) for ``module``; works for plans from any TorchRec planner.
 
     ``stats_source``: what the report calls the tables' ``stats`` (``"profiled"``, ``"given"``); tables
-    without stats are ``"assumed"``.
+    without stats are ``"assumed"``. ``tables``: the module's, when the caller has read them already.
     """
-    tables = embedding_tables(module)
-    resolved, assumed = resolve_table_stats(tables, stats, pooling_factor_defaults(table_constraints))
+    configs = (tables if tables is not None else model_tables(module)).configs
+    resolved, assumed = resolve_table_stats(configs, stats, pooling_factor_defaults(table_constraints))
     topology = torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device)
     comm = comm_costs or CommCosts.from_sharders(sharders)
     tier = storage_tier(compute_device)
     # Only the traffic constrains the estimates: every sharding type must be enumerable to match the plan.
     constraints = {
-        t.name: ParameterConstraints(pooling_factors=[resolved[t.name].pooling_factor] * resolved[t.name].features) for t in tables
+        t.name: ParameterConstraints(pooling_factors=[resolved[t.name].pooling_factor] * resolved[t.name].features) for t in configs
     }
     enumerator = EmbeddingEnumerator(topology=topology, batch_size=batch_size, constraints=constraints)
     templates: dict[tuple[str, str], list[ShardingOption]] = defaultdict(list)

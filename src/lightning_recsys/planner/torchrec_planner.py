@@ -1,6 +1,6 @@
 """TorchRec's own planner (``EmbeddingShardingPlanner``), and what every planner here hands it.
 
-* ``embedding_tables``: the tables of a module, as TorchRec's planner enumerates them;
+* ``embedding_tables``: the tables of a module, as TorchRec's planner enumerates them (``planner.tables``);
 * ``torchrec_topology``: TorchRec's ``Topology`` of one sharding group (no process group needed);
 * ``quiet_torchrec_planner``: drops a warning TorchRec logs for every data-parallel table;
 * ``torchrec_planner`` / ``make_sharding_plan``: TorchRec's default planner on our constraints
@@ -16,16 +16,25 @@ import logging
 from collections.abc import Iterator, Mapping
 
 from torch import nn
-from torchrec import EmbeddingBagCollection, EmbeddingCollection
 from torchrec.distributed.planner import EmbeddingShardingPlanner
 from torchrec.distributed.planner.types import KernelConfig, Topology, TopologyFactory, TrainerConfig
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig
 
 from lightning_recsys.planner.collective import plan_for_every_rank
 from lightning_recsys.planner.constraints import TableConstraints, pooling_factor_defaults, torchrec_constraints
 from lightning_recsys.planner.shard_cost import storage_tier
 from lightning_recsys.planner.stats import LoadProfile, TableStats, resolve_table_stats
+from lightning_recsys.planner.tables import ModelTables, embedding_tables, model_tables
+
+__all__ = [
+    "DEFAULT_BATCH_SIZE",
+    "QuietEmbeddingShardingPlanner",
+    "embedding_tables",  # re-exported: it lives in planner.tables
+    "make_sharding_plan",
+    "quiet_torchrec_planner",
+    "torchrec_planner",
+    "torchrec_topology",
+]
 
 DEFAULT_BATCH_SIZE = 512  # TorchRec's planner default (torchrec.distributed.planner.constants.BATCH_SIZE)
 
@@ -49,17 +58,6 @@ def quiet_torchrec_planner() -> Iterator[None]:
         yield
     finally:
         root.removeFilter(handler_filter)
-
-
-def embedding_tables(module: nn.Module) -> list[BaseEmbeddingConfig]:
-    """Every table config of the module's EmbeddingBagCollections and EmbeddingCollections."""
-    tables: list[BaseEmbeddingConfig] = []
-    for sub in module.modules():
-        if isinstance(sub, EmbeddingBagCollection):
-            tables += list(sub.embedding_bag_configs())
-        elif isinstance(sub, EmbeddingCollection):
-            tables += list(sub.embedding_configs())
-    return tables
 
 
 def torchrec_topology(
@@ -97,7 +95,7 @@ class QuietEmbeddingShardingPlanner(EmbeddingShardingPlanner):
 
 
 def torchrec_planner(
-    module: nn.Module,
+    tables: ModelTables,
     *,
     sharding_group_size: int,
     group_ranks_per_node: int | None,
@@ -108,18 +106,17 @@ def torchrec_planner(
     hash_partitions: Mapping[str, int] | None = None,
     memory_per_rank: int | None = None,
 ) -> EmbeddingShardingPlanner:
-    """TorchRec's default planner for ``module``'s tables, told the same as ``BalancedPlanner`` is.
+    """TorchRec's default planner for a module's ``tables``, told the same as ``BalancedPlanner`` is.
 
     It gets the batch size, each table's observed (or assumed) pooling factors through
     ``torchrec_constraints``, our per-table constraints and the hash-partitioned tables (row-wise).
     TorchRec's own stats table is not logged; ``build_plan_report`` describes the plan instead.
     """
-    tables = embedding_tables(module)
-    resolved, _ = resolve_table_stats(tables, stats, pooling_factor_defaults(constraints))
+    resolved, _ = resolve_table_stats(tables.configs, stats, pooling_factor_defaults(constraints))
     return QuietEmbeddingShardingPlanner(
         topology=torchrec_topology(sharding_group_size, group_ranks_per_node, compute_device, memory_per_rank),
         batch_size=batch_size or DEFAULT_BATCH_SIZE,
-        constraints=torchrec_constraints(tables, stats=resolved, table_constraints=constraints, hash_partitions=hash_partitions),
+        constraints=torchrec_constraints(tables.configs, stats=resolved, table_constraints=constraints, hash_partitions=hash_partitions),
         stats=[],
         debug=False,
     )
@@ -141,7 +138,7 @@ def make_sharding_plan(
     The plan's ranks are group-local (0..sharding_group_size-1); see ``plan_for_every_rank``.
     """
     planner = torchrec_planner(
-        module,
+        model_tables(module),
         sharding_group_size=sharding_group_size,
         group_ranks_per_node=group_ranks_per_node,
         compute_device=compute_device,

@@ -2,16 +2,28 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import ShardedState
 from lightning_recsys.parallel.sharding import RESHAPE_CHECKPOINT_KEY, reshape_record
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
+
+_NO_LAST_CHECKPOINT_YET = r'\.fit\(ckpt_path="last"\) is set, but there is no last checkpoint available'
+
+
+def silence_no_last_checkpoint_yet() -> None:
+    """fit(ckpt_path="last") before the first checkpoint is the restart recipe's first start, not a mistake.
+
+    Lightning's ``_CheckpointConnector._parse_ckpt_path`` warns about it before any strategy hook
+    runs; ``on_train_start`` says it in one INFO line instead."""
+    warnings.filterwarnings("ignore", message=_NO_LAST_CHECKPOINT_YET)
 
 
 class ShardedCheckpointHooks:
@@ -66,6 +78,23 @@ class ShardedCheckpointHooks:
         if "state_dict" in checkpoint:  # a plain (non-DCP) checkpoint dict
             super().load_model_state_dict(checkpoint, strict=strict)
         # else: DCPCheckpointIO already loaded the model in place
+
+    def on_train_start(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return
+        fit_loop = trainer.fit_loop
+        if fit_loop.restarted_mid_epoch and fit_loop.epoch_loop.restarted_on_train_batch_end and fit_loop.epoch_loop.batch_progress.is_last_batch:
+            # Workaround (Lightning 2.6, loops/fit_loop.py): resuming from a checkpoint saved at an epoch's last batch,
+            # _FitLoop.reset() counts that epoch complete but keeps RESTARTED_MID_EPOCH, so on_advance_start skips the
+            # next epoch's increment_ready/started (and on_train_epoch_start); a checkpoint saved in that epoch then
+            # resumes it from its first batch, training those batches twice.
+            fit_loop.reset_restart_stage()
+        if trainer.ckpt_path is None and trainer.global_step == 0:
+            rank_zero_info(
+                "TwoDRecStrategy: fit starts fresh at step 0: no checkpoint to resume from (none was given, or "
+                'ckpt_path="last" found no committed one yet).'
+            )
 
     def sharded_checkpoint_state(self) -> ShardedState:
         """This rank's state for DCP: the module's state dict and the embedding optimizer state."""

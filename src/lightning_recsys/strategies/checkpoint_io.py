@@ -7,6 +7,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import (
@@ -112,6 +113,11 @@ class DCPCheckpointIO(CheckpointIO):
             remedies = _trainer_remedies(path, state.embedding_optimizer.name, error)
             raise CheckpointMismatchError(f"{error}\n{remedies}" if remedies else str(error), error.kinds) from error
         assert loaded.host_state is not None
+        data = "" if loaded.path.name == path.name else f" (data directory {loaded.path.name}, the newest committed copy of that name)"
+        rank_zero_info(
+            f"DCPCheckpointIO: loaded the committed checkpoint {path}{data} at step {loaded.meta.step}, "
+            f"epoch {loaded.meta.extra.get('epoch')}, saved {loaded.meta.saved_at} by {loaded.meta.world_size} ranks"
+        )
         return dict(loaded.host_state)
 
     @override

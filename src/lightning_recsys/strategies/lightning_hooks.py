@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
-if TYPE_CHECKING:
-    from lightning_recsys.strategies.twod_rec import TwoDRecStrategy
+
+class SyncsReplicas(Protocol):
+    """The strategy as ``SyncReplicasFirst`` needs it: a replica sync to run if one is pending."""
+
+    def _sync_if_pending(self) -> None: ...
 
 _BATCH_TRANSFER_HOOKS = ("on_before_batch_transfer", "transfer_batch_to_device", "on_after_batch_transfer")
 
@@ -22,7 +25,7 @@ class SyncReplicasFirst(Callback):
     ``trainer.callbacks``; its hooks remain for the case of a Trainer that lost it.
     """
 
-    def __init__(self, strategy: "TwoDRecStrategy") -> None:
+    def __init__(self, strategy: SyncsReplicas) -> None:
         self._strategy = strategy
 
     def _sync(self, trainer: Trainer, pl_module: LightningModule) -> None:

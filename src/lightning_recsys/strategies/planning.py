@@ -6,22 +6,31 @@ functions turn a configured strategy into its inputs, so the command plans exact
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Optional, Protocol
 
 import torch
 from torch import nn
 from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
-from lightning_recsys.parallel.comms import QCommsCodecs, resolve_qcomms
-from lightning_recsys.parallel.sharding import make_sharders, supported_sharding_types
-from lightning_recsys.parallel.topology import ParallelTopology
+from lightning_recsys.parallel import EmbeddingOptimizerConfig
+from lightning_recsys.parallel.comms import QCommsCodecs, QCommsConfig, resolve_qcomms
+from lightning_recsys.parallel.sharding import check_index_dedup_runs, make_sharders, supported_sharding_types
+from lightning_recsys.parallel.topology import Layout, ParallelTopology
+from lightning_recsys.planner import PlanningConfig
 
-if TYPE_CHECKING:
-    from lightning_recsys.strategies.twod_rec import TwoDRecStrategy
+
+class PlanningSettings(Protocol):
+    """What planning reads of a strategy (``TwoDRecStrategy``'s settings): its layout and its configs."""
+
+    sharding_group_size: Optional[int]
+    layout: Layout
+    planning: PlanningConfig
+    qcomms_config: QCommsConfig
+    embedding_optimizer_config: EmbeddingOptimizerConfig
 
 
 def planning_topology(
-    strategy: TwoDRecStrategy, *, world_size: int, ranks_per_node: int, sharding_group_size: int | None = None
+    strategy: PlanningSettings, *, world_size: int, ranks_per_node: int, sharding_group_size: int | None = None
 ) -> ParallelTopology:
     """The world layout the strategy builds for ``world_size`` ranks, ``ranks_per_node`` on each node.
 
@@ -38,7 +47,7 @@ def planning_topology(
 
 
 def planning_sharders(
-    strategy: TwoDRecStrategy,
+    strategy: PlanningSettings,
     *,
     compute_device: str,
     topology: ParallelTopology,
@@ -56,4 +65,7 @@ def planning_sharders(
         allowed = supported_sharding_types(compute_device, two_d=True)
     codecs = QCommsCodecs.build(resolve_qcomms(strategy.qcomms_config), plan, device=device)
     fused = strategy.embedding_optimizer_config.fused_params()
-    return make_sharders(fused, allowed, qcomm_codecs_registry=codecs.registry), codecs
+    dedup = strategy.qcomms_config.index_dedup
+    if dedup:
+        check_index_dedup_runs(compute_device)
+    return make_sharders(fused, allowed, qcomm_codecs_registry=codecs.registry, index_dedup=dedup), codecs

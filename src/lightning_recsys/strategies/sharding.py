@@ -8,23 +8,38 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol, TypeVar
 
+import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from lightning_recsys._upstream_logging import root_logger_left_unconfigured
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel, shard_model
 from lightning_recsys.parallel.comms import EffectiveQComms, QCommsConfig
-from lightning_recsys.parallel.input import InputValidator, feature_tables
+from lightning_recsys.parallel.input import InputValidator, feature_tables, module_length_rules
 from lightning_recsys.parallel.sharding import ROW_SHARDED_TYPES, ShardedRuntime
-from lightning_recsys.planner import PlanningConfig, PlanReport, plan_rows, summarize_plan
+from lightning_recsys.planner import PlanningConfig, PlanReport, model_tables, plan_rows, summarize_plan
 from lightning_recsys.planner.pipeline import PlanningPipeline
-from lightning_recsys.strategies.planning import planning_sharders
-
-if TYPE_CHECKING:
-    from lightning_recsys.strategies.twod_rec import TwoDRecStrategy
+from lightning_recsys.strategies.planning import PlanningSettings, planning_sharders
 
 _RECORD = "_lightning_recsys_sharding"  # in the module's __dict__: not a submodule, not in state_dict
+_T = TypeVar("_T")
+
+
+class ShardingStrategy(PlanningSettings, Protocol):
+    """What sharding reads of the strategy (``TwoDRecStrategy``): its settings, world layout, device and rank."""
+
+    @property
+    def topology(self) -> ParallelTopology: ...
+
+    @property
+    def root_device(self) -> torch.device: ...
+
+    @property
+    def global_rank(self) -> int: ...
+
+    def broadcast(self, obj: _T, src: int = 0) -> _T: ...
 
 
 @dataclass(frozen=True)
@@ -38,7 +53,7 @@ class ShardingSettings:
     planning: PlanningConfig
 
     @classmethod
-    def of(cls, strategy: TwoDRecStrategy) -> ShardingSettings:
+    def of(cls, strategy: ShardingStrategy) -> ShardingSettings:
         topology = strategy.topology
         return cls(
             topology=(topology.world_size, topology.sharding_group_size, topology.layout, topology.node_size),
@@ -70,7 +85,7 @@ class ShardedSetup:
     runtime: Optional[ShardedRuntime] = None  # its accounting and row-tracking hooks are on the shared modules
 
 
-def shard_or_reuse(strategy: TwoDRecStrategy, module: LightningModule) -> ShardedSetup:
+def shard_or_reuse(strategy: ShardingStrategy, module: LightningModule) -> ShardedSetup:
     """The module's sharded setup: made now, or the one an earlier Trainer's strategy left on it."""
     settings = ShardingSettings.of(strategy)
     previous: Optional[ShardedSetup] = module.__dict__.get(_RECORD)
@@ -92,8 +107,8 @@ def shard_or_reuse(strategy: TwoDRecStrategy, module: LightningModule) -> Sharde
     return previous
 
 
-def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: ShardingSettings) -> ShardedSetup:
-    validator = InputValidator(feature_tables(module))  # also refuses tables without features
+def _shard(strategy: ShardingStrategy, module: LightningModule, settings: ShardingSettings) -> ShardedSetup:
+    validator = InputValidator(feature_tables(module), module_length_rules(module))  # also refuses tables without features
     topology: ParallelTopology = strategy.topology
     device = strategy.root_device
     planner_sharders, _ = planning_sharders(strategy, compute_device=device.type, topology=topology, device=device)
@@ -103,7 +118,8 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
         final_sharders=lambda plan: planning_sharders(strategy, compute_device=device.type, topology=topology, plan=plan, device=device)[0],
     )
     datamodule = getattr(module.trainer, "datamodule", None) if module._trainer is not None else None
-    planned = pipeline.run(module, datamodule)  # the Trainer has set the DataModule up
+    with root_logger_left_unconfigured():  # TorchRec's plan check calls logging.warning: it would configure the root logger
+        planned = pipeline.run(module, datamodule, tables=model_tables(module))  # the Trainer has set the DataModule up
     sharders, codecs = planning_sharders(strategy, compute_device=device.type, topology=topology, plan=planned.plan, device=device)
     if planned.report is not None:
         report = planned.report.to_table()  # has its own header
@@ -112,10 +128,11 @@ def _shard(strategy: TwoDRecStrategy, module: LightningModule, settings: Shardin
     rank_zero_info(f"TwoDRecStrategy: {topology.describe()}\n{report}\nQComms (effective precisions):\n{codecs.effective.describe()}")
     if codecs.effective.fallbacks:
         rank_zero_warn("QComms: " + "; ".join(codecs.effective.fallbacks) + ".")
-    sharded = shard_model(
-        module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
-        dense_grads_precision=codecs.effective.dense_grads,
-    )
+    with root_logger_left_unconfigured():  # FBGEMM's fused-table constructor calls logging.info (SplitTableBatchedEmbeddingBagsCodegen.log)
+        sharded = shard_model(
+            module, topology=topology, device=device, sharders=sharders, plan=planned.plan,
+            dense_grads_precision=codecs.effective.dense_grads,
+        )
     if not topology.is_1d and not sharded.model_parallel_tables:
         rank_zero_info(
             "TwoDRecStrategy: every table is data_parallel, so the replica sync has nothing to sync and is skipped "

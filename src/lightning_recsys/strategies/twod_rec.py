@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import atexit
 import logging
-from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -27,18 +26,17 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
-from torch.nn import Module
-from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_recsys._registration import STRATEGY_NAME, register
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, ShardedModel
-from lightning_recsys.parallel.comms import CommAccountant, EffectiveQComms, QCommsConfig, resolve_qcomms
+from lightning_recsys.parallel.comms import EffectiveQComms, QCommsConfig, resolve_qcomms
 from lightning_recsys.parallel.input import PIPELINE_MODES, GuardConfig, PipelineMode, SparseDistPipeline
-from lightning_recsys.parallel.sharding import EmbeddingLearningRate, ShardedRuntime, silence_known_upstream_warnings
-from lightning_recsys.parallel.sync import ReplicaSyncConfig, SyncStats
+from lightning_recsys.parallel.sharding import ShardedRuntime, silence_known_upstream_warnings
+from lightning_recsys.parallel.sync import ReplicaSyncConfig
 from lightning_recsys.parallel.topology import (
     Layout,
+    attempt_scoped_store,
     check_topology_arguments,
     destroy_process_group_at_exit,
     looks_like_lost_peer,
@@ -46,24 +44,29 @@ from lightning_recsys.parallel.topology import (
     report_lost_ranks,
     was_raised_on_every_rank,
 )
-from lightning_recsys.planner import PlanningConfig, PlanReport
-from lightning_recsys.planner.torchrec_planner import embedding_tables
+from lightning_recsys.planner import PlanningConfig, PlanReport, embedding_tables
 from lightning_recsys.strategies.batches import CoordinatedBatchHooks
-from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks
+from lightning_recsys.strategies.checkpoint_hooks import ShardedCheckpointHooks, silence_no_last_checkpoint_yet
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO
 from lightning_recsys.strategies.collectives import ProcessGroupCollectives
 from lightning_recsys.strategies.lightning_hooks import SyncReplicasFirst
 from lightning_recsys.strategies.manual_optimization import DenseDDPForwardRedirection, ManualOptimizationHooks
 from lightning_recsys.strategies.preemption import PREEMPTED_EXIT_CODE, CoordinatedSigterm
+from lightning_recsys.strategies.runtime_hooks import ShardedRuntimeHooks, available
 from lightning_recsys.strategies.sharding import ShardedSetup, shard_or_reuse
 from lightning_recsys.strategies.validation import check_device_support, check_launch_layout, check_trainer_settings
 
 log = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 
 class TwoDRecStrategy(
-    CoordinatedBatchHooks, ShardedCheckpointHooks, ManualOptimizationHooks, CoordinatedSigterm, ProcessGroupCollectives, ParallelStrategy
+    ShardedRuntimeHooks,
+    CoordinatedBatchHooks,
+    ShardedCheckpointHooks,
+    ManualOptimizationHooks,
+    CoordinatedSigterm,
+    ProcessGroupCollectives,
+    ParallelStrategy,
 ):
     """Shard a LightningModule's TorchRec embedding tables across ranks; keep dense layers data-parallel.
 
@@ -172,6 +175,7 @@ class TwoDRecStrategy(
         self._runtime: Optional[ShardedRuntime] = None
         self._forward_redirection = DenseDDPForwardRedirection(self)
         self._scheduler_base_lr: Optional[float] = None
+        silence_no_last_checkpoint_yet()  # before fit parses ckpt_path; on_train_start says it in one INFO line
 
     # ----------------------------------------------------------------- ranks and devices
     @property
@@ -210,12 +214,12 @@ class TwoDRecStrategy(
     @property
     def sharded_model(self) -> ShardedModel:
         """The sharded model, its plan and its embedding optimizer; available after setup."""
-        return _available(self._setup, "sharded_model", "set up the model").sharded
+        return available(self._setup, "sharded_model", "set up the model").sharded
 
     @property
     def topology(self) -> ParallelTopology:
         """The 2D rank layout (sharding and replica groups); available once the environment is set up."""
-        return _available(self._topology, "topology", "set up the environment")
+        return available(self._topology, "topology", "set up the environment")
 
     @property
     def device_mesh(self) -> DeviceMesh:
@@ -231,16 +235,6 @@ class TwoDRecStrategy(
     def plan_report(self) -> Optional[PlanReport]:
         """The sharding plan's report (rank 0, after setup; None on other ranks)."""
         return self._setup.plan_report if self._setup is not None else None
-
-    @property
-    def comm_accounting(self) -> CommAccountant:
-        """Bytes per collective in the last training step and in total; available after setup."""
-        return self.runtime.comm
-
-    @property
-    def runtime(self) -> ShardedRuntime:
-        """The sharded model's run-time state (table optimizers, replica sync, accounting); after setup."""
-        return _available(self._runtime, "runtime", "set up the model")
 
     @override
     def _configure_launcher(self) -> None:
@@ -269,7 +263,13 @@ class TwoDRecStrategy(
         assert self.cluster_environment is not None
         if not _distributed_is_initialized():  # else the user (or a previous Trainer) owns the process group
             device_id = self.root_device if self.root_device.type != "cpu" else None
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+            env = self.cluster_environment
+            # Under torchrun, the keys of this restart attempt only (attempt_scoped_store says why).
+            store = attempt_scoped_store(
+                env.main_address, env.main_port, rank=self.global_rank, world_size=self.world_size, timeout=self._timeout
+            )
+            kwargs: dict[str, Any] = {"store": store} if store is not None else {}
+            _init_dist_connection(env, backend, timeout=self._timeout, device_id=device_id, **kwargs)
             atexit.register(destroy_process_group_at_exit)
         # A CPU group for the per-step batch handshake and failure diagnosis (gloo: monitored_barrier).
         if self._coordination_group is None:
@@ -332,88 +332,6 @@ class TwoDRecStrategy(
         self._setup = setup
 
     @override
-    def setup_optimizers(self, trainer: Trainer) -> None:
-        super().setup_optimizers(trainer)
-        removed = self.runtime.strip_embedding_params([_unwrap_optimizer(o) for o in self.optimizers])
-        if removed:
-            log.debug("TwoDRecStrategy: removed %d embedding parameters from the dense optimizers", removed)
-        self.runtime.make_table_optimizers()
-        # The rate the first scheduler starts from: LRScheduler records it as initial_lr, but
-        # ReduceLROnPlateau records none, and its reductions would never reach the tables.
-        self._scheduler_base_lr = None
-        if trainer.lr_scheduler_configs:
-            group = trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]
-            self._scheduler_base_lr = group.get("initial_lr", group["lr"])
-        if self.embedding_optimizer_config.lr_follows_scheduler and not trainer.lr_scheduler_configs:
-            rank_zero_warn(
-                "EmbeddingOptimizerConfig(lr_follows_scheduler=True), but configure_optimizers returned no LR "
-                "scheduler: the tables keep embedding_optimizer.lr."
-            )
-
-    @property
-    def embedding_learning_rate(self) -> EmbeddingLearningRate:
-        """The tables' learning rate (base and factor); available after the optimizers are set up."""
-        return _available(self.runtime.embedding_lr, "embedding_learning_rate", "set up the optimizers")
-
-    def _scheduler_factor(self) -> Optional[float]:
-        """The first LR scheduler's factor (lr / initial_lr, or the lr it started from), when the tables follow it."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        if not self.embedding_optimizer_config.lr_follows_scheduler or trainer is None or not trainer.lr_scheduler_configs:
-            return None
-        group = trainer.lr_scheduler_configs[0].scheduler.optimizer.param_groups[0]
-        base = group.get("initial_lr", self._scheduler_base_lr)
-        return group["lr"] / (base if base else group["lr"])
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: Optional[Union[LightningModule, Module]] = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        automatic = self.lightning_module is None or self.lightning_module.automatic_optimization
-        if automatic and self.optimizers and _unwrap_optimizer(optimizer) is _unwrap_optimizer(self.optimizers[0]):
-            self._end_step(loss=None)
-        return output
-
-    def _end_step(self, *, loss: Any) -> None:
-        """The step's updates are applied: check them, step the data-parallel tables, let the replica sync run."""
-        if self.runtime.checks_finite:
-            self.runtime.check_finite(self._global_step(), before_update=False, loss=loss)
-        self.runtime.after_optimizer_step()
-
-    def sync_replicas(self) -> None:
-        """Average the embedding shards (and fused optimizer state) over the replica groups now.
-
-        Runs automatically every ``replica_sync.every_n_steps`` steps and before evaluation, saves
-        and the end of training; a no-op in 1D or when every table is data_parallel. Every rank must call it.
-        """
-        self.runtime.sync()
-
-    @property
-    def replica_sync_stats(self) -> Optional[SyncStats]:
-        """The last replica sync on this rank: rows synced, touched fraction, bytes (None in 1D, before one, or if all data_parallel)."""
-        return self.runtime.last_sync_stats
-
-    def _sync_if_pending(self) -> None:
-        if self._runtime is not None:
-            self._runtime.sync_if_pending()
-
-    def _sync_before_save(self) -> None:
-        if self._runtime is not None:
-            self._runtime.sync_before_save()
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        if self._runtime is not None:
-            self._runtime.before_step(self._scheduler_factor())
-
-    # Strategy hooks: evaluation and the end of training always see one synchronized model.
-    on_validation_start = on_test_start = on_predict_start = _sync_if_pending
-
-    @override
     def on_train_end(self) -> None:
         self._sync_if_pending()
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
@@ -425,25 +343,6 @@ class TwoDRecStrategy(
                 "examples than one global batch yields none (the final partial global batch is dropped); check the "
                 "train files and global_batch_size."
             )
-
-    # ----------------------------------------------------------------- the step, non-finite values (batches: batches.py)
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        if self._runtime is None:
-            return output
-        loss = output.get("loss") if isinstance(output, Mapping) else output
-        if self.lightning_module is not None and not self.lightning_module.automatic_optimization:
-            # Manual optimization: backward (so FBGEMM's table update) and the optimizer steps ran inside
-            # the step, and whether the first optimizer stepped is the module's choice. The step ends
-            # here, once per batch: the replica sync must see every batch's table updates.
-            self._end_step(loss=loss)
-        elif self._runtime.checks_finite:
-            self._runtime.check_finite(self._global_step(), before_update=True, loss=loss)
-        return output
-
-    def _global_step(self) -> int:
-        return self.lightning_module.trainer.global_step if self.lightning_module is not None else -1
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -461,11 +360,6 @@ class TwoDRecStrategy(
         if _distributed_is_initialized() and looks_like_lost_peer(exception):
             lost = report_lost_ranks(self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()))
             log.error("TwoDRecStrategy: rank %d: %s", self.global_rank, lost)
-
-    @property
-    def data_parallel_table_optimizer(self) -> Optional[Optimizer]:
-        """The torch optimizer of the tables planned as data_parallel, or None if there are none."""
-        return self._runtime.data_parallel_table_optimizer if self._runtime is not None else None
 
     @override
     def model_to_device(self) -> None:
@@ -491,14 +385,5 @@ class TwoDRecStrategy(
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        register(strategy_registry)  # the one registration, also used at import (lightning_recsys._registration)
+        register(strategy_registry, cls)  # the one registration, also used at import (lightning_recsys._registration)
 
-
-def _available(value: Optional[_T], attribute: str, after: str) -> _T:
-    if value is None:
-        raise RuntimeError(f"TwoDRecStrategy.{attribute} is available only after the Trainer has {after}.")
-    return value
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    return getattr(optimizer, "_optimizer", optimizer)

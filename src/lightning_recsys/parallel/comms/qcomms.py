@@ -97,6 +97,10 @@ class QCommsConfig:
         kernels: what runs the fp8/int8 codecs: ``"auto"`` (FBGEMM's fused rowwise kernels on CUDA where
             they apply, the torch codecs elsewhere), ``"torch"`` (always the torch codecs) or
             ``"fbgemm"`` (FBGEMM's kernels or an error that says why not).
+        index_dedup: send each rank's sequence ids once per table through the sequence all-to-all
+            (TorchRec's ``EmbeddingCollectionSharder(use_index_dedup=True)``), in 1D and 2D. Off by
+            default: FBGEMM's ``jagged_unique_indices``, which it runs, has no CPU kernel (fbgemm-gpu-cpu
+            1.8.0), so it has not been measured here; where the kernel is missing it is an error.
     """
 
     forward: Precision = "fp32"
@@ -106,8 +110,11 @@ class QCommsConfig:
     fp8_backward_format: Fp8Format = "e5m2"
     dense_grads: DenseGradPrecision = "fp32"
     kernels: Kernels = "auto"
+    index_dedup: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.index_dedup, bool):
+            raise ValueError(f"QCommsConfig(index_dedup={self.index_dedup!r}) must be True or False.")
         for name in ("forward", "backward"):
             value = getattr(self, name)
             if value not in PRECISIONS:

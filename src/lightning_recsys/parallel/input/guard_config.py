@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lightning_recsys.parallel.input.input_guard import VALIDATE_INPUTS, ValidateInputs
+from lightning_recsys.parallel.input.batch_check import VALIDATE_INPUTS, ValidateInputs
 
 
 @dataclass(kw_only=True, frozen=True)

@@ -49,6 +49,7 @@ from torchrec.distributed.train_pipeline.utils import (
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_recsys.parallel.comms import comm_for_batch, discard_batch_comm, release_batch_comm
+from lightning_recsys.parallel.step_phases import INPUT_DIST, step_phase
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class SparseDistPipeline:
         context = _BatchContext(index=self._index, version=1, account=account, handshake_token=handshake_token, batch=batch)
         context.expected_inputs = expected_inputs
         self._index += 1
-        with self._stream(self._dist_stream), comm_for_batch(context.token if account else None):
+        with self._stream(self._dist_stream), comm_for_batch(context.token if account else None), step_phase(INPUT_DIST):
             if self._memcpy_stream is not None:
                 torch.cuda.current_stream(self._device).wait_stream(self._memcpy_stream)
             _start_data_dist(self._modules, batch, context)
@@ -295,7 +296,7 @@ class SparseDistPipeline:
 
     def _send_ids(self, context: _BatchContext) -> None:
         """Wait for the splits all-to-all; that sends the ids (the second part of TorchRec's input dist)."""
-        with self._stream(self._dist_stream), comm_for_batch(context.token if context.account else None):
+        with self._stream(self._dist_stream), comm_for_batch(context.token if context.account else None), step_phase(INPUT_DIST):
             for names, awaitable in context.fused_splits_awaitables:
                 for name, request in zip(names, awaitable.wait()):
                     context.input_dist_tensors_requests[name] = request

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_recsys.parallel.comms import CommAccountant
 from lightning_recsys.parallel.sharding.embedding_hooks import EmbeddingOutputHooks
+from lightning_recsys.parallel.step_phases import StepPhaseLabels
 from lightning_recsys.parallel.sharding.embedding_lr import EmbeddingLearningRate
 from lightning_recsys.parallel.sharding.embedding_optimizer import EmbeddingOptimizerConfig
 from lightning_recsys.parallel.sharding.sharded_model import ShardedModel
@@ -90,6 +91,8 @@ class ShardedRuntime:
             for owner in sharded.dmp.module.get_submodule(fqn).modules()
             if getattr(owner, "_lookups", None)
         ]
+        # torch.profiler ranges of input dist, lookup and all-to-all, hooked in while a profiler records.
+        self.phase_labels = StepPhaseLabels([owner for owner, _ in self._lookups])
 
     # ----------------------------------------------------------------- set-up
     def start(self) -> None:
@@ -131,6 +134,7 @@ class ShardedRuntime:
         if lr_factor is not None and self.embedding_lr is not None:
             self.embedding_lr.set_factor(lr_factor)
         self.align_lookup_modes()
+        self.phase_labels.follow_profiler()
         self.comm.begin_step()
 
     def align_lookup_modes(self) -> None:
@@ -220,3 +224,4 @@ class ShardedRuntime:
         if self.output_hooks is not None:
             self.output_hooks.remove()
             self.output_hooks = None
+        self.phase_labels.remove()

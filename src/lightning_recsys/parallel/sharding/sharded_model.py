@@ -37,6 +37,7 @@ from lightning_recsys.parallel.comms import (
     staged_all_reduce_hook,
     uses_staged_all_reduce,
 )
+from lightning_recsys.parallel.step_phases import DENSE_ALL_REDUCE, step_phase
 from lightning_recsys.parallel.topology import ParallelTopology
 
 log = logging.getLogger(__name__)
@@ -236,7 +237,7 @@ class GlobalDataParallelWrapper(DefaultDataParallelWrapper):
             hook = self._dense_hook()
 
             def accounted_hook(process_group: dist.ProcessGroup, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-                with comm_purpose("dense_grads"):
+                with comm_purpose("dense_grads"), step_phase(DENSE_ALL_REDUCE):
                     return hook(process_group, bucket)
 
             ddp.register_comm_hook(world, accounted_hook)

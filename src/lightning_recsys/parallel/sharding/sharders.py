@@ -237,14 +237,31 @@ def make_sharders(
     allowed_sharding_types: list[str] | None = None,
     *,
     qcomm_codecs_registry: dict[str, QuantizedCommCodecs] | None = None,
+    index_dedup: bool = False,
 ) -> list[ModuleSharder[nn.Module]]:
     """Sharders for EmbeddingBagCollection and EmbeddingCollection, sharing one fused optimizer.
 
     The same sharders go to the planner and to DMP, so the planner's cost estimates see the
-    QComms precisions in ``qcomm_codecs_registry``.
+    QComms precisions in ``qcomm_codecs_registry``. ``index_dedup``: TorchRec's per-rank dedup of
+    the sequence ids (``use_index_dedup``; EmbeddingCollection only, the bag sharder has none).
     """
     kwargs: dict[str, Any] = {"qcomm_codecs_registry": qcomm_codecs_registry}
     return [
         RecSysEmbeddingBagCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params), **kwargs),
-        RecSysEmbeddingCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params), **kwargs),
+        RecSysEmbeddingCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params), use_index_dedup=index_dedup, **kwargs),
     ]
+
+
+def check_index_dedup_runs(compute_device_type: str) -> None:
+    """Raise unless FBGEMM has a kernel on ``compute_device_type`` for ``jagged_unique_indices``, the op
+    TorchRec's index dedup runs (``ShardedEmbeddingCollection._dedup_indices`` in torchrec/distributed/embedding.py)."""
+    import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops)
+
+    key = {"cpu": "CPU", "cuda": "CUDA"}.get(compute_device_type, compute_device_type.upper())
+    # torch has no public "is this op implemented for this device" query; the dispatcher's table says it.
+    if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::jagged_unique_indices", key):
+        raise ValueError(
+            f"QCommsConfig(index_dedup=True) needs FBGEMM's jagged_unique_indices on {compute_device_type!r}, which this "
+            "fbgemm_gpu build does not have (fbgemm-gpu-cpu 1.8.0 has no CPU kernel for it). Set index_dedup=False, "
+            "or train on CUDA with the CUDA build of fbgemm-gpu."
+        )

@@ -44,6 +44,10 @@ KNOWN_WARNINGS: tuple[KnownWarning, ...] = (
         r"`isinstance\(treespec, LeafSpec\)` is deprecated", Warning, r"lightning\.pytorch\.utilities\._pytree",
         "Lightning 2.6's own use of a torch pytree API, on every step's batch",
     ),
+    KnownWarning(
+        r"torch\.distributed\.nn\.functional\.all_gather is deprecated", FutureWarning, r"lightning\.fabric\.utilities\.distributed",
+        "Lightning 2.6's strategy.all_gather (_all_gather_ddp_if_available) calls it; once per rank at the end of fit (RunSummary)",
+    ),
 )
 
 # TorchRec logs these with logging.warning, once per table and rank: (logger, text, the file that logs it).

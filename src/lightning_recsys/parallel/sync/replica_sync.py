@@ -13,6 +13,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torchrec.optim.keyed import KeyedOptimizer
 
 from lightning_recsys.parallel.comms import comm_purpose
+from lightning_recsys.parallel.step_phases import REPLICA_SYNC_APPLY, REPLICA_SYNC_EXCHANGE, REPLICA_SYNC_LAUNCH, step_phase
 from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig
 from lightning_recsys.parallel.sync.sync_deltas import InFlightSync, SyncItem, table_items, whole_tensor_items
 from lightning_recsys.parallel.sync.sync_gather import GatheredSync
@@ -204,7 +205,7 @@ class ReplicaSynchronizer:
         """A training step ended: apply a sync in flight; sync if ``every_n_steps`` steps ran since the last one.
 
         Returns whether a sync was started."""
-        with comm_purpose("replica_sync"):
+        with comm_purpose("replica_sync"), step_phase(REPLICA_SYNC_EXCHANGE):
             for part in self._in_flight:
                 part.progress()  # the next piece of an overlapped sync goes out a step after the last
         self.steps_since_sync += 1
@@ -255,7 +256,7 @@ class ReplicaSynchronizer:
 
     def _finish(self) -> None:
         parts, self._in_flight = self._in_flight, []
-        with comm_purpose("replica_sync"):  # a deferred exchange not started yet starts here
+        with comm_purpose("replica_sync"), step_phase(REPLICA_SYNC_APPLY):  # a deferred exchange not started yet starts here
             for part in parts:
                 part.apply()
         gathered = [part for part in parts if isinstance(part, GatheredSync)]
@@ -268,7 +269,7 @@ class ReplicaSynchronizer:
 
     @torch.no_grad()
     def _run(self, *, overlap: bool) -> None:
-        with comm_purpose("replica_sync"):
+        with comm_purpose("replica_sync"), step_phase(REPLICA_SYNC_LAUNCH):
             if self.config.rows == "all" and not overlap:
                 self._all_reduce_buckets(self._buckets)
                 stats = SyncStats(self._rows_total, self._rows_total, "all", self.payload_bytes)
@@ -326,8 +327,9 @@ class ReplicaSynchronizer:
         if overlap:
             self._in_flight = parts
         else:
-            for part in parts:
-                part.apply()
+            with step_phase(REPLICA_SYNC_APPLY):
+                for part in parts:
+                    part.apply()
             rows_synced += gathered.rows_synced if gathered is not None else 0
         return SyncStats(rows_synced, self._rows_total, how, payload, overlapped=overlap)
 

@@ -3,6 +3,7 @@ what a failed collective leaves behind: which ranks are lost, errors raised on e
 
 from lightning_recsys.parallel.topology.layout import LAYOUTS, Layout, ParallelTopology, check_topology_arguments
 from lightning_recsys.parallel.topology.process_group import (
+    attempt_scoped_store,
     destroy_process_group_at_exit,
     looks_like_lost_peer,
     raised_on_every_rank,
@@ -14,6 +15,7 @@ __all__ = [
     "LAYOUTS",
     "Layout",
     "ParallelTopology",
+    "attempt_scoped_store",
     "check_topology_arguments",
     "destroy_process_group_at_exit",
     "looks_like_lost_peer",

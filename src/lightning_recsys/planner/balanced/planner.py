@@ -46,7 +46,8 @@ from lightning_recsys.planner.shard_cost import (
     tier_bytes,
 )
 from lightning_recsys.planner.stats import LoadProfile, TableStats, profile_datamodule, resolve_table_stats
-from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, embedding_tables, quiet_torchrec_planner, torchrec_topology
+from lightning_recsys.planner.tables import ModelTables, model_tables
+from lightning_recsys.planner.torchrec_planner import DEFAULT_BATCH_SIZE, quiet_torchrec_planner, torchrec_topology
 
 DEFAULT_COMPUTE_KERNELS: tuple[str, ...] = ("fused", "dense")  # dense: TorchRec's data-parallel kernel
 
@@ -90,6 +91,8 @@ class BalancedPlanner(ShardingPlanner):
             slower UVM/caching kernels, so they are used only where a table's constraints ask.
         max_rounds: rounds of the proposer's descents, in total.
         timeout_seconds: planning time limit; the best plan found by then is used.
+        tables: the tables of the module it plans (``planner.tables.model_tables``), when the caller
+            has read them already; default: read from the module at plan time.
     """
 
     def __init__(
@@ -111,6 +114,7 @@ class BalancedPlanner(ShardingPlanner):
         compute_kernels: Sequence[str] | None = None,
         max_rounds: int = 200,
         timeout_seconds: int | None = 300,
+        tables: ModelTables | None = None,
     ) -> None:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"BalancedPlanner(batch_size={batch_size!r}) must be an integer >= 1 (examples per rank per step).")
@@ -143,6 +147,7 @@ class BalancedPlanner(ShardingPlanner):
         self.compute_kernels = list(compute_kernels) if compute_kernels is not None else list(DEFAULT_COMPUTE_KERNELS)
         self.max_rounds = max_rounds
         self.timeout_seconds = timeout_seconds
+        self.tables = tables  # the planned module's, when the caller has read them already
         self.last_result: PlanResult | None = None
 
     @staticmethod
@@ -159,7 +164,7 @@ class BalancedPlanner(ShardingPlanner):
         Raises ``ValueError`` for bad hash partitions or constraints, and TorchRec's ``PlannerError``,
         prefixed with which tables do not fit and by how much, when no plan fits in memory.
         """
-        tables = embedding_tables(module)
+        tables = list((self.tables if self.tables is not None else model_tables(module)).configs)
         stats, assumed = resolve_table_stats(tables, self.stats, pooling_factor_defaults(self.constraints))
         check_hash_partitions(self.hash_partitions, tables, self.sharding_group_size)
         self._check_row_wise_allowed(sharders)

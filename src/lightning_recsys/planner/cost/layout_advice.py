@@ -3,7 +3,8 @@
 Trainer-free (no Lightning imports). For a ``ModelShape`` (``traffic_model``) on ``nodes`` nodes of
 ``Hardware``, every candidate ``StrategyChoice`` (1D with FP32 / BF16 / FP8 all-to-all; 2D all-to-all
 optimized with touched-row or whole-shard sync every 1-16 steps, blocking or overlapped, fp32 or
-bf16 deltas) gets a step time from ``cost_model.step_time``. Scaling is weak scaling against **one**
+bf16 deltas; for a workload with sequence features each of them also with TorchRec's index dedup,
+so 2D is compared against the best 1D a TorchRec user would run) gets a step time from ``cost_model.step_time``. Scaling is weak scaling against **one**
 common baseline, the fastest one-node step of any candidate (on one node 2D is 1D: the sharding
 group is the node). Overlapped collectives (DDP's all-reduce, an overlapped sync) cost only what
 exceeds the compute time.
@@ -70,8 +71,10 @@ def parse_cluster(text: str) -> tuple[int, int, float | None]:
     return n, g, bandwidth
 
 
-def candidate_layouts(intervals: Iterable[int] = INTERVALS) -> list[StrategyChoice]:
-    """1D at three all-to-all precisions; 2D all-to-all optimized with every sync mode and interval."""
+def candidate_layouts(intervals: Iterable[int] = INTERVALS, *, index_dedup: bool = True) -> list[StrategyChoice]:
+    """1D at three all-to-all precisions; 2D all-to-all optimized with every sync mode and interval; with
+    ``index_dedup`` each of them also with TorchRec's sequence index dedup (a no-op on pooled-only shapes,
+    where the tie-break keeps the variant without it)."""
     out = [StrategyChoice(), StrategyChoice(forward="bf16", backward="bf16"), StrategyChoice(forward="fp8", backward="bf16")]
     for k in intervals:
         out.append(StrategyChoice(sharding_group_size=0, sync=ReplicaSyncConfig(rows="all", every_n_steps=k)))
@@ -79,7 +82,14 @@ def candidate_layouts(intervals: Iterable[int] = INTERVALS) -> list[StrategyChoi
             for precision, exchange in (("fp32", "all_reduce"), ("bf16", "all_reduce"), ("bf16", "all_gather"), ("fp8", "all_gather")):
                 sync = ReplicaSyncConfig(rows="touched", every_n_steps=k, overlap=overlap, precision=precision, exchange=exchange)  # type: ignore[arg-type]
                 out.append(StrategyChoice(sharding_group_size=0, sync=sync))
+    if index_dedup:
+        out += [replace(layout, index_dedup=True) for layout in out]
     return out  # sharding_group_size=0 stands for "one group per node", resolved per cluster
+
+
+def has_sequence_features(shape: ModelShape) -> bool:
+    """Whether index dedup can change ``shape``'s traffic (only ``EmbeddingCollection`` features have it)."""
+    return any(not f.pooled for f in shape.features)
 
 
 @dataclass(frozen=True)
@@ -136,9 +146,9 @@ def project(
 def _complexity(layout: StrategyChoice) -> tuple[int, ...]:
     """Among equal steps prefer the simpler setting: 1D, then fewer features on, then the shorter interval."""
     if not layout.is_2d:
-        return (0, layout.forward != "fp32")
+        return (0, (layout.forward != "fp32") + layout.index_dedup)
     s = layout.sync
-    return (1, s.overlap + (s.precision != "fp32"), s.every_n_steps)
+    return (1, s.overlap + (s.precision != "fp32") + layout.index_dedup, s.every_n_steps)
 
 
 def compute_for_scaling(
@@ -199,7 +209,7 @@ def recommend(
     """The best candidate with a sync interval <= ``max_interval``, the best of the other kind, and the confidence."""
     if nodes < 2:
         raise ValueError(f"nodes={nodes}: a layout choice needs at least 2 nodes (on one node 2D is 1D).")
-    layouts = candidate_layouts(k for k in INTERVALS if k <= max_interval)
+    layouts = candidate_layouts((k for k in INTERVALS if k <= max_interval), index_dedup=has_sequence_features(shape))
     compute = _compute(shape, compute_s)
     ranked = project(shape, layouts, hardware, nodes, compute)
     best, other, tied = _pick(ranked)

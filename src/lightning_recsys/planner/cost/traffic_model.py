@@ -38,6 +38,18 @@ replica's own touched rows (the index list it contributes to the union) use its 
   state's in fp32), which every ring edge carries ``replicas - 1`` times, plus the per-table counts.
   All divided by ``k`` per step.
 
+**Index dedup** (``StrategyChoice(index_dedup=True)``, TorchRec's
+``EmbeddingCollectionSharder(use_index_dedup=True)``): ``ShardedEmbeddingCollection._dedup_indices``
+(``torchrec/distributed/embedding.py``) runs ``fbgemm.jagged_unique_indices`` on each rank's own KJT,
+after the split by sharding type and **before** the input all-to-all. Its hash-size offsets give all
+features of one table one id range, so ids are unique **per table** over the rank's local batch (not
+across ranks); lengths stay per example, and the output all-to-all returns one vector per unique id,
+expanded by ``reverse_indices`` after it (the backward sends the summed gradients of the same unique
+ids). So a sequence feature's ids and vectors per rank become ``T D(N, s, b L)`` instead of ``T b L``.
+``EmbeddingBagCollection`` (pooled) features have no such option and are unchanged. The model counts
+bytes only: the dedup kernel's own time is not in it (and ``jagged_unique_indices`` has no CPU kernel
+in fbgemm-gpu-cpu 1.8.0, so it runs on GPUs only).
+
 So per step, 1D carries ``b L`` vectors per sequence feature across nodes but only ``b`` per pooled
 one, while touched-row sync carries each unique touched row of the interval (a ring all-reduce:
 about twice), divided by ``k``: 2D gains with hot ids (a small union), long intervals and sequence
@@ -224,8 +236,11 @@ class StrategyChoice:
     forward: str = "fp32"
     backward: str = "fp32"
     sync: ReplicaSyncConfig = field(default_factory=ReplicaSyncConfig)
+    index_dedup: bool = False  # TorchRec's EmbeddingCollectionSharder(use_index_dedup=True) on sequence features
 
     def __post_init__(self) -> None:
+        if not isinstance(self.index_dedup, bool):
+            raise ValueError(f"StrategyChoice.index_dedup={self.index_dedup!r} must be True or False.")
         if self.layout not in LAYOUTS:
             raise ValueError(f"StrategyChoice.layout={self.layout!r} is not one of {list(LAYOUTS)}.")
         row_bytes(1, self.forward), row_bytes(1, self.backward)  # validates both
@@ -236,6 +251,8 @@ class StrategyChoice:
 
     def describe(self) -> str:
         comms = self.forward if self.forward == self.backward else f"{self.forward} fwd/{self.backward} bwd"
+        if self.index_dedup:
+            comms += " deduped"
         if not self.is_2d:
             return f"1D, {comms} all-to-all"
         short = "a2a-opt" if self.layout == "all_to_all_optimized" else "ar-opt"
@@ -243,6 +260,19 @@ class StrategyChoice:
 
 
 # --------------------------------------------------------------------------- traffic
+def ids_sent_per_rank(feature: Feature, batch_per_rank: int, *, index_dedup: bool) -> float:
+    """Ids of one of ``feature``'s tables that one rank sends through the sequence all-to-all per step.
+
+    With ``index_dedup`` (sequence features only) the expected distinct ids of the rank's own batch,
+    ``D(N, s, b L)`` (module docstring); else every id, ``b L``. A stated ``touched_fraction``
+    describes a sync interval's union, not one rank's batch, so the Zipf estimate is used here.
+    """
+    draws = batch_per_rank * feature.ids_per_example
+    if not index_dedup or feature.pooled:
+        return draws
+    return expected_distinct(feature.rows, draws, feature.zipf_exponent)
+
+
 def sync_rows_per_rank(shape: ModelShape, topology: ParallelTopology, every_n_steps: int) -> float:
     """Expected rows of one rank's shards in the union over its replica group, per sync (symmetric ranks)."""
     draws_per_id = every_n_steps * shape.batch_per_rank * topology.world_size
@@ -259,12 +289,13 @@ def workload_traffic(
     if layout.is_2d == topology.is_1d:
         raise ValueError(f"layout {layout.describe()!r} does not match the topology (1D: {topology.is_1d}).")
     b = shape.batch_per_rank
-    ids = sum(f.tables * (f.ids_per_example * shape.id_bytes + shape.length_bytes) for f in shape.features)
-    vectors = sum(f.tables * (1.0 if f.pooled else f.ids_per_example) * (row_bytes(f.dim, layout.forward) + row_bytes(f.dim, layout.backward))
-                  for f in shape.features)  # fmt: skip
+    sent = [(f, ids_sent_per_rank(f, b, index_dedup=layout.index_dedup)) for f in shape.features]
+    ids = sum(f.tables * (n * shape.id_bytes + b * shape.length_bytes) for f, n in sent)
+    vectors = sum(f.tables * (b if f.pooled else n) * (row_bytes(f.dim, layout.forward) + row_bytes(f.dim, layout.backward))
+                  for f, n in sent)  # fmt: skip
     out = [
-        Collective(purpose="sparse_ids", op="all_to_all", group="shard", calls=3, payload_bytes=b * ids),
-        Collective(purpose="embeddings", op="all_to_all", group="shard", calls=2, payload_bytes=b * vectors),
+        Collective(purpose="sparse_ids", op="all_to_all", group="shard", calls=3, payload_bytes=ids),
+        Collective(purpose="embeddings", op="all_to_all", group="shard", calls=2, payload_bytes=vectors),
     ]
     staged = staged_dense and layout.is_2d and topology.spans_nodes(list(range(topology.world_size)))
     dense_groups = ("shard", "replicate") if staged else ("world",)

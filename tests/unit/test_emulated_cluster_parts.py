@@ -1,0 +1,62 @@
+"""benchmarks/emulated/ without root: the configuration and workload registries, the options, the report.
+
+The full run (namespaces, shaping, two torchrun launches) is tests/integration/test_emulated_cluster_integration.py.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.fixture
+def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their siblings as top-level modules
+    names = ("emulated_cluster", "emulated.configs", "emulated.report", "emulated.runs", "_workload")
+    return {name: importlib.import_module(name) for name in names}
+
+
+def _result(step_s: float, inter_bytes: float) -> dict:
+    return {
+        "step_time_s": step_s, "config": {"global_batch_size": 512},
+        "bytes_per_step_rank0": {"inter_node": inter_bytes, "intra_node": 2 * inter_bytes},
+        "traffic_per_step_rank0": [{"purpose": "replica_sync", "inter_node_bytes": inter_bytes}],
+    }  # fmt: skip
+
+
+def test_the_default_selection_is_every_configuration_but_the_ones_off_by_default(bench):
+    configs = bench["emulated.configs"]
+    assert len({c.name for c in configs.CONFIGS}) == len(configs.CONFIGS)
+    args = bench["emulated_cluster"].parse_args([])
+    assert [c.name for c in args.selected] == [c.name for c in configs.CONFIGS if c.name not in configs.DEFAULT_OFF]
+    assert args.workload == configs.DEFAULT_WORKLOAD
+
+
+def test_a_workload_passes_its_options_to_the_job(bench):
+    configs, cli = bench["emulated.configs"], bench["emulated_cluster"]
+    args = cli.parse_args(["--configs", "2d_touched", "--tables", "2", "--table-rows", "64"])
+    argv = configs.WORKLOADS[args.workload].job_argv(args)
+    assert argv == bench["_workload"].workload_argv(args) and argv[argv.index("--tables") + 1] == "2"
+    assert configs.WORKLOADS[args.workload].model_json(args)["table_rows"] == [64, 64]
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--workload", "no_such_workload"])
+
+
+def test_the_report_measures_every_configuration_against_the_fastest_unshaped_step(bench):
+    configs, report, runs = bench["emulated.configs"], bench["emulated.report"], bench["emulated.runs"]
+    by_name = {c.name: c for c in configs.CONFIGS}
+    rows = [
+        report.Row(by_name["1d_fp32"], runs.combine_repeats([_result(0.30, 6e5), _result(0.20, 6e5)]), _result(0.10, 0)),
+        report.Row(by_name["2d_touched"], _result(0.12, 1e5), _result(0.11, 0)),
+    ]
+    assert report.common_baseline(rows) == ("1d_fp32", 0.10)
+    assert rows[0].cluster["step_time_s"] == 0.20  # the fastest repeat
+    verdict = report.target_verdict(rows)
+    assert verdict["best_2d_config"] == "2d_touched" and verdict["ratio"] == pytest.approx(1.2) and verdict["met"]
+    table = report.markdown_table(rows)
+    assert "| 2D touched sync | 2 x 2 | 120 | 110 | **1.20** |" in table and "| 1D FP32 | 4 x 1 | 200 | 100 | **2.00** |" in table
