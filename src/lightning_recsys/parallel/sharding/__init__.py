@@ -13,11 +13,11 @@ from lightning_recsys.parallel.sharding.reshape import (
 )
 from lightning_recsys.parallel.sharding.runtime import ShardedRuntime
 from lightning_recsys.parallel.sharding.sharded_model import ShardedModel, find_embedding_modules, shard_model
+from lightning_recsys.parallel.sharding.index_dedup import check_index_dedup_runs, install_cpu_jagged_unique_indices
 from lightning_recsys.parallel.sharding.sharders import (
     ALL_SHARDING_TYPES,
     COLUMN_SHARDED_TYPES,
     ROW_SHARDED_TYPES,
-    check_index_dedup_runs,
     make_sharders,
     supported_sharding_types,
     validate_sharding_types,
@@ -39,6 +39,7 @@ __all__ = [
     "apply_reshape",
     "find_embedding_modules",
     "check_index_dedup_runs",
+    "install_cpu_jagged_unique_indices",
     "make_sharders",
     "plan_rows",
     "reshape_record",

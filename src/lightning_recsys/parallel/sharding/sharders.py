@@ -251,17 +251,3 @@ def make_sharders(
         RecSysEmbeddingCollectionSharder(allowed_sharding_types, fused_params=dict(fused_params), use_index_dedup=index_dedup, **kwargs),
     ]
 
-
-def check_index_dedup_runs(compute_device_type: str) -> None:
-    """Raise unless FBGEMM has a kernel on ``compute_device_type`` for ``jagged_unique_indices``, the op
-    TorchRec's index dedup runs (``ShardedEmbeddingCollection._dedup_indices`` in torchrec/distributed/embedding.py)."""
-    import fbgemm_gpu  # noqa: F401  (registers the fbgemm ops)
-
-    key = {"cpu": "CPU", "cuda": "CUDA"}.get(compute_device_type, compute_device_type.upper())
-    # torch has no public "is this op implemented for this device" query; the dispatcher's table says it.
-    if not torch._C._dispatch_has_kernel_for_dispatch_key("fbgemm::jagged_unique_indices", key):
-        raise ValueError(
-            f"QCommsConfig(index_dedup=True) needs FBGEMM's jagged_unique_indices on {compute_device_type!r}, which this "
-            "fbgemm_gpu build does not have (fbgemm-gpu-cpu 1.8.0 has no CPU kernel for it). Set index_dedup=False, "
-            "or train on CUDA with the CUDA build of fbgemm-gpu."
-        )
