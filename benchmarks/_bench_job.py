@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import _sequence_workload as sequence
 from _workload import add_workload_arguments, table_sizes
 
 QCOMMS_CHOICES = ("fp32", "bf16", "fp16", "fp8", "int8", "fp8_fwd_bf16_bwd")
@@ -39,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON result path (written by global rank 0)")
     parser.add_argument("--devices", type=int, default=2, help="ranks per node")
     parser.add_argument("--num-nodes", type=int, default=2)
+    parser.add_argument("--workload", default="dlrm", choices=["dlrm", "sequence"])
     add_workload_arguments(parser, table_rows="256", steps_help="timed steps after warm-up")
+    sequence.add_sequence_arguments(parser)
     parser.add_argument("--sharding-type", default="table_wise")
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")
     parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
@@ -53,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sync-precision", default="fp32", choices=["fp32", "bf16", "fp8"], help="ReplicaSyncConfig.precision")
     parser.add_argument("--sync-exchange", default="all_reduce", choices=["all_reduce", "all_gather"], help="ReplicaSyncConfig.exchange")
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
+    parser.add_argument(
+        "--index-dedup", action=argparse.BooleanOptionalAction, default=False, help="QCommsConfig.index_dedup (sequence tables)"
+    )
     parser.add_argument(
         "--unique-batches", type=int, default=None,
         help="distinct pre-generated batches, cycled (default: one per step, so a sync's union is that of fresh ids, as in training)",
@@ -77,20 +83,25 @@ def replica_sync_config(args: argparse.Namespace) -> Any:
     )
 
 
-def qcomms_setting(name: str) -> Any:
+def qcomms_setting(name: str, index_dedup: bool = False) -> Any:
     from lightning_recsys import QCommsConfig
 
     if name == "fp8_fwd_bf16_bwd":
-        return QCommsConfig(forward="fp8", backward="bf16")
+        return QCommsConfig(forward="fp8", backward="bf16", index_dedup=index_dedup)
+    if index_dedup:
+        return QCommsConfig(forward=name, backward=name, index_dedup=True)  # type: ignore[arg-type]
     return name
 
 
-def _cached_datamodule(config: Any, unique: int) -> Any:
-    """SyntheticClickLogDataModule whose train split cycles ``unique`` pre-generated global batches."""
+def _cached_datamodule(config: Any, unique: int, module: type | None = None) -> Any:
+    """A synthetic data module (default SyntheticClickLogDataModule) whose train split cycles ``unique``
+    pre-generated global batches."""
     from torch.utils.data import IterableDataset
 
     from lightning_recsys.data import SyntheticClickLogDataModule
     from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+
+    base: Any = module or SyntheticClickLogDataModule
 
     class _Cycled(IterableDataset):
         def __init__(self, inner: SyntheticClickLogDataset) -> None:
@@ -104,34 +115,20 @@ def _cached_datamodule(config: Any, unique: int) -> Any:
             for index in range(self.num_batches):
                 yield self.batches[index % len(self.batches)]
 
-    class _CachedSyntheticClickLogDataModule(SyntheticClickLogDataModule):
+    class _CachedDataModule(base):  # type: ignore[valid-type,misc]
         def _dataset(self, split: Any, rank: int, world_size: int) -> Any:
             inner = super()._dataset(split, rank, world_size)
             return _Cycled(inner) if split == "train" else inner
 
-    return _CachedSyntheticClickLogDataModule(config)
+    return _CachedDataModule(config)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any] | None:
-    args = parse_args(argv)
-    # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
-    torch.set_num_threads(1)
-
-    from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TwoDRecStrategy
+def _dlrm_job(args: argparse.Namespace, total_steps: int) -> tuple[Any, Any, Any]:
+    """The DLRM workload's data module, model and planning config."""
+    from lightning_recsys import PlanningConfig
     from lightning_recsys.data import SyntheticClickLogConfig
     from lightning_recsys.models import DLRMRanker
 
-    # Built first: a setting the installed ReplicaSyncConfig refuses fails before any process group starts.
-    replica_sync = replica_sync_config(args)
-    world = args.devices * args.num_nodes
-    group_size = args.sharding_group_size or world
-    if args.warmup_steps % args.sync_every_n_steps or args.steps % args.sync_every_n_steps:
-        raise ValueError(
-            f"--warmup-steps={args.warmup_steps} and --steps={args.steps} must be multiples of "
-            f"--sync-every-n-steps={args.sync_every_n_steps}, so the timed window holds whole sync periods."
-        )
-    total_steps = args.warmup_steps + args.steps
-    pl.seed_everything(args.seed, verbose=False)
     data = _cached_datamodule(
         SyntheticClickLogConfig(
             table_sizes=table_sizes(args.table_rows, args.tables),
@@ -153,13 +150,45 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         embedding_device="meta",
         dense_optimizer="sgd",
     )
+    return data, model, PlanningConfig(sharding_types=[args.sharding_type])
+
+
+def _sequence_job(args: argparse.Namespace, total_steps: int) -> tuple[Any, Any, Any]:
+    """The sequence workload's data module, model and planning config (``_sequence_workload.py``)."""
+    from lightning_recsys.data import SyntheticSequenceDataModule
+
+    sequence.check_sequence_arguments(args)
+    config = sequence.data_config(args, total_steps + 1)  # +1: the last step's end is timed by the next start
+    data = _cached_datamodule(config, args.unique_batches or total_steps + 1, SyntheticSequenceDataModule)
+    return data, sequence.model(args, config), sequence.planning(config)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    args = parse_args(argv)
+    # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
+    torch.set_num_threads(1)
+
+    from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
+
+    # Built first: a setting the installed ReplicaSyncConfig refuses fails before any process group starts.
+    replica_sync = replica_sync_config(args)
+    world = args.devices * args.num_nodes
+    group_size = args.sharding_group_size or world
+    if args.warmup_steps % args.sync_every_n_steps or args.steps % args.sync_every_n_steps:
+        raise ValueError(
+            f"--warmup-steps={args.warmup_steps} and --steps={args.steps} must be multiples of "
+            f"--sync-every-n-steps={args.sync_every_n_steps}, so the timed window holds whole sync periods."
+        )
+    total_steps = args.warmup_steps + args.steps
+    pl.seed_everything(args.seed, verbose=False)
+    data, model, planning = (_sequence_job if args.workload == "sequence" else _dlrm_job)(args, total_steps)
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.05),
-        planning=PlanningConfig(sharding_types=[args.sharding_type]),
+        planning=planning,
         sharding_group_size=group_size,
         layout=args.layout,
         replica_sync=replica_sync,
-        qcomms=qcomms_setting(args.qcomms),
+        qcomms=qcomms_setting(args.qcomms, args.index_dedup),
         process_group_timeout=120.0,  # a stuck peer fails the run instead of hanging it
     )
     phases = _PhaseTimer() if args.phase_times else None
@@ -183,6 +212,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if not trainer.is_global_zero:
         return None
     result = timer.result(args, strategy, world)
+    if args.workload == "sequence":  # what index dedup keeps of rank 0's ids, over the timed steps' batches
+        timed = [data.log.global_batch("train", i) for i in range(args.warmup_steps, total_steps)]
+        result["unique_id_fraction_rank0"] = sequence.unique_fraction(timed, 0, world)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"[bench_job] step {result['step_time_s'] * 1e3:.1f} ms, {result['examples_per_s']:.0f} examples/s -> {args.out}")

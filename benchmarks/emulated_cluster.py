@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _sequence_workload as sequence
 from _workload import add_workload_arguments, table_sizes
 from emulated.configs import CONFIGS, DEFAULT_OFF, DEFAULT_WORKLOAD, NODES, RANKS_PER_NODE, WORKLOADS, unavailable_reason
 from emulated.network import SetupError, build_cluster, build_reference, preflight, remove_stale_namespaces, sandbox_guard
@@ -72,8 +73,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--configs",
-        default=",".join(c.name for c in CONFIGS if c.name not in DEFAULT_OFF),
-        help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS) + f" (default: all but {', '.join(DEFAULT_OFF)})",
+        default=None,
+        help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS) + f" (default: all but {', '.join(DEFAULT_OFF)}; "
+        "--workload sequence: 1d_fp32, 1d_dedup_fp32, 1d_dedup_fp8 and the 2D configuration the cost model ranks best)",
     )
     parser.add_argument(
         "--skip-unavailable",
@@ -85,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add_workload_arguments(
         parser, table_rows="1000000,500000,200000,100000", steps_help="timed steps (a multiple of every config's sync interval)"
+    )
+    sequence.add_sequence_arguments(parser)
+    parser.add_argument(
+        "--predict-compute-ms", type=float, default=150.0,
+        help="--workload sequence: the compute per step the cost model assumes before the run (after it, the measured unshaped steps)",
     )
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs of every (config, environment), in alternating order; the fastest is reported"
@@ -101,7 +108,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", type=Path, default=RESULTS / "emulated_cluster.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "emulated_cluster.png")
     parser.add_argument("--no-png", action="store_true")
+    known, _ = parser.parse_known_args(argv)
+    workload = WORKLOADS.get(known.workload)
+    if workload is not None:
+        parser.set_defaults(**workload.defaults)
     args = parser.parse_args(argv)
+    args.cost_shape = None
+    if args.workload == "sequence":
+        try:
+            sequence.check_sequence_arguments(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.cost_shape = sequence.model_shape(args, NODES * RANKS_PER_NODE, sequence.dense_param_bytes(args))
+    if args.configs is None:
+        args.configs = ",".join(_default_configs(args))
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
     unknown = sorted(set(names) - {c.name for c in CONFIGS})
     if unknown or not names:
@@ -137,6 +157,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _default_configs(args: argparse.Namespace) -> list[str]:
+    """The workload's default configurations, with the 2D one the cost model ranks best on this link where it names candidates."""
+    workload = WORKLOADS[args.workload]
+    if workload.default_configs is None:
+        return [c.name for c in CONFIGS if c.name not in DEFAULT_OFF]
+    names = list(workload.default_configs)
+    if workload.two_d_candidates and args.cost_shape is not None:
+        from emulated.prediction import best_2d, emulated_link_cluster
+
+        candidates = [c for c in CONFIGS if c.name in workload.two_d_candidates and unavailable_reason(c) is None]
+        cluster = emulated_link_cluster(args.bandwidth_mbit, args.latency_ms, args.mtu)
+        names.append(best_2d(args.cost_shape, candidates, cluster, args.predict_compute_ms / 1e3).name)
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -170,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             + WORKLOADS[args.workload].describe(args),
             flush=True,
         )
+        before = None
+        if args.cost_shape is not None:
+            from emulated.prediction import emulated_link_cluster, print_prediction
+
+            link = emulated_link_cluster(shaping.bandwidth_mbit, shaping.latency_ms, shaping.mtu)
+            before = print_prediction(args.cost_shape, args.selected, link, args.predict_compute_ms / 1e3)
         port = 29610
         runs: dict[tuple[str, str], list[dict[str, Any]]] = {}
         for repeat in range(args.repeats):
@@ -194,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         verdict = print_results(rows, args, elapsed=elapsed, load_before=load_before)
         payload = results_payload(rows, args, shaping=shaping, elapsed=elapsed, load_before=load_before, verdict=verdict, errors=errors)
+        if args.cost_shape is not None and before is not None:
+            from emulated.prediction import emulated_link_cluster, print_comparison
+
+            link = emulated_link_cluster(shaping.bandwidth_mbit, shaping.latency_ms, shaping.mtu)
+            payload["cost_model"] = print_comparison(args.cost_shape, rows, link, before)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import _sequence_workload as sequence
 from _workload import table_sizes, workload_argv
 
 NODES, RANKS_PER_NODE = 2, 2
@@ -31,6 +32,7 @@ class BenchConfig:
     sync_overlap: bool = False  # ReplicaSyncConfig.overlap
     sync_precision: str = "fp32"  # ReplicaSyncConfig.precision
     sync_exchange: str = "all_reduce"  # ReplicaSyncConfig.exchange
+    index_dedup: bool = False  # QCommsConfig.index_dedup (sequence tables; a no-op on pooled ones)
 
     @property
     def is_2d(self) -> bool:
@@ -49,6 +51,9 @@ def _touched(
 CONFIGS: tuple[BenchConfig, ...] = (
     BenchConfig("1d_fp32", "1D FP32", sharding_group_size=4),
     BenchConfig("1d_fp8", "1D FP8", sharding_group_size=4, qcomms="fp8"),
+    # TorchRec's index dedup of the sequence ids before the all-to-all: the best 1D of a sequence workload.
+    BenchConfig("1d_dedup_fp32", "1D FP32, index dedup", sharding_group_size=4, index_dedup=True),
+    BenchConfig("1d_dedup_fp8", "1D FP8, index dedup", sharding_group_size=4, qcomms="fp8", index_dedup=True),
     BenchConfig("2d_all_sync4", "2D whole-shard sync every 4", sharding_group_size=2, sync_every_n_steps=4, sync_rows="all"),
     _touched("2d_touched", "2D touched sync", 1),
     _touched("2d_touched_sync4", "2D touched sync every 4", 4),
@@ -75,10 +80,12 @@ CONFIGS: tuple[BenchConfig, ...] = (
 
 # Not run by default: whole-shard sync of these tables moves ~100 MB per rank per sync (seconds at 200 Mbit/s);
 # every 16 needs longer runs (above).
-DEFAULT_OFF = ("2d_all_sync4", "2d_ar_touched", "2d_touched_overlap_bf16_sync16", "2d_gather_overlap_fp8_sync16")
+DEFAULT_OFF = ("2d_all_sync4", "2d_ar_touched", "2d_touched_overlap_bf16_sync16", "2d_gather_overlap_fp8_sync16", "1d_dedup_fp32",
+               "1d_dedup_fp8")  # fmt: skip
 
 
 TARGET, MOONSHOT = 1.25, 1.10  # best 2D cluster step / best unshaped step of any configuration
+TWO_D_TARGET = 0.7  # the sequence workload: best 2D cluster step / best 1D cluster step
 
 
 def unavailable_reason(cfg: BenchConfig) -> str | None:
@@ -101,6 +108,10 @@ class Workload:
     job_argv: Callable[[argparse.Namespace], list[str]]  # _bench_job.py's model and data arguments
     describe: Callable[[argparse.Namespace], str]  # the header's "Model: ..." line
     model_json: Callable[[argparse.Namespace], dict[str, Any]]  # the JSON's "model"
+    defaults: dict[str, Any] = field(default_factory=dict)  # the driver's option defaults under this workload
+    default_configs: tuple[str, ...] | None = None  # None: every configuration but DEFAULT_OFF
+    # The 2D configurations the cost model ranks before the run; the best joins the default ones.
+    two_d_candidates: tuple[str, ...] = ()
 
 
 def _dlrm_description(args: argparse.Namespace) -> str:
@@ -117,7 +128,18 @@ def _dlrm_json(args: argparse.Namespace) -> dict[str, Any]:
             "zipf_exponent": args.zipf_exponent, "sharding_type": "table_wise"}  # fmt: skip
 
 
+def _sequence_argv(args: argparse.Namespace) -> list[str]:
+    return [*workload_argv(args), "--workload", "sequence", *sequence.sequence_argv(args)]
+
+
 WORKLOADS: dict[str, Workload] = {
     "dlrm": Workload("dlrm", job_argv=workload_argv, describe=_dlrm_description, model_json=_dlrm_json),
+    # Global batch 256 of 64-item histories: one CPU step near the DLRM run's (docs/performance.md says why).
+    "sequence": Workload(
+        "sequence", job_argv=_sequence_argv, describe=sequence.describe, model_json=sequence.model_json,
+        defaults={"global_batch_size": 256}, default_configs=("1d_fp32", "1d_dedup_fp32", "1d_dedup_fp8"),
+        two_d_candidates=("2d_touched_overlap", "2d_touched_overlap_sync4", "2d_touched_overlap_bf16", "2d_touched_overlap_bf16_sync4",
+                          "2d_gather_overlap_bf16_sync4", "2d_gather_overlap_fp8_sync4"),
+    ),
 }
 DEFAULT_WORKLOAD = "dlrm"

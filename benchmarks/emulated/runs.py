@@ -95,6 +95,7 @@ def job_arguments(env: Environment, cfg: BenchConfig, args: argparse.Namespace, 
         "--sync-every-n-steps", str(cfg.sync_every_n_steps), "--qcomms", cfg.qcomms,
         "--sync-rows", cfg.sync_rows, "--sync-overlap" if cfg.sync_overlap else "--no-sync-overlap",
         "--sync-precision", cfg.sync_precision, "--sync-exchange", cfg.sync_exchange,
+        "--index-dedup" if cfg.index_dedup else "--no-index-dedup",
         *(["--phase-times"] if args.phase_times else []),
         *(["--trace-dir", str(traces)] if traces is not None else []),
     ]  # fmt: skip
