@@ -17,7 +17,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.fixture
 def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
     monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their siblings as top-level modules
-    names = ("emulated_cluster", "emulated.configs", "emulated.report", "emulated.runs", "_workload")
+    names = ("emulated_cluster", "emulated.configs", "emulated.report", "emulated.runs", "emulated.prediction", "_workload")
     return {name: importlib.import_module(name) for name in names}
 
 
@@ -60,3 +60,41 @@ def test_the_report_measures_every_configuration_against_the_fastest_unshaped_st
     assert verdict["best_2d_config"] == "2d_touched" and verdict["ratio"] == pytest.approx(1.2) and verdict["met"]
     table = report.markdown_table(rows)
     assert "| 2D touched sync | 2 x 2 | 120 | 110 | **1.20** |" in table and "| 1D FP32 | 4 x 1 | 200 | 100 | **2.00** |" in table
+
+
+def test_the_sequence_workload_runs_1d_with_and_without_dedup_and_the_2d_the_cost_model_ranks_best(bench):
+    configs, cli, prediction = bench["emulated.configs"], bench["emulated_cluster"], bench["emulated.prediction"]
+    args = cli.parse_args(["--workload", "sequence"])
+    names = [c.name for c in args.selected]
+    assert names[:3] == ["1d_fp32", "1d_dedup_fp32", "1d_dedup_fp8"] and len(names) == 4
+    assert args.global_batch_size == 256 and args.history_length == 64 and args.items == 1_000_000
+    by_name = {c.name: c for c in configs.CONFIGS}
+    candidates = [by_name[n] for n in configs.WORKLOADS["sequence"].two_d_candidates]
+    link = prediction.emulated_link_cluster(args.bandwidth_mbit, args.latency_ms, args.mtu)
+    estimates = {c.name: prediction.predict(args.cost_shape, c, link, args.predict_compute_ms / 1e3) for c in candidates}
+    fastest = min(e.step_s for e in estimates.values())
+    tied = {n: e.inter_node_bytes for n, e in estimates.items() if e.step_s <= fastest + 1e-6}
+    assert names[3] == min(tied, key=tied.get)  # the shortest predicted step; among equal ones the fewest bytes across nodes
+    # With little compute the overlapped syncs no longer hide, and the steps themselves decide.
+    short = {c.name: prediction.predict(args.cost_shape, c, link, 1e-3).step_s for c in candidates}
+    assert prediction.best_2d(args.cost_shape, candidates, link, 1e-3).name == min(short, key=short.get)
+    # The model sees dedup: fewer bytes for the deduped 1D, so a shorter predicted step.
+    one_d = {n: prediction.predict(args.cost_shape, by_name[n], link, 0.1) for n in names[:3]}
+    assert one_d["1d_dedup_fp32"].inter_node_bytes < 0.5 * one_d["1d_fp32"].inter_node_bytes
+    assert one_d["1d_dedup_fp8"].step_s < one_d["1d_dedup_fp32"].step_s < one_d["1d_fp32"].step_s
+
+
+def test_the_sequence_workload_passes_its_model_and_dedup_to_the_job(bench, tmp_path):
+    configs, cli, runs = bench["emulated.configs"], bench["emulated_cluster"], bench["emulated.runs"]
+    args = cli.parse_args(["--workload", "sequence", "--configs", "1d_dedup_fp8,2d_touched", "--history-length", "8", "--items", "500"])
+    job = runs.job_arguments(_FakeEnv(), args.selected[0], args, tmp_path / "r.json")
+    assert job[job.index("--workload") + 1] == "sequence" and job[job.index("--history-length") + 1] == "8"
+    assert job[job.index("--items") + 1] == "500" and "--index-dedup" in job and job[job.index("--qcomms") + 1] == "fp8"
+    assert "--no-index-dedup" in runs.job_arguments(_FakeEnv(), args.selected[1], args, tmp_path / "r.json")
+    assert configs.WORKLOADS["sequence"].model_json(args)["history_length"] == 8
+    with pytest.raises(SystemExit):
+        cli.parse_args(["--workload", "sequence", "--embedding-dim", "10"])  # not a multiple of 4
+
+
+class _FakeEnv:
+    shaped_links = ()
