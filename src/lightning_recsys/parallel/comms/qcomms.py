@@ -99,8 +99,8 @@ class QCommsConfig:
             ``"fbgemm"`` (FBGEMM's kernels or an error that says why not).
         index_dedup: send each rank's sequence ids once per table through the sequence all-to-all
             (TorchRec's ``EmbeddingCollectionSharder(use_index_dedup=True)``), in 1D and 2D. Off by
-            default: FBGEMM's ``jagged_unique_indices``, which it runs, has no CPU kernel (fbgemm-gpu-cpu
-            1.8.0), so it has not been measured here; where the kernel is missing it is an error.
+            default. It runs FBGEMM's ``jagged_unique_indices``: FBGEMM's kernel on CUDA, ours on CPU
+            (``parallel.sharding.index_dedup``; fbgemm-gpu-cpu 1.8.0 has none); elsewhere an error.
     """
 
     forward: Precision = "fp32"
