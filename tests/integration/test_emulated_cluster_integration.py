@@ -91,29 +91,31 @@ def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
 
 
 def test_tiny_sequence_workload_run_predicts_measures_and_compares(tmp_path):
+    # One deduped 1D configuration keeps this short; the 2D pick and the ratios are checked without root
+    # (tests/unit/test_emulated_cluster_parts.py).
     out = tmp_path / "ec.json"
     proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--workload", "sequence", "--configs", "1d_dedup_fp32,2d_touched_overlap", "--items", "2000",
+        [sys.executable, str(SCRIPT), "--workload", "sequence", "--configs", "1d_dedup_fp32", "--items", "2000",
          "--context-rows", "100,10", "--history-length", "8", "--global-batch-size", "64", "--warmup-steps", "2", "--steps", "2",
          "--run-timeout", "60", "--repeats", "1", "--json", str(out), "--no-png"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
     )  # fmt: skip
     try:
-        output = proc.communicate(timeout=240)[0]
+        output = proc.communicate(timeout=180)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-4000:]
     assert output.index("Cost model, before the run") < output.index("1d_dedup_fp32 ") < output.index("Cost model vs measured")
-    assert "Best 2D / best 1D cluster step: measured" in output
     result = json.loads(out.read_text())
     assert result["model"]["workload"] == "sequence" and result["model"]["history_length"] == 8
-    dedup, two_d = result["configs"]
-    assert dedup["index_dedup"] and 0 < dedup["cluster"]["unique_id_fraction_rank0"]["item"] < 1
-    assert two_d["sync_measured"]["rows_per_sync"] > 0
-    cost = result["cost_model"]
-    assert [c["config"] for c in cost["per_config"]] == ["1d_dedup_fp32", "2d_touched_overlap"]
-    assert cost["measured_ratios"]["best_2d"] == "2d_touched_overlap" and cost["before"]["configs"]["1d_dedup_fp32"]["step_s"] > 0
+    (entry,) = result["configs"]
+    assert entry["index_dedup"] and 0 < entry["cluster"]["unique_id_fraction_rank0"]["item"] < 1
+    embeddings = [r for r in entry["cluster"]["traffic_per_step_rank0"] if r["purpose"] == "embeddings"]
+    assert sum(r["inter_node_bytes"] for r in embeddings) > 0  # 1D: the sequence all-to-all crosses the shaped link
+    (compared,) = result["cost_model"]["per_config"]
+    assert compared["config"] == "1d_dedup_fp32" and compared["predicted_s"] > compared["unshaped_s"] > 0
+    assert result["cost_model"]["before"]["configs"]["1d_dedup_fp32"]["step_s"] > 0
     assert not _namespaces_of(proc.pid)
 
 
