@@ -224,7 +224,7 @@ class TwoDRecStrategy(
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``("replicate", "shard")`` device mesh; also readable as ``LightningModule.device_mesh``."""
-        return self.topology.device_mesh(self.root_device.type)
+        return self.topology.device_mesh(self.root_device.type, timeout=self._timeout)
 
     @property
     def effective_qcomms(self) -> EffectiveQComms:
@@ -358,8 +358,12 @@ class TwoDRecStrategy(
             self._input_pipeline = None
         # A collective that failed usually means a peer died; name it where the rendezvous store can tell.
         if _distributed_is_initialized() and looks_like_lost_peer(exception):
-            lost = report_lost_ranks(self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()))
+            lost = report_lost_ranks(
+                self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()),
+                store_host_ranks=range(self.num_processes),  # torchrun's store: with node 0, global ranks 0..per node - 1
+            )
             log.error("TwoDRecStrategy: rank %d: %s", self.global_rank, lost)
+            exception.add_note(f"TwoDRecStrategy: rank {self.global_rank}: {lost}")  # the raised error names them too
 
     @override
     def model_to_device(self) -> None:
