@@ -13,6 +13,7 @@ import sys
 import time
 from datetime import timedelta
 
+import pytest
 import torch.distributed as dist
 
 from lightning_recsys.parallel.topology import report_lost_ranks
@@ -25,6 +26,7 @@ SERVER = (
 )
 
 
+@pytest.mark.timeout(60)  # the unbounded check-in this guards against blocks forever
 def test_a_silent_store_is_reported_within_the_wait_naming_its_nodes_ranks():
     server = subprocess.Popen([sys.executable, "-c", SERVER], stdout=subprocess.PIPE, text=True)
     try:
