@@ -36,6 +36,11 @@ def test_a_silent_store_is_reported_within_the_wait_naming_its_nodes_ranks():
         dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         try:
             assert "every rank is still alive" in report_lost_ranks(0, 1, wait_seconds=2.0)  # the store answers
+            # Rank 1 of 2 never checks in; the launcher's SIGTERM (stop_early) ends the wait before its 30 s.
+            began = time.monotonic()
+            early = report_lost_ranks(0, 2, wait_seconds=30.0, stop_early=lambda: time.monotonic() - began > 0.5)
+            assert time.monotonic() - began < 3.0
+            assert early.startswith("lost rank(s) [1]: they did not check in by the time the launcher stopped this rank"), early
             os.kill(server.pid, signal.SIGSTOP)
             started = time.monotonic()
             report = report_lost_ranks(2, 4, wait_seconds=2.0, store_host_ranks=range(2))

@@ -361,6 +361,7 @@ class TwoDRecStrategy(
             lost = report_lost_ranks(
                 self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()),
                 store_host_ranks=range(self.num_processes),  # torchrun's store: with node 0, global ranks 0..per node - 1
+                stop_early=lambda: self._sigterm_pending,  # torchrun stops the survivors of a dead rank with SIGTERM
             )
             log.error("TwoDRecStrategy: rank %d: %s", self.global_rank, lost)
             exception.add_note(f"TwoDRecStrategy: rank {self.global_rank}: {lost}")  # the raised error names them too
