@@ -217,6 +217,11 @@ class TwoDRecStrategy(
         return available(self._setup, "sharded_model", "set up the model").sharded
 
     @property
+    def collective_timeout(self) -> timedelta:
+        """``process_group_timeout``: what bounds every collective of the job, its process groups' and the checkpoint writers'."""
+        return self._timeout
+
+    @property
     def topology(self) -> ParallelTopology:
         """The 2D rank layout (sharding and replica groups); available once the environment is set up."""
         return available(self._topology, "topology", "set up the environment")
