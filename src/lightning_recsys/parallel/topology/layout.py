@@ -203,8 +203,8 @@ def _bound_group_timeouts(mesh: DeviceMesh, timeout: timedelta) -> None:
 
     Workaround (torch 2.13): DeviceMesh makes its subgroups with ``new_group(timeout=None)``
     (``_init_one_process_group`` in torch/distributed/device_mesh.py passes only a pg_options
-    timeout), i.e. the backend's default, 30 minutes for gloo, not ``init_process_group``'s: a
-    replica group's all-reduce across a lost link then waited half an hour instead of the timeout.
+    timeout), i.e. the backend's default, 30 minutes for gloo, not ``init_process_group``'s: with a
+    lost link, collectives on the replica group then waited up to half an hour instead of the timeout.
     """
     for axis in MESH_AXES:
         group = mesh.get_group(axis)
