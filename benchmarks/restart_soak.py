@@ -32,6 +32,8 @@ from typing import Any
 
 KILL_RANK_ENV = "RESTART_SOAK_KILL_RANK"
 PLAN_ENV = "RESTART_SOAK_PLAN"  # "point:step,point:step,...": where attempt a's victim dies
+PROGRESS_ENV = "RESTART_SOAK_PROGRESS"  # a file: rank 0 appends "<attempt> <step> <unix time>" after each faulted-fit step
+STEP_SLEEP_ENV = "RESTART_SOAK_STEP_SLEEP"  # seconds every rank waits after each step of attempt 0's faulted fit
 KILL_POINTS = ("after_step", "in_step", "overlapped_sync", "sync_save", "async_save", "validation")
 KILL_FILE = "killed_at.txt"
 RESULT_FILE = "result.json"
@@ -116,6 +118,17 @@ def _job(args: argparse.Namespace) -> None:
             if trainer.state.fn == "fit":
                 kill_here("validation", trainer.global_step)
 
+    class Progress(Callback):
+        """For an outside fault (benchmarks/lost_link.py): rank 0 reports each step; attempt 0's steps are slowed so
+        that the fault lands mid-fit."""
+
+        def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if os.environ.get(PROGRESS_ENV) and rank == 0:
+                with open(os.environ[PROGRESS_ENV], "a") as f:
+                    f.write(f"{attempt} {trainer.global_step} {time.time()}\n")
+            if attempt == 0:
+                time.sleep(float(os.environ.get(STEP_SLEEP_ENV, "0")))
+
     def model(embedding_device: str) -> DLRMRanker:
         torch.manual_seed(1234)
         return DLRMRanker(
@@ -148,7 +161,7 @@ def _job(args: argparse.Namespace) -> None:
         trainer.save_checkpoint(work / name / "final.ckpt")
         return trained
 
-    faulted = fit("faulted", [KillInEarlyAttempts()])
+    faulted = fit("faulted", [KillInEarlyAttempts(), Progress()])
     reference = fit("reference", [])  # the same fit, in the same processes, without a fault
     if rank != 0:
         return

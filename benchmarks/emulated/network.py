@@ -53,6 +53,7 @@ class Environment:
     ifnames: tuple[str, str]
     shaped_links: tuple[tuple[str, str], ...] = ()  # (namespace, interface) with a TBF
     helper_pids: tuple[int, ...] = ()  # the delay line, whose CPU time is charged to each run
+    router_links: tuple[tuple[str, str], ...] = ()  # (namespace, interface): the router's side of each node's veth
 
 
 def run_command(cmd: Sequence[str], *, check: bool = True, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:
@@ -230,6 +231,7 @@ def build_cluster(
         ifnames=(ifnames[0], ifnames[1]),
         shaped_links=tuple(zip(nodes, ifnames)),
         helper_pids=helper_pids,
+        router_links=tuple((router, router_if) for router_if in router_ifs),
     )
     shaping = Shaping(
         bandwidth_mbit=bandwidth_mbit, latency_ms=latency_ms if method != "none" else 0.0, mtu=mtu,
@@ -237,6 +239,17 @@ def build_cluster(
     )  # fmt: skip
     _check_link(env, rate_bytes)
     return env, shaping
+
+
+def set_link(env: Environment, *, up: bool) -> None:
+    """Take the inter-node link down (or bring it back): the router's side of every node's veth.
+
+    Down, each node's veth loses its carrier and its qdisc drops what is sent: peers see silence
+    (TCP retransmits), not a refused connection, as with a pulled cable or a dead switch."""
+    if not env.router_links:
+        raise SetupError(f"{env.name} has no inter-node link to take down")
+    for ns, ifname in env.router_links:
+        run_command(["ip", "-n", ns, "link", "set", ifname, "up" if up else "down"])
 
 
 def _start_delay_line(sandbox: Sandbox, router: str, router_ifs: list[str], latency_ms: float, mtu: int) -> int:

@@ -357,12 +357,12 @@ def test_dead_rank_makes_every_other_rank_exit_within_the_timeout(world_size, gr
         assert f"rank {rank} failed" in message, message[-3000:]
     assert elapsed < PG_TIMEOUT + 30 + 60, f"took {elapsed:.0f}s"
     # Survivors check in on the rendezvous store and name the ranks that did not (a rank still stuck
-    # in a collective is named too); once rank 0 has exited, the store is gone and that is said.
+    # in a collective is named too); once rank 0 has exited, the store is gone and its node's ranks are named unreachable.
     reports = {r: (tmp_path / f"rank{r}.log").read_text() for r in survivors}
     named = [re.search(r"lost rank\(s\) \[([\d, ]+)\]", text) for text in reports.values()]
     assert any(m and "1" in m.group(1).split(", ") for m in named), reports
     for rank, text in reports.items():
-        assert "lost rank(s) [" in text or "rank 0 is probably lost" in text, (rank, text)
+        assert "lost rank(s) [" in text or "unreachable rank(s) [0" in text, (rank, text)
 
 
 # ----------------------------------------------------------------- soak

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +35,11 @@ class AsyncCheckpointSaver:
     group with training's (the two threads would interleave their collectives).
     """
 
-    def __init__(self, topology: ParallelTopology) -> None:
+    def __init__(self, topology: ParallelTopology, *, timeout: timedelta | None = None) -> None:
         _require_process_group("AsyncCheckpointSaver")
         self._topology = topology
-        self._group = dist.new_group(topology.writer_group, backend="gloo")
+        # timeout: the job's; without it gloo's default (30 min) bounds a background write to a lost peer.
+        self._group = dist.new_group(topology.writer_group, backend="gloo", timeout=timeout)
         self._pending: AsyncCheckpointHandle | None = None
 
     def save(

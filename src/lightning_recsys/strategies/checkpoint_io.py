@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional, Protocol
 
@@ -27,6 +28,7 @@ class ShardedCheckpointSource(Protocol):
     """What the plugin needs from the strategy: this rank's sharded state and the rank layout."""
 
     topology: ParallelTopology
+    collective_timeout: timedelta  # bounds the background writes' collectives too
 
     def sharded_checkpoint_state(self) -> ShardedState: ...
 
@@ -63,7 +65,7 @@ class DCPCheckpointIO(CheckpointIO):
         self._source = source
         self._torn_down = False
         if self.async_save and self._saver is None:
-            self._saver = AsyncCheckpointSaver(source.topology)
+            self._saver = AsyncCheckpointSaver(source.topology, timeout=source.collective_timeout)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Optional[Any] = None) -> None:

@@ -217,6 +217,11 @@ class TwoDRecStrategy(
         return available(self._setup, "sharded_model", "set up the model").sharded
 
     @property
+    def collective_timeout(self) -> timedelta:
+        """``process_group_timeout``: what bounds every collective of the job, its process groups' and the checkpoint writers'."""
+        return self._timeout
+
+    @property
     def topology(self) -> ParallelTopology:
         """The 2D rank layout (sharding and replica groups); available once the environment is set up."""
         return available(self._topology, "topology", "set up the environment")
@@ -224,7 +229,7 @@ class TwoDRecStrategy(
     @property
     def device_mesh(self) -> DeviceMesh:
         """The ``("replicate", "shard")`` device mesh; also readable as ``LightningModule.device_mesh``."""
-        return self.topology.device_mesh(self.root_device.type)
+        return self.topology.device_mesh(self.root_device.type, timeout=self._timeout)
 
     @property
     def effective_qcomms(self) -> EffectiveQComms:
@@ -358,8 +363,13 @@ class TwoDRecStrategy(
             self._input_pipeline = None
         # A collective that failed usually means a peer died; name it where the rendezvous store can tell.
         if _distributed_is_initialized() and looks_like_lost_peer(exception):
-            lost = report_lost_ranks(self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()))
+            lost = report_lost_ranks(
+                self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()),
+                store_host_ranks=range(self.num_processes),  # torchrun's store: with node 0, global ranks 0..per node - 1
+                stop_early=lambda: self._sigterm_pending,  # torchrun stops the survivors of a dead rank with SIGTERM
+            )
             log.error("TwoDRecStrategy: rank %d: %s", self.global_rank, lost)
+            exception.add_note(f"TwoDRecStrategy: rank {self.global_rank}: {lost}")  # the raised error names them too
 
     @override
     def model_to_device(self) -> None:

@@ -9,6 +9,7 @@ ranks that hold the same shard in different sharding groups. The two are the axe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from enum import Enum
 from typing import Literal
 
@@ -163,8 +164,10 @@ class ParallelTopology:
         return []
 
     # ----------------------------------------------------------------- process groups
-    def device_mesh(self, device_type: str) -> DeviceMesh:
-        """The ``("replicate", "shard")`` mesh; row i is sharding group i. Collective on first call."""
+    def device_mesh(self, device_type: str, *, timeout: timedelta | None = None) -> DeviceMesh:
+        """The ``("replicate", "shard")`` mesh; row i is sharding group i. Collective on first call.
+
+        ``timeout`` bounds every collective on the mesh's groups (the backend's default otherwise)."""
         if "mesh" not in self._mesh:
             if not dist.is_initialized():
                 raise RuntimeError("ParallelTopology.device_mesh() needs an initialized default process group.")
@@ -174,6 +177,8 @@ class ParallelTopology:
                     f"size ({dist.get_world_size()})."
                 )
             mesh = DeviceMesh(device_type, torch.tensor(self.sharding_groups()), mesh_dim_names=MESH_AXES)
+            if timeout is not None:
+                _bound_group_timeouts(mesh, timeout)
             self._mesh["mesh"] = mesh
         return self._mesh["mesh"]
 
@@ -191,6 +196,20 @@ class ParallelTopology:
         if "mesh" not in self._mesh:
             raise RuntimeError("ParallelTopology.device_mesh(device_type) must be called (on every rank) first.")
         return self._mesh["mesh"]
+
+
+def _bound_group_timeouts(mesh: DeviceMesh, timeout: timedelta) -> None:
+    """Give the mesh's subgroups the job's collective timeout.
+
+    Workaround (torch 2.13): DeviceMesh makes its subgroups with ``new_group(timeout=None)``
+    (``_init_one_process_group`` in torch/distributed/device_mesh.py passes only a pg_options
+    timeout), i.e. the backend's default, 30 minutes for gloo, not ``init_process_group``'s: with a
+    lost link, collectives on the replica group then waited up to half an hour instead of the timeout.
+    """
+    for axis in MESH_AXES:
+        group = mesh.get_group(axis)
+        if group is not dist.group.WORLD:  # WORLD already has it, from init_process_group
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def check_topology_arguments(sharding_group_size: int | None, layout: str) -> None:

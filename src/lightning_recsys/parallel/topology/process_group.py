@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -36,27 +38,64 @@ def looks_like_lost_peer(exception: BaseException) -> bool:
     )
 
 
-def report_lost_ranks(rank: int, world_size: int, *, wait_seconds: float) -> str:
+def report_lost_ranks(
+    rank: int, world_size: int, *, wait_seconds: float, store_host_ranks: Sequence[int] = (0,),
+    stop_early: Callable[[], bool] | None = None,
+) -> str:
     """After a failed collective: which ranks are gone? Survivors check in on the rendezvous store.
 
     Every surviving rank writes a key and waits up to ``wait_seconds`` for the others'; a rank
-    that never checks in is reported lost (dead, or stuck in a collective). If the store itself is
-    unreachable, its host (rank 0's node) is the one lost.
+    that never checks in is reported lost (dead, stuck in a collective, or cut off by the network).
+    If the store itself does not answer within ``wait_seconds``, the ranks of its host's node
+    (``store_host_ranks``: torchrun's node 0) are the ones this rank cannot reach. The wait ends
+    early once ``stop_early()`` is true (the launcher is stopping this rank: waiting longer would only
+    delay its restart).
     """
-    # torch keeps the store of init_process_group private; it is the only channel left once a rank is gone.
-    try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"lightning_recsys/survivor/{rank}", "1")
-        deadline = time.monotonic() + wait_seconds
-        missing = list(range(world_size))
-        while missing and time.monotonic() < deadline:
-            missing = [r for r in missing if not store.check([f"lightning_recsys/survivor/{r}"])]
-            time.sleep(0.2)
-    except Exception as error:  # noqa: BLE001 - this is a diagnosis; the original error propagates
-        return f"the rendezvous store (hosted with rank 0) is unreachable ({error}); rank 0 is probably lost"
+    outcome: dict[str, Any] = {}
+    started = time.monotonic()
+
+    def stopped() -> bool:
+        return stop_early is not None and stop_early()
+
+    def check_in() -> None:
+        # torch keeps the store of init_process_group private; it is the only channel left once a rank is gone.
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            store.set(f"lightning_recsys/survivor/{rank}", "1")
+            deadline = time.monotonic() + wait_seconds
+            missing = [r for r in range(world_size) if not store.check([f"lightning_recsys/survivor/{r}"])]
+            while missing and time.monotonic() < deadline and not stopped():
+                time.sleep(0.2)
+                missing = [r for r in missing if not store.check([f"lightning_recsys/survivor/{r}"])]
+            outcome["missing"] = missing
+        except Exception as error:  # noqa: BLE001 - this is a diagnosis; the original error propagates
+            outcome["error"] = error
+
+    # A store call can block until the link is back while the store's host is unreachable (TCPStore's
+    # client reads a reply with no deadline, e.g. after a timed-out wait: TCPStore::doWait in torch 2.13),
+    # so the check-in runs in a daemon thread and this rank stops waiting for it after wait_seconds.
+    thread = threading.Thread(target=check_in, name="lightning_recsys-check-in", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + wait_seconds + 1.0
+    while thread.is_alive() and time.monotonic() < deadline and not stopped():
+        thread.join(0.1)
+    thread.join(0.5)  # a stop: let the check-in finish its round
+    if "missing" not in outcome:
+        hosts = [r for r in store_host_ranks if r != rank] or list(store_host_ranks)
+        error = outcome.get("error")
+        why = (str(error).splitlines() or [type(error).__name__])[0] if error is not None else "no answer"
+        return (
+            f"unreachable rank(s) {hosts}: the rendezvous store on their node (with rank 0) did not answer within "
+            f"{min(wait_seconds, time.monotonic() - started):.0f}s ({why}); that node, or the network link to it, is lost"
+        )
+    missing = outcome["missing"]
     if not missing:
         return "every rank is still alive; the failure is not a lost rank (see the other ranks' errors)"
-    return f"lost rank(s) {missing}: they did not check in within {wait_seconds:.0f}s of the failure (dead, or stuck in a collective)"
+    within = (
+        f"by the time the launcher stopped this rank, {time.monotonic() - started:.1f}s after the failure"
+        if stopped() else f"within {wait_seconds:.0f}s of the failure"
+    )  # fmt: skip
+    return f"lost rank(s) {missing}: they did not check in {within} (dead, stuck in a collective, or cut off by the network)"
 
 
 def destroy_process_group_at_exit() -> None:
