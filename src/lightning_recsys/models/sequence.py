@@ -85,16 +85,39 @@ def _attendable(padding: torch.Tensor) -> torch.Tensor:
     return padding & ~newest_is_key
 
 
-@torch.fx.wrap
-def _mean_per_action(items: torch.Tensor, padding: torch.Tensor, actions: torch.Tensor, num_actions: int) -> torch.Tensor:
-    """The mean item embedding of each action type's valid slots: ``[B, num_actions, dim]`` (zeros where none).
+@torch.fx.wrap  # one leaf for TorchRec's pipeline tracing: it reads the batch's action ids
+def _mean_per_action(
+    sparse: KeyedJaggedTensor, action_feature: str, items: torch.Tensor, padding: torch.Tensor, num_actions: int
+) -> torch.Tensor:
+    """The mean item embedding of each action type's kept slots: ``[B, num_actions, dim]`` (zeros where none).
 
-    ``items [B, L, dim]`` and ``actions [B, L]`` (ids, any value on padding) are the padded history.
+    ``items [B, L, dim]`` and ``padding [B, L]`` are the padded history (``newest_padded``); the
+    action ids are padded the same way from the batch's ``action_feature``.
     """
-    member = nn.functional.one_hot(actions.long().clamp(0, num_actions - 1), num_actions).to(items.dtype)
+    actions = sparse[action_feature]
+    ids, _ = newest_padded(actions.lengths(), actions.values()[:, None], items.shape[1])
+    member = nn.functional.one_hot(ids.squeeze(-1).long().clamp(0, num_actions - 1), num_actions).to(items.dtype)
     member = member * (~padding)[..., None].to(items.dtype)
     sums = torch.einsum("bla,bld->bad", member, items)
     return sums / member.sum(dim=1).clamp(min=1.0)[..., None]
+
+
+@torch.fx.wrap  # a list of a variable number of vectors: fx cannot iterate its proxies
+def _pairwise_dots(
+    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
+    means: torch.Tensor | None, context: torch.Tensor | None, dense: torch.Tensor | None,
+) -> torch.Tensor:
+    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, means.., contexts.., dense]``."""
+    batch, dim = candidate.shape
+    vectors = [candidate[:, None], history[:, None]]
+    if means is not None:
+        vectors.append(means)
+    if context is not None:
+        vectors.append(context.view(batch, -1, dim))
+    if dense is not None:
+        vectors.append(dense[:, None])
+    stacked = torch.cat(vectors, dim=1)
+    return torch.bmm(stacked, stacked.transpose(1, 2))[:, rows, cols]
 
 
 def _mlp(in_features: int, layer_sizes: list[int]) -> nn.Sequential:
@@ -133,7 +156,8 @@ class SequenceRanker(RankerModule):
     embedding if ``position_embedding``, and goes through ``num_layers`` ``nn.TransformerEncoder``
     layers with the padding masked. The encoder output is max-pooled over the valid tokens and the
     newest ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
-    the pooled context embeddings and the dense features feed an MLP that gives one logit.
+    the pooled context embeddings and the dense features feed an MLP that gives one logit
+    (``action_means`` adds per-action mean item embeddings, ``interaction="dot"`` DLRM's pairwise dots).
     An empty history gives a zero max-pool and zero tokens, never NaN.
 
     Every history id goes through the embedding lookup (and, sharded, the sequence all-to-all) before
@@ -167,9 +191,9 @@ class SequenceRanker(RankerModule):
             mean item embedding of the history items with that action (zeros if none), beside the
             encoder; ``num_action_types`` vectors of ``embedding_dim``. They reach the MLP and, with
             ``interaction="dot"``, the pairwise dots, so "how like the items the user acted on
-            positively is the candidate" is one product. Why: a signal that lies in which items got
-            which action needs item x action, which a sum over tokens (the encoder's pooling, an
-            attention started uniform) cancels out at the start of training, so it is never learned.
+            positively is the candidate" is one product. Why: where the signal is which items got
+            which action, a mean over all history items carries none of it until the encoder has
+            learned to tell the actions apart.
         interaction: how the parts meet before the top MLP. ``"concat"``: the MLP reads them
             concatenated. ``"dot"``: as DLRM, also the pairwise dot products among the candidate
             embedding, each context embedding, a linear projection of the pooled history (to
@@ -329,6 +353,7 @@ class SequenceRanker(RankerModule):
         self.interaction = interaction
         self.action_means = action_means
         self.num_action_types = num_action_types
+        self.embedding_dim = embedding_dim
         if action_means:
             over_in += num_action_types * embedding_dim
         self.history_projection: nn.Module | None = None
@@ -363,27 +388,14 @@ class SequenceRanker(RankerModule):
         features = [pooled, candidate_embedding]
         means = None
         if self.action_means:
-            action_ids, _ = newest_padded(history.lengths(), batch.sparse[action_name].values()[:, None], self.max_history)
-            means = _mean_per_action(tokens[..., : candidate_embedding.shape[1]], padding, action_ids.squeeze(-1), self.num_action_types)
+            means = _mean_per_action(batch.sparse, action_name, tokens[..., : self.embedding_dim], padding, self.num_action_types)
             features.append(means.flatten(1))
         context = self.context_embeddings(batch.sparse).values() if self.context_embeddings is not None else None
         if context is not None:
             features.append(context)
         features.append(batch.dense)
         if self.history_projection is not None:
-            history_vectors = [self.history_projection(pooled)] + ([] if means is None else list(means.unbind(1)))
-            features.append(self._pairwise_dots(candidate_embedding, context, history_vectors, batch.dense))
+            dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
+            history_vector = self.history_projection(pooled)
+            features.append(_pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense))
         return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
-
-    def _pairwise_dots(
-        self, candidate: torch.Tensor, context: torch.Tensor | None, history: list[torch.Tensor], dense: torch.Tensor
-    ) -> torch.Tensor:
-        """DLRM's interaction: the dot product of every pair of ``[candidate, history.., contexts.., dense]`` vectors."""
-        vectors = [candidate.unsqueeze(1), *(h.unsqueeze(1) for h in history)]
-        if context is not None:
-            vectors.append(context.view(candidate.shape[0], -1, candidate.shape[1]))
-        if self.dense_projection is not None:
-            vectors.append(self.dense_projection(dense).unsqueeze(1))
-        stacked = torch.cat(vectors, dim=1)
-        gram = torch.bmm(stacked, stacked.transpose(1, 2))
-        return gram[:, self._pair_rows, self._pair_cols]
