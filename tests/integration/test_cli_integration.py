@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from movielens_files import write_tiny_movielens
 from multiprocess import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,18 +64,8 @@ def test_synthetic_configs_train_and_plan_prints_the_logged_report(config, tmp_p
     assert report in planned, f"training logged:\n{report}\n\n`lightning-recsys plan` printed:\n{planned}"
 
 
-def _write_movielens(directory: Path) -> None:
-    genres = lambda i: "|".join("1" if g == i % 19 else "0" for g in range(19))  # noqa: E731
-    occupations = ["technician", "writer", "student", "other"]
-    (directory / "u.user").write_text("".join(f"{u}|{18 + u}|{'MF'[u % 2]}|{occupations[u % 4]}|{10000 + u}\n" for u in range(1, 21)))
-    (directory / "u.item").write_text(
-        "".join(f"{i}|Movie {i} (1995)|01-Jan-1995||http://x/{i}|{genres(i)}\n" for i in range(1, 31)), encoding="latin-1"
-    )
-    (directory / "u.data").write_text("".join(f"{1 + r % 20}\t{1 + (r * 7) % 30}\t{1 + r % 5}\t{880000000 + r}\n" for r in range(400)))
-
-
 def test_movielens_config_trains_on_files_in_the_real_format(tmp_path):
-    _write_movielens(tmp_path)
+    write_tiny_movielens(tmp_path)
     summary = _fit("movielens_dlrm.yaml", ["--data.path", str(tmp_path), "--data.global_batch_size", "32", "--trainer.max_epochs", "1"], tmp_path)
     assert summary["global_steps"] == 400 * 8 // 10 // 32  # train split: 80% of the ratings, whole global batches
     assert 0.0 <= summary["metrics"]["val/auc"] <= 1.0

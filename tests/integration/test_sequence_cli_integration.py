@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from movielens_files import write_tiny_movielens
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
@@ -30,17 +31,6 @@ def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
     return output
 
 
-def _write_movielens(directory: Path) -> None:
-    """MovieLens-100k-format files: 20 users, 30 movies, 400 ratings (every user has a history)."""
-    genres = lambda i: "|".join("1" if g == i % 19 else "0" for g in range(19))  # noqa: E731
-    occupations = ["technician", "writer", "student", "other"]
-    (directory / "u.user").write_text("".join(f"{u}|{18 + u}|{'MF'[u % 2]}|{occupations[u % 4]}|{10000 + u}\n" for u in range(1, 21)))
-    (directory / "u.item").write_text(
-        "".join(f"{i}|Movie {i} (1995)|01-Jan-1995||http://x/{i}|{genres(i)}\n" for i in range(1, 31)), encoding="latin-1"
-    )
-    (directory / "u.data").write_text("".join(f"{1 + r % 20}\t{1 + (r * 7 + r // 20) % 30}\t{1 + r % 5}\t{880000000 + r // 3}\n" for r in range(400)))
-
-
 def _fit_then_test(config: str, overrides: list[str], tmp_path: Path) -> tuple[str, float]:
     fit = _run([CLI, "fit", "--config", str(CONFIGS / config), "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *overrides], tmp_path)
     assert "Run summary" in fit and "TwoDRecStrategy: " in fit  # trained under the strategy the config names
@@ -60,7 +50,7 @@ def test_synthetic_sequence_config_fits_and_tests_from_its_checkpoint(tmp_path):
 
 @pytest.mark.slow
 def test_movielens_sequence_config_fits_and_tests_from_its_checkpoint(tmp_path):
-    _write_movielens(tmp_path)
+    write_tiny_movielens(tmp_path, spread_items=True, ratings_per_second=3)  # every user has a history
     overrides = ["--data.path", str(tmp_path), "--data.global_batch_size", "32", "--data.max_history_length", "8", "--model.init_args.max_history", "8"]
     tested, test_auc = _fit_then_test("movielens_sequence.yaml", overrides, tmp_path)
     assert 0.0 <= test_auc <= 1.0

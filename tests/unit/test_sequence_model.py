@@ -119,6 +119,61 @@ def test_candidate_product_appends_the_item_candidate_product_to_each_token():
     assert torch.equal(tokens[1, 0, 24:], torch.zeros(8)) and tokens[1, 0, 16:24].any()  # padding: a candidate, no product
 
 
+def _over_arch_input(model: SequenceRanker, batch: RecBatch) -> torch.Tensor:
+    seen: list[torch.Tensor] = []
+    handle = model.over_arch.register_forward_pre_hook(lambda module, args: seen.append(args[0]))
+    model.eval()(batch)
+    handle.remove()
+    return seen[0]
+
+
+def test_action_means_are_the_mean_kept_item_embedding_of_each_action_type():
+    model = small_model(action_means=True)
+    assert model.over_arch[0].in_features == 3 * 24 + 8 + 3 * 8 + 8 + 2
+    # Example 0 keeps its newest 4 (items 3, 4, 5, 6 with actions 0, 1, 1, 0); item 1 (action 2) is older.
+    batch = sequence_batch([[1, 3, 4, 5, 6], [], [7]], actions=[[2, 0, 1, 1, 0], [], [2]])
+    items = model.sequence_embeddings.embeddings["item"].weight.detach()
+    means = _over_arch_input(model, batch)[:, 3 * 24 + 8 : 3 * 24 + 8 + 24].view(3, 3, 8)
+    torch.testing.assert_close(means[0, 0], (items[3] + items[6]) / 2)
+    torch.testing.assert_close(means[0, 1], (items[4] + items[5]) / 2)
+    assert torch.equal(means[0, 2], torch.zeros(8))  # its only action-2 item is older than the newest 4
+    assert torch.equal(means[1], torch.zeros(3, 8))  # an empty history
+    torch.testing.assert_close(means[2, 2], items[7])
+
+
+def test_dot_interaction_appends_the_pairwise_dots_of_candidate_history_context_and_dense():
+    model = small_model(interaction="dot", action_means=True)
+    vectors = 1 + 1 + 3 + 1 + 1  # candidate, projected history, 3 action means, user_id, projected dense
+    assert model.over_arch[0].in_features == 3 * 24 + 8 + 3 * 8 + 8 + 2 + vectors * (vectors - 1) // 2
+    batch = sequence_batch([[1, 2], [], [3, 4, 5]], actions=[[1, 1], [], [0, 2, 1]], candidates=[9, 10, 11])
+    features = _over_arch_input(model, batch)
+    items = model.sequence_embeddings.embeddings["item"].weight.detach()
+    users = model.context_embeddings.embedding_bags["t_user_id"].weight.detach()
+    pooled, means, dense = features[:, : 3 * 24], features[:, 3 * 24 + 8 : 3 * 24 + 32].view(3, 3, 8), batch.dense
+    with torch.no_grad():
+        stacked = torch.stack(
+            [items[[9, 10, 11]], model.history_projection(pooled), *means.unbind(1), users[[0, 1, 2]], model.dense_projection(dense)], dim=1
+        )
+    gram = stacked @ stacked.transpose(1, 2)
+    rows, cols = torch.triu_indices(vectors, vectors, offset=1)
+    torch.testing.assert_close(features[:, -len(rows) :], gram[:, rows, cols])
+    # The candidate x user dot (vectors 0 and 5) is there: example 2's is items[11] . users[2].
+    pair = list(zip(rows.tolist(), cols.tolist())).index((0, 5))
+    torch.testing.assert_close(features[2, -len(rows) + pair], items[11] @ users[2])
+    plain = small_model(interaction="dot", num_dense_features=0)  # candidate, history, user_id: 3 dots
+    assert plain.dense_projection is None and plain.over_arch[0].in_features == 3 * 24 + 8 + 8 + 3
+
+
+def test_action_means_and_dot_interaction_train_with_empty_histories():
+    model = small_model(interaction="dot", action_means=True).train()
+    batch = sequence_batch([[], [3, 4], []])
+    logits = model(batch)
+    F.binary_cross_entropy_with_logits(logits, batch.labels).backward()
+    assert torch.isfinite(logits).all()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+    assert model.history_projection.weight.grad.abs().sum() > 0
+
+
 def test_projection_feedforward_and_no_context_are_configurable():
     model = small_model(context_feature_names=None, context_table_sizes=None, num_dense_features=0, model_dim=12,
                         num_heads=3, num_layers=1, feedforward_dim=20, newest_tokens=0, position_embedding=False)
@@ -213,6 +268,9 @@ _INVALID = [
     ({"model_dim": 10, "num_heads": 4}, r"num_heads=4 must divide the token width \(model_dim=10\)"),
     ({"candidate_product": True, "num_heads": 3}, r"num_heads=3 must divide the token width \(4 \* embedding_dim=32\)"),
     ({"candidate_product": 1}, r"candidate_product=1 must be True or False"),
+    ({"action_means": "yes"}, r"action_means='yes' must be True or False"),
+    ({"interaction": "sum"}, r"interaction='sum' is not one of \['concat', 'dot'\]"),
+    ({"interaction": "dot", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
     ({"context_table_sizes": [7, 8]}, r"context_feature_names has 1 entries but context_table_sizes has 2"),
     ({"context_table_sizes": [0]}, r"context_table_sizes=\[0\] must all be integers >= 1"),
     ({"context_feature_names": ["history_action"]}, r"feature name\(s\) \['history_action'\] are used twice"),

@@ -43,7 +43,12 @@ from lightning_recsys.data.movielens import (
     ValHoldout,
 )
 from lightning_recsys.data.readers import OnBadLine
-from lightning_recsys.data.synthetic_sequence import CANDIDATE_ITEM_FEATURE, HISTORY_ACTION_FEATURE, HISTORY_ITEM_FEATURE
+from lightning_recsys.data.synthetic_sequence import (
+    CANDIDATE_ITEM_FEATURE,
+    HISTORY_ACTION_FEATURE,
+    HISTORY_ITEM_FEATURE,
+    SequenceDataShape,
+)
 
 MOVIELENS_RATING_VALUES = 5  # ratings 1..5 are history actions 0..4
 MOVIELENS_CONTEXT_FEATURES: list[str] = [name for name in MOVIELENS_FEATURE_NAMES if name != "item_id"]
@@ -74,6 +79,14 @@ class MovieLens100KSequenceConfig(MovieLens100KConfig):
     def context_table_sizes(self) -> list[int]:
         sizes = dict(zip(MOVIELENS_FEATURE_NAMES, self.table_sizes))
         return [sizes[name] for name in MOVIELENS_CONTEXT_FEATURES]
+
+    @property
+    def context_feature_names(self) -> list[str]:
+        return list(MOVIELENS_CONTEXT_FEATURES)
+
+    @property
+    def num_action_types(self) -> int:
+        return MOVIELENS_RATING_VALUES
 
 
 class TrainingHistories:
@@ -133,7 +146,7 @@ class MovieLens100KSequenceDataset(MovieLens100KDataset):
         return RecBatch(dense=pooled.dense, sparse=sparse, labels=pooled.labels)
 
 
-class MovieLens100KSequenceDataModule(RankSlicedDataModule):
+class MovieLens100KSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
     """MovieLens-100k for a sequence ranker: ``MovieLens100KDataModule``'s examples with user histories.
 
     The arguments are ``MovieLens100KSequenceConfig``'s (flat, so the CLI takes ``--data.path
@@ -171,30 +184,6 @@ class MovieLens100KSequenceDataModule(RankSlicedDataModule):
     @classmethod
     def from_config(cls, config: MovieLens100KSequenceConfig) -> MovieLens100KSequenceDataModule:
         return cls(**dataclasses.asdict(config))
-
-    @property
-    def item_table_size(self) -> int:
-        return self.config.num_items
-
-    @property
-    def num_action_types(self) -> int:
-        return MOVIELENS_RATING_VALUES
-
-    @property
-    def context_feature_names(self) -> list[str]:
-        return list(MOVIELENS_CONTEXT_FEATURES)
-
-    @property
-    def context_table_sizes(self) -> list[int]:
-        return self.config.context_table_sizes
-
-    @property
-    def num_dense_features(self) -> int:
-        return self.config.num_dense_features
-
-    @property
-    def max_history_length(self) -> int:
-        return self.config.max_history_length
 
     def data(self, warn: bool = True) -> tuple[MovieLens100K, TrainingHistories]:
         """The parsed files and the training histories (parsed once)."""

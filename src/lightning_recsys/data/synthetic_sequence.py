@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torchrec import KeyedJaggedTensor
@@ -245,7 +246,41 @@ class SyntheticSequenceLog:
         return sum(parts) / math.sqrt(len(parts))
 
 
-class SyntheticSequenceDataModule(RankSlicedDataModule):
+class SequenceDataShape:
+    """The six attributes a ``SequenceRanker`` is built from, read off the DataModule's ``config``.
+
+    Its ``config`` has ``num_items`` (the item table's rows), ``num_action_types``,
+    ``context_feature_names``, ``context_table_sizes``, ``num_dense_features`` and ``max_history_length``.
+    """
+
+    config: Any  # SyntheticSequenceConfig, MovieLens100KSequenceConfig: the six fields above
+
+    @property
+    def item_table_size(self) -> int:
+        return int(self.config.num_items)
+
+    @property
+    def num_action_types(self) -> int:
+        return int(self.config.num_action_types)
+
+    @property
+    def context_feature_names(self) -> list[str]:
+        return list(self.config.context_feature_names)
+
+    @property
+    def context_table_sizes(self) -> list[int]:
+        return list(self.config.context_table_sizes)
+
+    @property
+    def num_dense_features(self) -> int:
+        return int(self.config.num_dense_features)
+
+    @property
+    def max_history_length(self) -> int:
+        return int(self.config.max_history_length)
+
+
+class SyntheticSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
     """Synthetic histories for a sequence ranker; every rank gets its own slice of each global batch.
 
     As ``SyntheticClickLogDataModule``, global batch ``i`` is the same on any number of ranks. The
@@ -257,30 +292,6 @@ class SyntheticSequenceDataModule(RankSlicedDataModule):
         super().__init__()
         self.config = config or SyntheticSequenceConfig()
         self.log = SyntheticSequenceLog(self.config)
-
-    @property
-    def item_table_size(self) -> int:
-        return self.config.num_items
-
-    @property
-    def num_action_types(self) -> int:
-        return self.config.num_action_types
-
-    @property
-    def context_feature_names(self) -> list[str]:
-        return self.config.context_feature_names
-
-    @property
-    def context_table_sizes(self) -> list[int]:
-        return list(self.config.context_table_sizes)
-
-    @property
-    def num_dense_features(self) -> int:
-        return self.config.num_dense_features
-
-    @property
-    def max_history_length(self) -> int:
-        return self.config.max_history_length
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> SyntheticClickLogDataset:
         num_batches = {"train": self.config.train_batches, "val": self.config.val_batches, "test": self.config.test_batches}[split]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
@@ -13,6 +15,7 @@ from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, len
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
+InteractionName = Literal["concat", "dot"]
 
 
 def context_table_name(feature: str) -> str:
@@ -82,6 +85,41 @@ def _attendable(padding: torch.Tensor) -> torch.Tensor:
     return padding & ~newest_is_key
 
 
+@torch.fx.wrap  # one leaf for TorchRec's pipeline tracing: it reads the batch's action ids
+def _mean_per_action(
+    sparse: KeyedJaggedTensor, action_feature: str, items: torch.Tensor, padding: torch.Tensor, num_actions: int
+) -> torch.Tensor:
+    """The mean item embedding of each action type's kept slots: ``[B, num_actions, dim]`` (zeros where none).
+
+    ``items [B, L, dim]`` and ``padding [B, L]`` are the padded history (``newest_padded``); the
+    action ids are padded the same way from the batch's ``action_feature``.
+    """
+    actions = sparse[action_feature]
+    ids, _ = newest_padded(actions.lengths(), actions.values()[:, None], items.shape[1])
+    member = nn.functional.one_hot(ids.squeeze(-1).long().clamp(0, num_actions - 1), num_actions).to(items.dtype)
+    member = member * (~padding)[..., None].to(items.dtype)
+    sums = torch.einsum("bla,bld->bad", member, items)
+    return sums / member.sum(dim=1).clamp(min=1.0)[..., None]
+
+
+@torch.fx.wrap  # a list of a variable number of vectors: fx cannot iterate its proxies
+def _pairwise_dots(
+    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
+    means: torch.Tensor | None, context: torch.Tensor | None, dense: torch.Tensor | None,
+) -> torch.Tensor:
+    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, means.., contexts.., dense]``."""
+    batch, dim = candidate.shape
+    vectors = [candidate[:, None], history[:, None]]
+    if means is not None:
+        vectors.append(means)
+    if context is not None:
+        vectors.append(context.view(batch, -1, dim))
+    if dense is not None:
+        vectors.append(dense[:, None])
+    stacked = torch.cat(vectors, dim=1)
+    return torch.bmm(stacked, stacked.transpose(1, 2))[:, rows, cols]
+
+
 def _mlp(in_features: int, layer_sizes: list[int]) -> nn.Sequential:
     """Linear layers of ``layer_sizes`` with ReLU between them (none after the last, the logit)."""
     layers: list[nn.Module] = []
@@ -118,7 +156,8 @@ class SequenceRanker(RankerModule):
     embedding if ``position_embedding``, and goes through ``num_layers`` ``nn.TransformerEncoder``
     layers with the padding masked. The encoder output is max-pooled over the valid tokens and the
     newest ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
-    the pooled context embeddings and the dense features feed an MLP that gives one logit.
+    the pooled context embeddings and the dense features feed an MLP that gives one logit
+    (``action_means`` adds per-action mean item embeddings, ``interaction="dot"`` DLRM's pairwise dots).
     An empty history gives a zero max-pool and zero tokens, never NaN.
 
     Every history id goes through the embedding lookup (and, sharded, the sequence all-to-all) before
@@ -148,6 +187,20 @@ class SequenceRanker(RankerModule):
         candidate_product: also append ``item embedding * candidate embedding`` (elementwise) to each
             token, so the item-candidate similarity is a linear read-out (as DIN's interaction
             features); the token width becomes ``4 * embedding_dim``. Off: TransAct's concatenation.
+        action_means: also summarize the kept history by action type: for each action type the
+            mean item embedding of the history items with that action (zeros if none), beside the
+            encoder; ``num_action_types`` vectors of ``embedding_dim``. They reach the MLP and, with
+            ``interaction="dot"``, the pairwise dots, so "how like the items the user acted on
+            positively is the candidate" is one product. Why: where the signal is which items got
+            which action, a mean over all history items carries none of it until the encoder has
+            learned to tell the actions apart.
+        interaction: how the parts meet before the top MLP. ``"concat"``: the MLP reads them
+            concatenated. ``"dot"``: as DLRM, also the pairwise dot products among the candidate
+            embedding, each context embedding, a linear projection of the pooled history (to
+            ``embedding_dim``) and a linear projection of the dense features (when there are any);
+            needs ``context_embedding_dim == embedding_dim``. Production TransAct rankers feed the
+            encoder output into such an explicit interaction; it makes e.g. user x candidate a
+            single product instead of something the MLP must approximate.
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
@@ -174,6 +227,8 @@ class SequenceRanker(RankerModule):
         model_dim: int | None = None,
         position_embedding: bool = True,
         candidate_product: bool = False,
+        action_means: bool = False,
+        interaction: InteractionName = "concat",
         over_arch_layer_sizes: list[int] | None = None,
         history_item_feature: str = "history_item_id",
         history_action_feature: str = "history_action",
@@ -200,6 +255,15 @@ class SequenceRanker(RankerModule):
             _positive_int("model_dim", model_dim)
         if not isinstance(candidate_product, bool):
             raise ValueError(f"candidate_product={candidate_product!r} must be True or False.")
+        if not isinstance(action_means, bool):
+            raise ValueError(f"action_means={action_means!r} must be True or False.")
+        if interaction not in ("concat", "dot"):
+            raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot'].")
+        if interaction == "dot" and context_names and context_dim != embedding_dim:
+            raise ValueError(
+                f"interaction='dot' takes dot products of the context and candidate embeddings, so "
+                f"context_embedding_dim={context_dim} must equal embedding_dim={embedding_dim}; leave it unset or use 'concat'."
+            )
         fused_width = (4 if candidate_product else 3) * embedding_dim
         token_width = fused_width if model_dim is None else model_dim
         if feedforward_dim is not None:
@@ -286,6 +350,22 @@ class SequenceRanker(RankerModule):
         # No nested tensors: the fast path would turn padding into a nested tensor in evaluation only.
         self.encoder = nn.TransformerEncoder(layer, num_layers=num_layers, enable_nested_tensor=False)
         over_in = (1 + newest_tokens) * token_width + embedding_dim + len(context_names) * context_dim + num_dense_features
+        self.interaction = interaction
+        self.action_means = action_means
+        self.num_action_types = num_action_types
+        self.embedding_dim = embedding_dim
+        if action_means:
+            over_in += num_action_types * embedding_dim
+        self.history_projection: nn.Module | None = None
+        self.dense_projection: nn.Module | None = None
+        if interaction == "dot":
+            self.history_projection = nn.Linear((1 + newest_tokens) * token_width, embedding_dim)
+            self.dense_projection = nn.Linear(num_dense_features, embedding_dim) if num_dense_features else None
+            vectors = 2 + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
+            rows, cols = torch.triu_indices(vectors, vectors, offset=1)
+            self.register_buffer("_pair_rows", rows, persistent=False)
+            self.register_buffer("_pair_cols", cols, persistent=False)
+            over_in += len(rows)
         self.over_arch = _mlp(over_in, over_sizes)
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
@@ -304,8 +384,18 @@ class SequenceRanker(RankerModule):
         if self.positions is not None:
             fused = fused + self.positions
         encoded = self.encoder(fused, src_key_padding_mask=_attendable(padding))
-        features = [_pool_tokens(encoded, padding, self.newest_tokens), candidate_embedding]
-        if self.context_embeddings is not None:
-            features.append(self.context_embeddings(batch.sparse).values())
+        pooled = _pool_tokens(encoded, padding, self.newest_tokens)
+        features = [pooled, candidate_embedding]
+        means = None
+        if self.action_means:
+            means = _mean_per_action(batch.sparse, action_name, tokens[..., : self.embedding_dim], padding, self.num_action_types)
+            features.append(means.flatten(1))
+        context = self.context_embeddings(batch.sparse).values() if self.context_embeddings is not None else None
+        if context is not None:
+            features.append(context)
         features.append(batch.dense)
+        if self.history_projection is not None:
+            dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
+            history_vector = self.history_projection(pooled)
+            features.append(_pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense))
         return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
