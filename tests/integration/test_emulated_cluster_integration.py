@@ -4,8 +4,6 @@ Needs root, iproute2 and network namespaces; skips with the reason otherwise.
 """
 
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,25 +11,14 @@ import time
 from pathlib import Path
 
 import pytest
+from network_namespaces import namespace_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "emulated_cluster.py"
 
 
 def _skip_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces and tc qdiscs"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return f"iproute2 is not installed ({', '.join(missing)} not on PATH)"
-    probe = f"lrsec-probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True, timeout=20)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=20)
-    return None
+    return namespace_skip_reason("create network namespaces and tc qdiscs")
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]

@@ -9,32 +9,17 @@ the first attempt has exited. Needs root and iproute2; skips with the reason oth
 from __future__ import annotations
 
 import importlib.util
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from network_namespaces import namespace_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20.0  # process_group_timeout of the job
 
 
 def _skip_reason() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return f"network namespaces need Linux (this is {sys.platform})"
-    if os.geteuid() != 0:
-        return "needs root to create network namespaces and take their links down"
-    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
-    if missing:
-        return f"iproute2 is not installed ({', '.join(missing)} not on PATH)"
-    probe = f"lrsec-probe{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], check=False, capture_output=True, text=True, timeout=20)
-    if made.returncode != 0:
-        return f"`ip netns add` fails here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False, capture_output=True, timeout=20)
-    return None
+    return namespace_skip_reason("create network namespaces and take their links down")
 
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(_skip_reason() is not None, reason=str(_skip_reason()))]
