@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from _workload import positive_row_counts
+
 SEQUENCE_OPTIONS: tuple[str, ...] = ("history_length", "items", "context_rows", "transformer_layers")
 ACTION_TYPES = 3
 DENSE_FEATURES = 4
@@ -24,13 +26,7 @@ DENSE_FEATURES = 4
 
 def context_rows(text: str) -> list[int]:
     """``--context-rows`` ("100000,10000"): rows of each pooled context table."""
-    try:
-        rows = [int(float(x)) for x in str(text).split(",") if x.strip()]
-    except ValueError:
-        rows = []
-    if not rows or any(r < 1 for r in rows):
-        raise ValueError(f"--context-rows={text!r} must be a comma-separated list of positive row counts (e.g. 100000,10000).")
-    return rows
+    return positive_row_counts(text, "--context-rows", "100000,10000")
 
 
 def add_sequence_arguments(parser: argparse.ArgumentParser) -> None:

@@ -9,14 +9,20 @@ WORKLOAD_OPTIONS: tuple[str, ...] = (
 )  # fmt: skip
 
 
-def table_sizes(table_rows: str, tables: int) -> list[int]:
-    """``--table-rows`` ("100000" or "1000000,100000,...") cycled over ``tables`` tables."""
+def positive_row_counts(text: str, option: str, example: str) -> list[int]:
+    """A comma-separated list of positive row counts (``1e6`` allowed); ``option`` and ``example`` name it in the error."""
     try:
-        rows = [int(float(x)) for x in str(table_rows).split(",") if x.strip()]
+        rows = [int(float(x)) for x in str(text).split(",") if x.strip()]
     except ValueError:
         rows = []
     if not rows or any(r < 1 for r in rows):
-        raise ValueError(f"--table-rows={table_rows!r} must be a positive row count or a comma-separated list of them (e.g. 1e6,1e5).")
+        raise ValueError(f"{option}={text!r} must be a positive row count or a comma-separated list of them (e.g. {example}).")
+    return rows
+
+
+def table_sizes(table_rows: str, tables: int) -> list[int]:
+    """``--table-rows`` ("100000" or "1000000,100000,...") cycled over ``tables`` tables."""
+    rows = positive_row_counts(table_rows, "--table-rows", "1e6,1e5")
     return [rows[i % len(rows)] for i in range(tables)]
 
 

@@ -41,20 +41,25 @@ def _processes_mentioning(text: str, but: int = -1) -> list[int]:
     return pids
 
 
-def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
-    out = tmp_path / "ec.json"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--configs", "2d_touched", "--warmup-steps", "2", "--steps", "3",
-         "--global-batch-size", "512", "--table-rows", "64", "--bandwidth-mbit", "100", "--latency-ms", "1",
-         "--run-timeout", "50", "--repeats", "1", "--json", str(out), "--no-png"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
-    )  # fmt: skip
+def _run_benchmark(args: list[str], *, timeout: float) -> tuple[subprocess.Popen[str], str]:
+    """Run emulated_cluster.py with ``args`` to the end (killed after ``timeout``); assert it exited 0."""
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     try:
-        output = proc.communicate(timeout=150)[0]
+        output = proc.communicate(timeout=timeout)[0]
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 0, output[-4000:]
+    return proc, output
+
+
+def test_tiny_emulated_cluster_run_reports_and_cleans_up(tmp_path):
+    out = tmp_path / "ec.json"
+    proc, output = _run_benchmark(
+        ["--configs", "2d_touched", "--warmup-steps", "2", "--steps", "3", "--global-batch-size", "512", "--table-rows", "64",
+         "--bandwidth-mbit", "100", "--latency-ms", "1", "--run-timeout", "50", "--repeats", "1", "--json", str(out), "--no-png"],
+        timeout=150,
+    )  # fmt: skip
     assert "cluster step / best unshaped" in output and "Target: best 2D configuration" in output
     result = json.loads(out.read_text())
     assert result["shaping"]["bandwidth_mbit"] == 100
@@ -81,18 +86,12 @@ def test_tiny_sequence_workload_run_predicts_measures_and_compares(tmp_path):
     # One deduped 1D configuration keeps this short; the 2D pick and the ratios are checked without root
     # (tests/unit/test_emulated_cluster_parts.py).
     out = tmp_path / "ec.json"
-    proc = subprocess.Popen(
-        [sys.executable, str(SCRIPT), "--workload", "sequence", "--configs", "1d_dedup_fp32", "--items", "2000",
-         "--context-rows", "100,10", "--history-length", "8", "--global-batch-size", "64", "--warmup-steps", "2", "--steps", "2",
-         "--run-timeout", "60", "--repeats", "1", "--json", str(out), "--no-png"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT,
+    proc, output = _run_benchmark(
+        ["--workload", "sequence", "--configs", "1d_dedup_fp32", "--items", "2000", "--context-rows", "100,10",
+         "--history-length", "8", "--global-batch-size", "64", "--warmup-steps", "2", "--steps", "2", "--run-timeout", "60",
+         "--repeats", "1", "--json", str(out), "--no-png"],
+        timeout=180,
     )  # fmt: skip
-    try:
-        output = proc.communicate(timeout=180)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, output[-4000:]
     assert output.index("Cost model, before the run") < output.index("1d_dedup_fp32 ") < output.index("Cost model vs measured")
     result = json.loads(out.read_text())
     assert result["model"]["workload"] == "sequence" and result["model"]["history_length"] == 8
