@@ -164,6 +164,39 @@ def test_dot_interaction_appends_the_pairwise_dots_of_candidate_history_context_
     assert plain.dense_projection is None and plain.over_arch[0].in_features == 3 * 24 + 8 + 8 + 3
 
 
+def test_candidate_dots_give_the_mlp_only_the_dense_features_and_the_candidates_dots():
+    model = small_model(interaction="candidate_dots", action_means=True)
+    others = 1 + 3 + 1 + 1  # projected history, 3 action means, user_id, projected dense
+    assert model.over_arch[0].in_features == 2 + others
+    batch = sequence_batch([[1, 2], [], [3, 4, 5]], actions=[[1, 1], [], [0, 2, 1]], candidates=[9, 10, 11])
+    features = _over_arch_input(model, batch)
+    torch.testing.assert_close(features[:, :2], batch.dense)
+    items = model.sequence_embeddings.embeddings["item"].weight.detach()
+    users = model.context_embeddings.embedding_bags["t_user_id"].weight.detach()
+    candidate = items[[9, 10, 11]]
+    torch.testing.assert_close(features[:, 2 + 4], (candidate * users[[0, 1, 2]]).sum(1))  # candidate . user_id
+    # Example 0's action-1 mean is the mean of items 1 and 2; example 1 (no history) has zero means.
+    torch.testing.assert_close(features[0, 2 + 2], candidate[0] @ (items[1] + items[2]) / 2)
+    assert torch.equal(features[1, 2 + 1 : 2 + 4], torch.zeros(3))
+
+
+def test_history_dropout_hides_whole_histories_in_training_only():
+    model = small_model(history_dropout=0.5, action_means=True)  # SMALL has encoder dropout 0: only histories drop
+    batch = sequence_batch([[1, 2, 3]] * 64, actions=[[1, 2, 1]] * 64, candidates=[4] * 64)
+    empty = RecBatch(batch.dense, sequence_batch([[]] * 64, candidates=[4] * 64).sparse, batch.labels)
+    with torch.no_grad():
+        full, none = model.eval()(batch), model(empty)
+        assert not torch.allclose(full, none)
+        torch.manual_seed(1)
+        dropped = model.train()(batch)
+        assert torch.equal(model.eval()(batch), full)  # evaluation never drops
+    # In training each example reads either its whole history or none, about half of each.
+    as_full = torch.isclose(dropped, full, atol=1e-5)
+    as_empty = torch.isclose(dropped, none, atol=1e-5)
+    assert torch.all(as_full ^ as_empty)
+    assert 16 < int(as_empty.sum()) < 48
+
+
 def test_action_means_and_dot_interaction_train_with_empty_histories():
     model = small_model(interaction="dot", action_means=True).train()
     batch = sequence_batch([[], [3, 4], []])
@@ -269,7 +302,9 @@ _INVALID = [
     ({"candidate_product": True, "num_heads": 3}, r"num_heads=3 must divide the token width \(4 \* embedding_dim=32\)"),
     ({"candidate_product": 1}, r"candidate_product=1 must be True or False"),
     ({"action_means": "yes"}, r"action_means='yes' must be True or False"),
-    ({"interaction": "sum"}, r"interaction='sum' is not one of \['concat', 'dot'\]"),
+    ({"interaction": "sum"}, r"interaction='sum' is not one of \['concat', 'dot', 'candidate_dots'\]"),
+    ({"history_dropout": 1.0}, r"history_dropout=1.0 must be a probability in \[0, 1\)"),
+    ({"interaction": "candidate_dots", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
     ({"interaction": "dot", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
     ({"context_table_sizes": [7, 8]}, r"context_feature_names has 1 entries but context_table_sizes has 2"),
     ({"context_table_sizes": [0]}, r"context_table_sizes=\[0\] must all be integers >= 1"),

@@ -15,7 +15,7 @@ from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, len
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
-InteractionName = Literal["concat", "dot"]
+InteractionName = Literal["concat", "dot", "candidate_dots"]
 
 
 def context_table_name(feature: str) -> str:
@@ -83,6 +83,17 @@ def _attendable(padding: torch.Tensor) -> torch.Tensor:
     newest_is_key = torch.zeros_like(padding)
     newest_is_key[:, -1] = empty
     return padding & ~newest_is_key
+
+
+@torch.fx.wrap  # random and data-dependent: one leaf for TorchRec's pipeline tracing
+def _drop_histories(padding: torch.Tensor, probability: float) -> torch.Tensor:
+    """The padding mask with each example's whole history masked with ``probability`` (training only).
+
+    The model then also learns the empty-history case (a new user), which training data alone
+    shows rarely: every user's first ratings only.
+    """
+    dropped = torch.rand(padding.shape[0], device=padding.device) < probability
+    return padding | dropped[:, None]
 
 
 @torch.fx.wrap  # one leaf for TorchRec's pipeline tracing: it reads the batch's action ids
@@ -194,13 +205,24 @@ class SequenceRanker(RankerModule):
             positively is the candidate" is one product. Why: where the signal is which items got
             which action, a mean over all history items carries none of it until the encoder has
             learned to tell the actions apart.
+        history_dropout: in training, the probability that an example's whole history is hidden
+            (treated as empty: encoder, pooling and ``action_means`` all see padding only), in ``[0, 1)``;
+            0 (the default) never. Why: training examples almost always have a history (only a user's
+            first ratings have none), so without it the model never learns to rank for users with no
+            history, e.g. new users in a time split. Evaluation and prediction never drop.
         interaction: how the parts meet before the top MLP. ``"concat"``: the MLP reads them
             concatenated. ``"dot"``: as DLRM, also the pairwise dot products among the candidate
             embedding, each context embedding, a linear projection of the pooled history (to
             ``embedding_dim``) and a linear projection of the dense features (when there are any);
             needs ``context_embedding_dim == embedding_dim``. Production TransAct rankers feed the
             encoder output into such an explicit interaction; it makes e.g. user x candidate a
-            single product instead of something the MLP must approximate.
+            single product instead of something the MLP must approximate. ``"candidate_dots"``: the
+            MLP reads only the dense features and the candidate's dot with each of those vectors
+            (the pooled history, each action mean, each context, the dense projection): no raw
+            embedding and no dot between two user-side vectors. Why: then the item embeddings lower
+            the loss only by being like the items the user acted on, so they learn item
+            similarity; with the raw candidate embedding in the MLP they can also fit each item's
+            own click noise, which on few examples per item is what they learn instead.
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
@@ -228,6 +250,7 @@ class SequenceRanker(RankerModule):
         position_embedding: bool = True,
         candidate_product: bool = False,
         action_means: bool = False,
+        history_dropout: float = 0.0,
         interaction: InteractionName = "concat",
         over_arch_layer_sizes: list[int] | None = None,
         history_item_feature: str = "history_item_id",
@@ -257,11 +280,11 @@ class SequenceRanker(RankerModule):
             raise ValueError(f"candidate_product={candidate_product!r} must be True or False.")
         if not isinstance(action_means, bool):
             raise ValueError(f"action_means={action_means!r} must be True or False.")
-        if interaction not in ("concat", "dot"):
-            raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot'].")
-        if interaction == "dot" and context_names and context_dim != embedding_dim:
+        if interaction not in ("concat", "dot", "candidate_dots"):
+            raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot', 'candidate_dots'].")
+        if interaction != "concat" and context_names and context_dim != embedding_dim:
             raise ValueError(
-                f"interaction='dot' takes dot products of the context and candidate embeddings, so "
+                f"interaction={interaction!r} takes dot products of the context and candidate embeddings, so "
                 f"context_embedding_dim={context_dim} must equal embedding_dim={embedding_dim}; leave it unset or use 'concat'."
             )
         fused_width = (4 if candidate_product else 3) * embedding_dim
@@ -272,6 +295,8 @@ class SequenceRanker(RankerModule):
             raise ValueError(f"newest_tokens={newest_tokens!r} must be an integer in [0, max_history={max_history}].")
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
             raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
+        if isinstance(history_dropout, bool) or not isinstance(history_dropout, (int, float)) or not 0 <= history_dropout < 1:
+            raise ValueError(f"history_dropout={history_dropout!r} must be a probability in [0, 1).")
         if token_width % num_heads:
             source = f"model_dim={model_dim}" if model_dim is not None else f"{fused_width // embedding_dim} * embedding_dim={token_width}"
             raise ValueError(
@@ -310,6 +335,7 @@ class SequenceRanker(RankerModule):
             aligned=((history_item_feature, history_action_feature),), one_per_example=(candidate_item_feature,), owner="SequenceRanker"
         )
         self.max_history = max_history
+        self.history_dropout = float(history_dropout)
         self.newest_tokens = newest_tokens
         self.sequence_embeddings = EmbeddingCollection(
             tables=[
@@ -358,11 +384,15 @@ class SequenceRanker(RankerModule):
             over_in += num_action_types * embedding_dim
         self.history_projection: nn.Module | None = None
         self.dense_projection: nn.Module | None = None
-        if interaction == "dot":
+        if interaction != "concat":
             self.history_projection = nn.Linear((1 + newest_tokens) * token_width, embedding_dim)
             self.dense_projection = nn.Linear(num_dense_features, embedding_dim) if num_dense_features else None
             vectors = 2 + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
-            rows, cols = torch.triu_indices(vectors, vectors, offset=1)
+            if interaction == "dot":
+                rows, cols = torch.triu_indices(vectors, vectors, offset=1)
+            else:  # the candidate (vector 0) with every other vector
+                rows, cols = torch.zeros(vectors - 1, dtype=torch.long), torch.arange(1, vectors)
+                over_in = num_dense_features
             self.register_buffer("_pair_rows", rows, persistent=False)
             self.register_buffer("_pair_cols", cols, persistent=False)
             over_in += len(rows)
@@ -375,6 +405,9 @@ class SequenceRanker(RankerModule):
         history, actions, candidate = sequences[history_name], sequences[action_name], sequences[candidate_name]
         candidate_embedding = candidate.values()
         tokens, padding = newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
+        if self.training and self.history_dropout > 0:
+            padding = _drop_histories(padding, self.history_dropout)
+            tokens = tokens.masked_fill(padding[..., None], 0.0)
         candidates = candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)
         parts = [tokens, candidates]
         if self.candidate_product:  # item x candidate, elementwise: their similarity is then a linear read-out
@@ -385,7 +418,7 @@ class SequenceRanker(RankerModule):
             fused = fused + self.positions
         encoded = self.encoder(fused, src_key_padding_mask=_attendable(padding))
         pooled = _pool_tokens(encoded, padding, self.newest_tokens)
-        features = [pooled, candidate_embedding]
+        features: list[torch.Tensor] = [pooled, candidate_embedding]
         means = None
         if self.action_means:
             means = _mean_per_action(batch.sparse, action_name, tokens[..., : self.embedding_dim], padding, self.num_action_types)
@@ -397,5 +430,6 @@ class SequenceRanker(RankerModule):
         if self.history_projection is not None:
             dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
             history_vector = self.history_projection(pooled)
-            features.append(_pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense))
+            dots = _pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense)
+            features = [batch.dense, dots] if self.interaction == "candidate_dots" else [*features, dots]
         return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
