@@ -144,6 +144,22 @@ def test_batches_follow_the_contract_and_ranks_split_them(ml_dir):
     assert set(actions.tolist()) == {0, 1, 2, 3, 4}
 
 
+def test_context_features_choose_the_pooled_features_and_keep_their_order(ml_dir):
+    kwargs = dict(path=str(ml_dir), split="u1", num_users=NUM_USERS, num_items=NUM_ITEMS, global_batch_size=4)
+    dm = MovieLens100KSequenceDataModule(**kwargs, context_features=["zip_prefix", "genres", "gender"])
+    assert dm.context_feature_names == ["genres", "gender", "zip_prefix"] and dm.context_table_sizes == [19, 2, 1032]
+    batch, full = next(iter(dm._dataset("train", 0, 1))), next(iter(MovieLens100KSequenceDataModule(**kwargs)._dataset("train", 0, 1)))
+    assert batch.sparse.keys() == ["history_item_id", "history_action", "candidate_item_id", "genres", "gender", "zip_prefix"]
+    for key in batch.sparse.keys():
+        assert torch.equal(batch.sparse[key].values(), full.sparse[key].values()), key
+
+
+@pytest.mark.parametrize(("features", "match"), [(["user"], r"unknown: \['user'\]"), (["genres", "genres"], "one is named twice")])
+def test_bad_context_features_raise_naming_the_choices(ml_dir, features, match):
+    with pytest.raises(ValueError, match=rf"context_features=.* must name distinct features among \['user_id', .*{match}"):
+        MovieLens100KSequenceDataModule(path=str(ml_dir), context_features=features)
+
+
 def test_shuffled_epochs_give_each_example_the_same_history(ml_dir):
     kwargs = dict(path=str(ml_dir), split="u2", num_users=NUM_USERS, num_items=NUM_ITEMS, global_batch_size=1)
     plain = {(u, i): h for u, i, h in _examples(MovieLens100KSequenceDataModule(**kwargs), "train")}

@@ -18,7 +18,8 @@ The protocol (``MovieLens100KSequenceDataModule``; splits, labels and context as
 KJT keys, in this order: ``history_item_id`` and ``history_action`` (jagged, 0 ..
 ``max_history_length`` per example), ``candidate_item_id`` (the rated movie, one per example), then
 the context features ``user_id``, ``genres`` (the candidate's), ``age_bucket``, ``gender``,
-``occupation``, ``zip_prefix`` with the rows of ``MovieLens100KDataModule``'s tables. Dense features
+``occupation``, ``zip_prefix`` (or the subset ``context_features`` names, in this order) with the rows
+of ``MovieLens100KDataModule``'s tables. Dense features
 and labels (``rating >= 4``) are ``MovieLens100KDataModule``'s.
 """
 
@@ -65,24 +66,40 @@ class MovieLens100KSequenceConfig(MovieLens100KConfig):
     Args:
         max_history_length: the newest this many earlier training ratings form the history (the
             longest history emitted).
+        context_features: which pooled context features the batches carry, a subset of
+            ``user_id, genres, age_bucket, gender, occupation, zip_prefix`` (kept in that order);
+            default all. Leave out ``user_id`` to describe a user by the history (and the
+            demographics) alone, as sequence rankers do: a user without training ratings, whose id
+            row was never trained, then reads like every other new user.
     """
 
     max_history_length: int = 100
+    context_features: list[str] | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.max_history_length
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_history_length={value!r} must be an integer >= 1.")
+        chosen = self.context_features
+        if chosen is not None:
+            unknown = [name for name in chosen if name not in MOVIELENS_CONTEXT_FEATURES]
+            if unknown or len(set(chosen)) != len(chosen):
+                raise ValueError(
+                    f"context_features={chosen!r} must name distinct features among {MOVIELENS_CONTEXT_FEATURES}"
+                    + (f"; unknown: {unknown}" if unknown else "; one is named twice")
+                    + " (or None for all)."
+                )
 
     @property
     def context_table_sizes(self) -> list[int]:
         sizes = dict(zip(MOVIELENS_FEATURE_NAMES, self.table_sizes))
-        return [sizes[name] for name in MOVIELENS_CONTEXT_FEATURES]
+        return [sizes[name] for name in self.context_feature_names]
 
     @property
     def context_feature_names(self) -> list[str]:
-        return list(MOVIELENS_CONTEXT_FEATURES)
+        chosen = MOVIELENS_CONTEXT_FEATURES if self.context_features is None else self.context_features
+        return [name for name in MOVIELENS_CONTEXT_FEATURES if name in chosen]
 
     @property
     def num_action_types(self) -> int:
@@ -124,9 +141,13 @@ class TrainingHistories:
 class MovieLens100KSequenceDataset(MovieLens100KDataset):
     """Rank ``rank``'s slice of every global batch of a split, each example with its history (see the module docstring)."""
 
-    def __init__(self, data: MovieLens100K, histories: TrainingHistories, split: Split, rank: int = 0, world_size: int = 1) -> None:
+    def __init__(
+        self, data: MovieLens100K, histories: TrainingHistories, split: Split, rank: int = 0, world_size: int = 1,
+        context_feature_names: list[str] | None = None,
+    ) -> None:
         super().__init__(data, split, rank, world_size)
         self.histories = histories
+        self.context_feature_names = list(MOVIELENS_CONTEXT_FEATURES if context_feature_names is None else context_feature_names)
 
     def _records(self, warn: bool) -> Iterator[tuple[int, int, float, int]]:  # type: ignore[override]
         ratings, times = self.data.ratings[self.split], self.data.rating_times[self.split]
@@ -136,10 +157,11 @@ class MovieLens100KSequenceDataset(MovieLens100KDataset):
         pooled = super()._collate([(user, item, label) for user, item, label, _ in records])
         users = np.array([user for user, _, _, _ in records], dtype=np.int64)
         items, actions, lengths = self.histories.before(users, np.array([t for _, _, _, t in records], dtype=np.int64))
-        context = [pooled.sparse[name] for name in MOVIELENS_CONTEXT_FEATURES]
+        context_names = self.context_feature_names
+        context = [pooled.sparse[name] for name in context_names]
         candidate = pooled.sparse["item_id"]
         sparse = KeyedJaggedTensor.from_lengths_sync(
-            keys=MOVIELENS_SEQUENCE_FEATURE_NAMES,
+            keys=[HISTORY_ITEM_FEATURE, HISTORY_ACTION_FEATURE, CANDIDATE_ITEM_FEATURE, *context_names],
             values=torch.cat([items, actions, candidate.values(), *(c.values() for c in context)]),
             lengths=torch.cat([lengths, lengths, candidate.lengths(), *(c.lengths() for c in context)]),
         )
@@ -170,13 +192,14 @@ class MovieLens100KSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
         seed: int = MovieLens100KSequenceConfig.seed,
         val_holdout: ValHoldout | None = MovieLens100KSequenceConfig.val_holdout,
         max_history_length: int = MovieLens100KSequenceConfig.max_history_length,
+        context_features: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.config = MovieLens100KSequenceConfig(
             path=path, split=split, train_fraction=train_fraction, val_fraction=val_fraction, num_users=num_users,
             num_items=num_items, zip_hash_buckets=zip_hash_buckets, global_batch_size=global_batch_size,
             on_bad_line=on_bad_line, shuffle=shuffle, seed=seed, val_holdout=val_holdout,
-            max_history_length=max_history_length,
+            max_history_length=max_history_length, context_features=context_features,
         )
         self._data: MovieLens100K | None = None
         self._histories: TrainingHistories | None = None
@@ -194,6 +217,6 @@ class MovieLens100KSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> MovieLens100KSequenceDataset:
         data, histories = self.data(warn=rank == 0)  # every rank skips alike; one logs
-        dataset = MovieLens100KSequenceDataset(data, histories, split, rank, world_size)
+        dataset = MovieLens100KSequenceDataset(data, histories, split, rank, world_size, self.config.context_feature_names)
         dataset.epoch = getattr(self.trainer, "current_epoch", 0) or 0  # as MovieLens100KDataModule
         return dataset
