@@ -180,6 +180,25 @@ def test_candidate_dots_give_the_mlp_only_the_dense_features_and_the_candidates_
     assert torch.equal(features[1, 2 + 1 : 2 + 4], torch.zeros(3))
 
 
+def test_target_readout_is_the_candidates_attention_over_the_history_items():
+    model = small_model(target_readout=True)
+    assert model.over_arch[0].in_features == 3 * 24 + 8 + 8 + 8 + 2
+    encoded: list[torch.Tensor] = []
+    model.encoder.register_forward_hook(lambda module, args, out: encoded.append(out))
+    # Example 0 keeps its newest 4 items (3, 4, 5, 6); example 1 has no history.
+    batch = sequence_batch([[1, 3, 4, 5, 6], [], [7]], candidates=[9, 10, 11])
+    readout = _over_arch_input(model, batch)[:, 3 * 24 + 8 : 3 * 24 + 16]
+    items = model.sequence_embeddings.embeddings["item"].weight.detach()
+    with torch.no_grad():
+        keys = model.readout_keys(encoded[0])
+    weights = torch.softmax(keys[0] @ items[9] / 8**0.5, dim=0)
+    torch.testing.assert_close(readout[0], weights @ items[[3, 4, 5, 6]])
+    assert torch.equal(readout[1], torch.zeros(8))  # an empty history reads nothing
+    torch.testing.assert_close(readout[2], items[7])  # one item: all the weight on it
+    dots = small_model(target_readout=True, interaction="candidate_dots")
+    assert dots.over_arch[0].in_features == 2 + 4  # history, readout, user_id, dense
+
+
 def test_history_dropout_hides_whole_histories_in_training_only():
     model = small_model(history_dropout=0.5, action_means=True)  # SMALL has encoder dropout 0: only histories drop
     batch = sequence_batch([[1, 2, 3]] * 64, actions=[[1, 2, 1]] * 64, candidates=[4] * 64)
@@ -302,6 +321,7 @@ _INVALID = [
     ({"candidate_product": True, "num_heads": 3}, r"num_heads=3 must divide the token width \(4 \* embedding_dim=32\)"),
     ({"candidate_product": 1}, r"candidate_product=1 must be True or False"),
     ({"action_means": "yes"}, r"action_means='yes' must be True or False"),
+    ({"target_readout": 1}, r"target_readout=1 must be True or False"),
     ({"interaction": "sum"}, r"interaction='sum' is not one of \['concat', 'dot', 'candidate_dots'\]"),
     ({"history_dropout": 1.0}, r"history_dropout=1.0 must be a probability in \[0, 1\)"),
     ({"interaction": "candidate_dots", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),

@@ -113,14 +113,29 @@ def _mean_per_action(
     return sums / member.sum(dim=1).clamp(min=1.0)[..., None]
 
 
+@torch.fx.wrap
+def _target_readout(keys: torch.Tensor, candidate: torch.Tensor, items: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+    """The candidate's attention over the history: ``sum_i softmax_i(keys_i . candidate) * items_i``, ``[B, dim]``.
+
+    ``keys [B, L, dim]`` come from the encoded tokens, ``items [B, L, dim]`` are the kept history's
+    item embeddings. Padding gets no weight; an empty history reads zeros (never NaN: the mask is a
+    large negative score, not ``-inf``, and the weights are masked after the softmax).
+    """
+    scores = torch.einsum("bld,bd->bl", keys, candidate) / keys.shape[-1] ** 0.5
+    weights = torch.softmax(scores.masked_fill(padding, -1e4), dim=1) * ~padding
+    return torch.einsum("bl,bld->bd", weights, items)
+
+
 @torch.fx.wrap  # a list of a variable number of vectors: fx cannot iterate its proxies
 def _pairwise_dots(
-    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor,
+    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor, readout: torch.Tensor | None,
     means: torch.Tensor | None, context: torch.Tensor | None, dense: torch.Tensor | None,
 ) -> torch.Tensor:
-    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, means.., contexts.., dense]``."""
+    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, readout, means.., contexts.., dense]``."""
     batch, dim = candidate.shape
     vectors = [candidate[:, None], history[:, None]]
+    if readout is not None:
+        vectors.append(readout[:, None])
     if means is not None:
         vectors.append(means)
     if context is not None:
@@ -210,6 +225,13 @@ class SequenceRanker(RankerModule):
             0 (the default) never. Why: training examples almost always have a history (only a user's
             first ratings have none), so without it the model never learns to rank for users with no
             history, e.g. new users in a time split. Evaluation and prediction never drop.
+        target_readout: also read the history as the candidate sees it: the candidate attends over
+            the encoded tokens (keys: a linear map of each encoded token to ``embedding_dim``) and
+            reads the kept history's item embeddings, so the read-out is a weighted mean of the
+            history's items, the weights chosen by the encoder (e.g. recent, positively rated
+            items like the candidate). One vector of ``embedding_dim``; it joins the MLP input and
+            the dots. Why: its dot with the candidate is a similarity to the history's items alone;
+            the pooled encoder output also carries the candidate fused into every token.
         interaction: how the parts meet before the top MLP. ``"concat"``: the MLP reads them
             concatenated. ``"dot"``: as DLRM, also the pairwise dot products among the candidate
             embedding, each context embedding, a linear projection of the pooled history (to
@@ -251,6 +273,7 @@ class SequenceRanker(RankerModule):
         candidate_product: bool = False,
         action_means: bool = False,
         history_dropout: float = 0.0,
+        target_readout: bool = False,
         interaction: InteractionName = "concat",
         over_arch_layer_sizes: list[int] | None = None,
         history_item_feature: str = "history_item_id",
@@ -278,6 +301,8 @@ class SequenceRanker(RankerModule):
             _positive_int("model_dim", model_dim)
         if not isinstance(candidate_product, bool):
             raise ValueError(f"candidate_product={candidate_product!r} must be True or False.")
+        if not isinstance(target_readout, bool):
+            raise ValueError(f"target_readout={target_readout!r} must be True or False.")
         if not isinstance(action_means, bool):
             raise ValueError(f"action_means={action_means!r} must be True or False.")
         if interaction not in ("concat", "dot", "candidate_dots"):
@@ -382,12 +407,15 @@ class SequenceRanker(RankerModule):
         self.embedding_dim = embedding_dim
         if action_means:
             over_in += num_action_types * embedding_dim
+        self.readout_keys = nn.Linear(token_width, embedding_dim) if target_readout else None
+        if target_readout:
+            over_in += embedding_dim
         self.history_projection: nn.Module | None = None
         self.dense_projection: nn.Module | None = None
         if interaction != "concat":
             self.history_projection = nn.Linear((1 + newest_tokens) * token_width, embedding_dim)
             self.dense_projection = nn.Linear(num_dense_features, embedding_dim) if num_dense_features else None
-            vectors = 2 + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
+            vectors = 2 + int(target_readout) + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
             if interaction == "dot":
                 rows, cols = torch.triu_indices(vectors, vectors, offset=1)
             else:  # the candidate (vector 0) with every other vector
@@ -419,6 +447,10 @@ class SequenceRanker(RankerModule):
         encoded = self.encoder(fused, src_key_padding_mask=_attendable(padding))
         pooled = _pool_tokens(encoded, padding, self.newest_tokens)
         features: list[torch.Tensor] = [pooled, candidate_embedding]
+        readout = None
+        if self.readout_keys is not None:
+            readout = _target_readout(self.readout_keys(encoded), candidate_embedding, tokens[..., : self.embedding_dim], padding)
+            features.append(readout)
         means = None
         if self.action_means:
             means = _mean_per_action(batch.sparse, action_name, tokens[..., : self.embedding_dim], padding, self.num_action_types)
@@ -430,6 +462,6 @@ class SequenceRanker(RankerModule):
         if self.history_projection is not None:
             dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
             history_vector = self.history_projection(pooled)
-            dots = _pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense)
+            dots = _pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, readout, means, context, dense)
             features = [batch.dense, dots] if self.interaction == "candidate_dots" else [*features, dots]
         return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
