@@ -69,8 +69,8 @@ class MovieLens100KSequenceConfig(MovieLens100KConfig):
         context_features: which pooled context features the batches carry, a subset of
             ``user_id, genres, age_bucket, gender, occupation, zip_prefix`` (kept in that order);
             default all. Leave out ``user_id`` to describe a user by the history (and the
-            demographics) alone, as sequence rankers do: a user without training ratings, whose id
-            row was never trained, then reads like every other new user.
+            demographics) alone, as some sequence rankers do (on MovieLens-100k that lowered
+            validation AUC, on ``u1`` and on ``split="time"``).
     """
 
     max_history_length: int = 100
