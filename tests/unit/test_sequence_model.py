@@ -9,7 +9,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingCollection, KeyedJaggedTen
 
 from lightning_recsys.data import RecBatch
 from lightning_recsys.models import RankerModule, SequenceRanker
-from lightning_recsys.models.sequence import newest_padded
+from lightning_recsys.models.sequence_ops import newest_padded
 
 SEQUENCE_KEYS = ["history_item_id", "history_action", "candidate_item_id"]
 SMALL = dict(
@@ -324,6 +324,10 @@ _INVALID = [
     ({"target_readout": 1}, r"target_readout=1 must be True or False"),
     ({"interaction": "sum"}, r"interaction='sum' is not one of \['concat', 'dot', 'candidate_dots'\]"),
     ({"history_dropout": 1.0}, r"history_dropout=1.0 must be a probability in \[0, 1\)"),
+    ({"action_loss_weight": -1.0}, r"action_loss_weight=-1.0 must be a number >= 0"),
+    ({"action_loss_weight": 1.0}, r"action_loss_weight=1.0 needs positive_actions"),
+    ({"positive_actions": [3]}, r"positive_actions=\[3\] must be distinct action ids in \[0, num_action_types=3\)"),
+    ({"positive_actions": [1, 1]}, r"positive_actions=\[1, 1\] must be distinct action ids"),
     ({"interaction": "candidate_dots", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
     ({"interaction": "dot", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
     ({"context_table_sizes": [7, 8]}, r"context_feature_names has 1 entries but context_table_sizes has 2"),

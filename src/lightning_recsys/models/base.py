@@ -48,7 +48,7 @@ def evaluation_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class RankerModule(LightningModule):
     """Binary click-through ranker. Subclasses implement ``forward(batch) -> logits [B]``.
 
-    Training logs ``train/loss`` (the step's loss) every step while a progress bar shows it, and
+    Training logs ``train/loss`` (the step's loss, ``training_losses``) every step while a progress bar shows it, and
     otherwise on the steps the loggers write (``Trainer(log_every_n_steps=...)``), on each epoch's
     last batch and on the last step: Lightning's per-step ``self.log`` costs host time.
     Validation and test log ``{stage}/loss`` (mean of per-batch losses) and, per epoch,
@@ -117,11 +117,19 @@ class RankerModule(LightningModule):
         raise NotImplementedError(f"{type(self).__name__} must implement forward(batch) -> logits of shape [B].")
 
     def training_step(self, batch: RecBatch, batch_idx: int) -> torch.Tensor:
-        logits = self(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        losses = self.training_losses(batch)
         if self._train_loss_is_read():
-            self.log("train/loss", loss, prog_bar=True, batch_size=batch.batch_size)
-        return loss
+            for name, value in losses.items():
+                self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=batch.batch_size)
+        return losses["loss"]
+
+    def training_losses(self, batch: RecBatch) -> dict[str, torch.Tensor]:
+        """What training minimizes, ``{"loss": ...}``, and any named parts of it; each is logged as ``train/<name>``.
+
+        Here the binary cross-entropy of the click logits. A subclass with an auxiliary loss returns
+        the weighted sum as ``loss`` and the terms beside it.
+        """
+        return {"loss": F.binary_cross_entropy_with_logits(self(batch), batch.labels)}
 
     def _train_loss_is_read(self) -> bool:
         """Whether this step's ``train/loss`` reaches a reader: a progress bar, or the loggers' write.

@@ -5,13 +5,17 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.models import sequence_ops as ops
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
-from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
+from lightning_recsys.models.sequence_ops import newest_padded
+from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
+
+__all__ = ["ACTION_TABLE", "ITEM_TABLE", "SequenceRanker", "context_table_name", "newest_padded"]
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
@@ -21,129 +25,6 @@ InteractionName = Literal["concat", "dot", "candidate_dots"]
 def context_table_name(feature: str) -> str:
     """The pooled context table of ``feature`` (prefixed, so it never collides with the item and action tables)."""
     return f"t_{feature}"
-
-
-@torch.fx.wrap  # data-dependent shapes: TorchRec's pipeline fx-traces forward, and keeps this call whole
-def newest_padded(lengths: torch.Tensor, values: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The newest ``max_length`` rows of each example of a jagged ``values [sum(lengths), W]``, right-aligned.
-
-    TorchRec's ``JaggedTensor.to_padded_dense(desired_length)`` keeps the first values of each example;
-    a history is stored oldest first, so that would drop the newest actions. Here slot ``j`` of example
-    ``i`` holds value ``end_i - max_length + j`` (``end_i`` its offset end): the newest value is always in
-    the last slot, the oldest kept one ``min(length, max_length)`` slots earlier, and the slots before it
-    are zeros. One gather, no loop over examples.
-
-    Returns ``(padded [B, max_length, W], padding_mask [B, max_length])``; the mask is True on padding
-    (``nn.TransformerEncoder``'s ``src_key_padding_mask`` convention).
-    """
-    lengths = lengths.long()
-    ends = torch.cumsum(lengths, 0)
-    slots = torch.arange(max_length, device=lengths.device)
-    kept = lengths.clamp(max=max_length)
-    valid = slots[None, :] >= (max_length - kept)[:, None]
-    # Row 0 of the gathered tensor is a zero row: every padding slot reads it (also when values is empty).
-    index = torch.where(valid, ends[:, None] - max_length + slots[None, :] + 1, 0)
-    with_zero_row = torch.cat([values.new_zeros(1, values.shape[1]), values])
-    return with_zero_row[index], ~valid
-
-
-@torch.fx.wrap
-def _check_lengths(sparse: KeyedJaggedTensor, rules: FeatureLengthRules) -> None:
-    """Raise ``ValueError`` where the batch breaks the model's length rules. Under TwoDRecStrategy its
-    input guard checks the same rules on every rank before the step (unless ``validate_inputs="off"``),
-    so every rank raises together and this never fires."""
-    problems = length_rule_problems([rules], sparse.keys(), sparse.lengths(), sparse.stride())
-    if problems:
-        raise ValueError("; ".join(problems))
-
-
-@torch.fx.wrap
-def _pool_tokens(encoded: torch.Tensor, padding: torch.Tensor, newest_tokens: int) -> torch.Tensor:
-    """Max over each example's valid tokens (zeros for an empty history), then its newest tokens flattened.
-
-    Padding slots of the newest tokens are zeros, so a short history reads the same whatever the
-    encoder made of its padding.
-    """
-    valid = ~padding[..., None]
-    pooled = encoded.masked_fill(~valid, float("-inf")).amax(dim=1)
-    pooled = torch.where(valid.any(dim=1), pooled, torch.zeros_like(pooled))
-    newest = (encoded * valid)[:, encoded.shape[1] - newest_tokens :].flatten(1)
-    return torch.cat([pooled, newest], dim=1)
-
-
-@torch.fx.wrap
-def _attendable(padding: torch.Tensor) -> torch.Tensor:
-    """The padding mask with the newest slot of an empty history unmasked.
-
-    Attention over a row with every key masked is a softmax over only ``-inf``: NaN, which would
-    also reach the gradients. The unmasked slot holds a zero token (plus its position embedding);
-    ``_pool_tokens`` still treats it as padding.
-    """
-    empty = padding.all(dim=1)
-    newest_is_key = torch.zeros_like(padding)
-    newest_is_key[:, -1] = empty
-    return padding & ~newest_is_key
-
-
-@torch.fx.wrap  # random and data-dependent: one leaf for TorchRec's pipeline tracing
-def _drop_histories(padding: torch.Tensor, probability: float) -> torch.Tensor:
-    """The padding mask with each example's whole history masked with ``probability`` (training only).
-
-    The model then also learns the empty-history case (a new user), which training data alone
-    shows rarely: every user's first ratings only.
-    """
-    dropped = torch.rand(padding.shape[0], device=padding.device) < probability
-    return padding | dropped[:, None]
-
-
-@torch.fx.wrap  # one leaf for TorchRec's pipeline tracing: it reads the batch's action ids
-def _mean_per_action(
-    sparse: KeyedJaggedTensor, action_feature: str, items: torch.Tensor, padding: torch.Tensor, num_actions: int
-) -> torch.Tensor:
-    """The mean item embedding of each action type's kept slots: ``[B, num_actions, dim]`` (zeros where none).
-
-    ``items [B, L, dim]`` and ``padding [B, L]`` are the padded history (``newest_padded``); the
-    action ids are padded the same way from the batch's ``action_feature``.
-    """
-    actions = sparse[action_feature]
-    ids, _ = newest_padded(actions.lengths(), actions.values()[:, None], items.shape[1])
-    member = nn.functional.one_hot(ids.squeeze(-1).long().clamp(0, num_actions - 1), num_actions).to(items.dtype)
-    member = member * (~padding)[..., None].to(items.dtype)
-    sums = torch.einsum("bla,bld->bad", member, items)
-    return sums / member.sum(dim=1).clamp(min=1.0)[..., None]
-
-
-@torch.fx.wrap
-def _target_readout(keys: torch.Tensor, candidate: torch.Tensor, items: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """The candidate's attention over the history: ``sum_i softmax_i(keys_i . candidate) * items_i``, ``[B, dim]``.
-
-    ``keys [B, L, dim]`` come from the encoded tokens, ``items [B, L, dim]`` are the kept history's
-    item embeddings. Padding gets no weight; an empty history reads zeros (never NaN: the mask is a
-    large negative score, not ``-inf``, and the weights are masked after the softmax).
-    """
-    scores = torch.einsum("bld,bd->bl", keys, candidate) / keys.shape[-1] ** 0.5
-    weights = torch.softmax(scores.masked_fill(padding, -1e4), dim=1) * ~padding
-    return torch.einsum("bl,bld->bd", weights, items)
-
-
-@torch.fx.wrap  # a list of a variable number of vectors: fx cannot iterate its proxies
-def _pairwise_dots(
-    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor, readout: torch.Tensor | None,
-    means: torch.Tensor | None, context: torch.Tensor | None, dense: torch.Tensor | None,
-) -> torch.Tensor:
-    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, readout, means.., contexts.., dense]``."""
-    batch, dim = candidate.shape
-    vectors = [candidate[:, None], history[:, None]]
-    if readout is not None:
-        vectors.append(readout[:, None])
-    if means is not None:
-        vectors.append(means)
-    if context is not None:
-        vectors.append(context.view(batch, -1, dim))
-    if dense is not None:
-        vectors.append(dense[:, None])
-    stacked = torch.cat(vectors, dim=1)
-    return torch.bmm(stacked, stacked.transpose(1, 2))[:, rows, cols]
 
 
 def _mlp(in_features: int, layer_sizes: list[int]) -> nn.Sequential:
@@ -225,6 +106,20 @@ class SequenceRanker(RankerModule):
             0 (the default) never. Why: training examples almost always have a history (only a user's
             first ratings have none), so without it the model never learns to rank for users with no
             history, e.g. new users in a time split. Evaluation and prediction never drop.
+        action_loss_weight: in training, add this times an auxiliary, self-supervised loss on the
+            history to the click loss (0, the default: none). The loss asks of each kept history
+            item whether the user acted positively on it (its action in ``positive_actions``), scored
+            by the item embedding's dot with the mean embedding of the user's other positive items
+            (times a learned scale, plus a learned offset); binary cross-entropy, averaged per example
+            and then over the batch. It runs on the whole kept history, before ``history_dropout``,
+            and gradients reach the item table through the sequence lookup (and its all-to-all,
+            sharded). Why: one click label per example teaches the item table little about which
+            items go together, while every history holds dozens of labelled items; items that the
+            same users act on positively are pulled together, so the candidate's dots with the
+            history (``action_means``, ``target_readout``, ``interaction="dot"``) can tell related
+            items apart. Logged as ``train/action_loss`` and ``train/click_loss`` beside ``train/loss``.
+        positive_actions: the action ids that count as a positive action for ``action_loss_weight``
+            (required when it is > 0), e.g. ``[3, 4]`` for MovieLens ratings 4 and 5.
         target_readout: also read the history as the candidate sees it: the candidate attends over
             the encoded tokens (keys: a linear map of each encoded token to ``embedding_dim``) and
             reads the kept history's item embeddings, so the read-out is a weighted mean of the
@@ -273,6 +168,8 @@ class SequenceRanker(RankerModule):
         candidate_product: bool = False,
         action_means: bool = False,
         history_dropout: float = 0.0,
+        action_loss_weight: float = 0.0,
+        positive_actions: list[int] | None = None,
         target_readout: bool = False,
         interaction: InteractionName = "concat",
         over_arch_layer_sizes: list[int] | None = None,
@@ -322,6 +219,18 @@ class SequenceRanker(RankerModule):
             raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
         if isinstance(history_dropout, bool) or not isinstance(history_dropout, (int, float)) or not 0 <= history_dropout < 1:
             raise ValueError(f"history_dropout={history_dropout!r} must be a probability in [0, 1).")
+        if isinstance(action_loss_weight, bool) or not isinstance(action_loss_weight, (int, float)) or not action_loss_weight >= 0:
+            raise ValueError(f"action_loss_weight={action_loss_weight!r} must be a number >= 0 (0: no action-prediction loss).")
+        positives = [] if positive_actions is None else list(positive_actions)
+        if any(isinstance(a, bool) or not isinstance(a, int) or not 0 <= a < num_action_types for a in positives) or len(set(positives)) != len(positives):
+            raise ValueError(
+                f"positive_actions={positive_actions!r} must be distinct action ids in [0, num_action_types={num_action_types})."
+            )
+        if action_loss_weight > 0 and not positives:
+            raise ValueError(
+                f"action_loss_weight={action_loss_weight} needs positive_actions: the action ids that count as a positive "
+                "action on a history item (e.g. [3, 4] for MovieLens ratings 4 and 5)."
+            )
         if token_width % num_heads:
             source = f"model_dim={model_dim}" if model_dim is not None else f"{fused_width // embedding_dim} * embedding_dim={token_width}"
             raise ValueError(
@@ -361,6 +270,10 @@ class SequenceRanker(RankerModule):
         )
         self.max_history = max_history
         self.history_dropout = float(history_dropout)
+        self.action_loss_weight = float(action_loss_weight)
+        self.register_buffer("_positive_action_ids", torch.tensor(positives, dtype=torch.long), persistent=False)
+        # The action-prediction score's scale and offset (training only; nothing else reads them).
+        self.action_score = nn.Parameter(torch.tensor([1.0, 0.0])) if action_loss_weight > 0 else None
         self.newest_tokens = newest_tokens
         self.sequence_embeddings = EmbeddingCollection(
             tables=[
@@ -403,6 +316,7 @@ class SequenceRanker(RankerModule):
         over_in = (1 + newest_tokens) * token_width + embedding_dim + len(context_names) * context_dim + num_dense_features
         self.interaction = interaction
         self.action_means = action_means
+        self._reads_action_ids = action_means or action_loss_weight > 0
         self.num_action_types = num_action_types
         self.embedding_dim = embedding_dim
         if action_means:
@@ -427,14 +341,32 @@ class SequenceRanker(RankerModule):
         self.over_arch = _mlp(over_in, over_sizes)
 
     def forward(self, batch: RecBatch) -> torch.Tensor:
+        return self._logits_and_action_loss(batch)[0]
+
+    def training_losses(self, batch: RecBatch) -> dict[str, torch.Tensor]:
+        """The click loss, plus ``action_loss_weight`` times the history's action-prediction loss when it is on."""
+        logits, action_loss = self._logits_and_action_loss(batch)
+        click_loss = F.binary_cross_entropy_with_logits(logits, batch.labels)
+        if action_loss is None:
+            return {"loss": click_loss}
+        return {"loss": click_loss + self.action_loss_weight * action_loss, "click_loss": click_loss, "action_loss": action_loss}
+
+    def _logits_and_action_loss(self, batch: RecBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The logits, and in training with ``action_loss_weight > 0`` the action-prediction loss (else None)."""
         history_name, action_name, candidate_name = self._sequence_names
-        _check_lengths(batch.sparse, self.sparse_length_rules)
+        ops.check_lengths(batch.sparse, self.sparse_length_rules)
         sequences = self.sequence_embeddings(batch.sparse)
         history, actions, candidate = sequences[history_name], sequences[action_name], sequences[candidate_name]
         candidate_embedding = candidate.values()
-        tokens, padding = newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
+        tokens, padding = ops.newest_padded(history.lengths(), torch.cat([history.values(), actions.values()], dim=1), self.max_history)
+        action_ids = ops.padded_actions(batch.sparse, action_name, self.max_history) if self._reads_action_ids else None
+        action_loss = None
+        if self.training and self.action_loss_weight > 0:  # on the whole history, before any is dropped
+            action_loss = ops.action_prediction_loss(
+                tokens[..., : self.embedding_dim], action_ids, padding, self._positive_action_ids, self.action_score[0], self.action_score[1]
+            )
         if self.training and self.history_dropout > 0:
-            padding = _drop_histories(padding, self.history_dropout)
+            padding = ops.drop_histories(padding, self.history_dropout)
             tokens = tokens.masked_fill(padding[..., None], 0.0)
         candidates = candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)
         parts = [tokens, candidates]
@@ -444,16 +376,16 @@ class SequenceRanker(RankerModule):
         fused = self.token_projection(fused)
         if self.positions is not None:
             fused = fused + self.positions
-        encoded = self.encoder(fused, src_key_padding_mask=_attendable(padding))
-        pooled = _pool_tokens(encoded, padding, self.newest_tokens)
+        encoded = self.encoder(fused, src_key_padding_mask=ops.attendable(padding))
+        pooled = ops.pool_tokens(encoded, padding, self.newest_tokens)
         features: list[torch.Tensor] = [pooled, candidate_embedding]
         readout = None
         if self.readout_keys is not None:
-            readout = _target_readout(self.readout_keys(encoded), candidate_embedding, tokens[..., : self.embedding_dim], padding)
+            readout = ops.target_readout_vector(self.readout_keys(encoded), candidate_embedding, tokens[..., : self.embedding_dim], padding)
             features.append(readout)
         means = None
         if self.action_means:
-            means = _mean_per_action(batch.sparse, action_name, tokens[..., : self.embedding_dim], padding, self.num_action_types)
+            means = ops.mean_per_action(action_ids, tokens[..., : self.embedding_dim], padding, self.num_action_types)
             features.append(means.flatten(1))
         context = self.context_embeddings(batch.sparse).values() if self.context_embeddings is not None else None
         if context is not None:
@@ -462,6 +394,6 @@ class SequenceRanker(RankerModule):
         if self.history_projection is not None:
             dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
             history_vector = self.history_projection(pooled)
-            dots = _pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, readout, means, context, dense)
+            dots = ops.pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, readout, means, context, dense)
             features = [batch.dense, dots] if self.interaction == "candidate_dots" else [*features, dots]
-        return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
+        return self.over_arch(torch.cat(features, dim=1)).squeeze(-1), action_loss
