@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from lightning_recsys.data import RecBatch, slice_batch
-from lightning_recsys.models import RankerModule, SequenceRanker
+from lightning_recsys.models import SequenceRanker
 from lightning_recsys.models.sequence_ops import action_prediction_loss, newest_padded
 
 from test_sequence_model import SMALL, sequence_batch
@@ -76,7 +76,7 @@ def test_training_adds_the_weighted_action_loss_and_logs_its_parts():
 
 def test_without_the_weight_training_is_the_click_loss_alone_and_evaluation_never_changes():
     plain = SequenceRanker(**SMALL)  # type: ignore[arg-type]
-    assert not hasattr(plain, "action_score") or plain.action_score is None
+    assert plain.action_score is None
     batch = sequence_batch([[1, 2], [3]], actions=[[1, 2], [0]])
     assert set(plain.train().training_losses(batch)) == {"loss"}
     with_loss, without = model_with_loss(), model_with_loss(weight=0.0, positive_actions=None)
@@ -126,5 +126,15 @@ def test_the_action_loss_alone_groups_items_that_the_same_users_act_on_positivel
     assert (same - different) - (before[0] - before[1]) > 0.3, (before, (same, different))
 
 
-def test_rankers_without_an_auxiliary_loss_train_on_the_click_loss():
-    assert RankerModule.training_losses is not SequenceRanker.training_losses
+def test_training_step_logs_every_part_and_returns_the_total(monkeypatch):
+    model = model_with_loss().train()
+    logged: dict[str, tuple[torch.Tensor, bool]] = {}
+    monkeypatch.setattr(model, "log", lambda name, value, prog_bar=False, **kwargs: logged.update({name: (value, prog_bar)}))
+    batch = sequence_batch([[1, 2, 3], [4, 5]], actions=[[1, 0, 2], [2, 2]])
+    loss = model.training_step(batch, 0)
+    assert set(logged) == {"train/loss", "train/click_loss", "train/action_loss"}
+    assert logged["train/loss"][0] is loss and logged["train/loss"][1] and not logged["train/action_loss"][1]
+    plain = SequenceRanker(**SMALL).train()  # type: ignore[arg-type]
+    monkeypatch.setattr(plain, "log", lambda name, value, **kwargs: logged.update({f"plain {name}": (value, False)}))
+    plain.training_step(batch, 0)
+    assert {name for name in logged if name.startswith("plain")} == {"plain train/loss"}
