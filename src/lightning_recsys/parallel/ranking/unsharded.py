@@ -2,7 +2,8 @@
 
 The protocol (what every ``ItemRanking`` computes):
 
-- A user's score for item ``j`` is ``query · table[j]``. The target's score is computed the same way
+- A user's score for item ``j`` is ``query · table[j]`` (``table[j] / ||table[j]||`` with
+  ``normalize_rows``, for a model that L2-normalises its item embeddings). The target's score is computed the same way
   (``(query * table[target]).sum()``), and every other row's by a matrix product over row chunks.
 - ``target_ranks``: how many items score **at least** as high as the target, counting neither the
   target itself nor the items the user has seen (``seen_ids``; a seen target is still ranked). Ties
@@ -52,12 +53,12 @@ def seen_mask(
 class UnshardedItemRanking:
     """``ItemRanking`` over a whole table ``[num_items, D]`` in this process, ``chunk_rows`` rows at a time."""
 
-    def __init__(self, table: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS) -> None:
+    def __init__(self, table: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalize_rows: bool = False) -> None:
         if table.dim() != 2:
             raise ValueError(f"table must be [num_items, dim], got shape {tuple(table.shape)}.")
         if chunk_rows < 1:
             raise ValueError(f"chunk_rows={chunk_rows} must be >= 1.")
-        self.table = table
+        self.table = torch.nn.functional.normalize(table, dim=-1) if normalize_rows else table
         self.chunk_rows = chunk_rows
 
     @torch.no_grad()
