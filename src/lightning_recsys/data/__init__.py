@@ -1,6 +1,7 @@
-"""DataModules producing RecBatch: synthetic click logs (default) and histories, MovieLens-100k and Criteo files (TSV or npy)."""
+"""DataModules producing RecBatch (synthetic click logs (default) and histories, MovieLens-100k and Criteo files, TSV or npy)
+and SequenceBatch for next-item pretraining (sequence files, MovieLens-100k, synthetic: ``data.sequences``)."""
 
-from lightning_recsys.data.batch import RecBatch, sparse_feature_names
+from lightning_recsys.data.batch import RecBatch, SequenceBatch, sparse_feature_names
 from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
 from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
 from lightning_recsys.data.criteo_binary import CriteoBinaryConfig, CriteoBinaryDataModule, CriteoBinaryDataset
@@ -17,6 +18,11 @@ from lightning_recsys.data.movielens_sequence import (
     MovieLens100KSequenceDataModule,
 )
 from lightning_recsys.data.readers import MalformedLineError
+from lightning_recsys.data.sequences import (
+    MovieLensPretrainDataModule,
+    SequenceFileDataModule,
+    SyntheticPretrainDataModule,
+)
 from lightning_recsys.data.synthetic import (
     SyntheticClickLog,
     SyntheticClickLogConfig,
@@ -45,12 +51,16 @@ __all__ = [
     "MovieLens100KDataModule",
     "MovieLens100KDataset",
     "MOVIELENS_SEQUENCE_FEATURE_NAMES",
+    "MovieLensPretrainDataModule",
     "MovieLens100KSequenceConfig",
     "MovieLens100KSequenceDataModule",
     "RecBatch",
+    "SequenceBatch",
+    "SequenceFileDataModule",
     "SyntheticClickLog",
     "SyntheticClickLogConfig",
     "SyntheticClickLogDataModule",
+    "SyntheticPretrainDataModule",
     "SyntheticSequenceConfig",
     "SyntheticSequenceDataModule",
     "SyntheticSequenceLog",
