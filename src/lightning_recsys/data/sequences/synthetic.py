@@ -119,7 +119,14 @@ class SyntheticPretrainDataModule(SequencePretrainDataModule):
         self.num_users, self.num_items, self.num_clusters = num_users, num_items, num_clusters
         self.min_sequence_length, self.max_sequence_length = min_sequence_length, max_sequence_length
         self.jump_probability, self.num_action_types = float(jump_probability), num_action_types
-        self.chains: PlantedChains | None = None
+        self._chains: PlantedChains | None = None
+
+    @property
+    def chains(self) -> PlantedChains:
+        """The planted successor chains (drawn with the sequences, on first use)."""
+        self.split  # noqa: B018 (draws the sequences and the chains once)
+        assert self._chains is not None
+        return self._chains
 
     def expected_hit_rate(self, k: int) -> float:
         """HR@k of the best ranking (successor first, then its cluster), before seen items are filtered."""
@@ -127,7 +134,7 @@ class SyntheticPretrainDataModule(SequencePretrainDataModule):
         return (1.0 - self.jump_probability) + self.jump_probability * min(k, size) / size
 
     def _load(self) -> UserSequences:
-        sequences, self.chains = planted_sequences(
+        sequences, self._chains = planted_sequences(
             num_users=self.num_users, num_items=self.num_items, num_clusters=self.num_clusters,
             min_sequence_length=self.min_sequence_length, max_sequence_length=self.max_sequence_length,
             jump_probability=self.jump_probability, num_action_types=self.num_action_types, seed=self.seed,
