@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -376,3 +377,15 @@ def test_a_global_batch_not_divisible_by_the_world_size_is_refused(tmp_path):
     dm = SequenceFileDataModule(str(_write(tmp_path / "s.txt", SMALL)), global_batch_size=3)
     with pytest.raises(ValueError, match="global_batch_size=3 is not divisible by the world size 2"):
         dm._dataset("train", 0, 2)
+
+
+def test_the_loaders_take_rank_world_size_and_epoch_from_the_trainer(tmp_path):
+    path, _ = _repeating_file(tmp_path, seed=5)
+    dm = SequenceFileDataModule(str(path), global_batch_size=4, num_negatives=3)
+    dm.trainer = SimpleNamespace(global_rank=1, world_size=2, current_epoch=2)
+    loader = dm.train_dataloader()
+    assert (loader.dataset.rank, loader.dataset.world_size, loader.dataset.epoch) == (1, 2, 2)
+    expected = dm._dataset("train", 1, 2)
+    expected.epoch = 2
+    assert [_examples(b) for b in loader] == [_examples(b) for b in expected]
+    assert dm.predict_dataloader().dataset.split == "test"
