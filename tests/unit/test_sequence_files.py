@@ -147,6 +147,7 @@ def test_split_of_every_length_class_and_its_counts(tmp_path, caplog):
         assert dm.users_without_eval == 2  # users 13 (2 items) and 14 (1 item)
         assert dm.users_without_train == 2  # users 12 (training part of 1 item) and 14
         assert dm.num_examples == {"train": 3, "val": 3, "test": 3}
+        assert dm.evaluated_user_ids.tolist() == [11, 12, 15]
         dm.split  # noqa: B018 (read again: logged once)
     assert len([r for r in caplog.records if "have no validation or test example" in r.getMessage()]) == 1
 

@@ -156,6 +156,13 @@ class SequencePretrainDataModule(RankSlicedDataModule):
         return self.split.users_without_train
 
     @property
+    def evaluated_user_ids(self) -> np.ndarray:
+        """The source's user ids of the validation, test and predict examples, in batch order (rank 0's
+        slice of global batch 0 first): what maps ``predict``'s outputs back to users."""
+        users, _ = self.split.examples("test")
+        return self.sequences.user_ids[users]
+
+    @property
     def num_examples(self) -> dict[str, int]:
         """Examples per split: ``{"train": ..., "val": ..., "test": ...}``."""
         return {split: self.split.num_examples(split) for split in ("train", "val", "test")}
