@@ -273,6 +273,9 @@ def test_a_partial_global_batch_is_dropped_in_training_and_kept_split_evenly_in_
     sizes = [[b.batch_size for b in dm._dataset("test", r, 2)] for r in (0, 1)]
     assert sizes == [[2, 2, 1], [2, 2, 2]]  # the last global batch of 3 is cut 1 + 2: every user is tested
     assert len(dm._dataset("test", 0, 2)) == 3 and len(dm._dataset("train", 0, 2)) == 2
+    # A last global batch smaller than the world size leaves a rank an empty slice (the strategy skips that step).
+    three = SequenceFileDataModule(str(_write(tmp_path / "three.txt", {1: [1, 2, 3], 2: [1, 2, 3], 3: [1, 2, 4]})), global_batch_size=2)
+    assert [[b.batch_size for b in three._dataset("test", r, 2)] for r in (0, 1)] == [[1, 0], [1, 1]]
 
 
 def test_training_order_is_shuffled_per_epoch_from_the_seed_and_resumes_at_the_trainers_epoch(tmp_path):
