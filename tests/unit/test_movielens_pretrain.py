@@ -9,7 +9,7 @@ import torch
 from movielens_files import write_tiny_movielens
 
 from lightning_recsys.data import MalformedLineError, MovieLensPretrainDataModule
-from lightning_recsys.data.sequences import ACTION_FEATURE, ITEM_FEATURE, NEGATIVE_FEATURE
+from lightning_recsys.data.sequences import ACTION_FEATURE, ITEM_FEATURE, NEGATIVE_FEATURE, NEXT_ITEM_FEATURE
 
 REAL_DATA = os.environ.get("MOVIELENS_100K_DIR")
 
@@ -50,7 +50,7 @@ def test_batches_go_through_the_leave_one_out_split_with_actions(tmp_path):
     seen = torch.cat([b.seen_ids for b in test])
     assert seen.tolist() == [item for user in sorted(expected) for item, _ in expected[user][:-1]]
     first = test[0].sparse
-    assert first.keys() == [ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE]
+    assert first.keys() == [ITEM_FEATURE, NEXT_ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE]
     assert first[ACTION_FEATURE].values().tolist()[:8] == [action for _, action in expected[1][-9:-1]]  # newest 8 inputs
     train = next(iter(dm._dataset("train", 0, 2)))
     assert train.sparse[NEGATIVE_FEATURE].lengths().tolist() == [3, 3]

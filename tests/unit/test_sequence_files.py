@@ -16,6 +16,7 @@ from lightning_recsys.data.sequences import (
     ACTION_FEATURE,
     ITEM_FEATURE,
     NEGATIVE_FEATURE,
+    NEXT_ITEM_FEATURE,
     LeaveOneOutSplit,
     read_sequence_file,
 )
@@ -351,13 +352,14 @@ def test_num_items_defaults_to_the_largest_id_and_actions_ride_with_the_items(tm
     dm = SequenceFileDataModule(str(path), num_action_types=3, global_batch_size=1, num_negatives=2)
     assert dm.num_items == 9 and dm.num_action_types == 3
     (batch,) = list(dm._dataset("train", 0, 1))
-    assert batch.sparse.keys() == [ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE]
+    assert batch.sparse.keys() == [ITEM_FEATURE, NEXT_ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE]
+    assert torch.equal(batch.sparse[NEXT_ITEM_FEATURE].values(), batch.next_item_ids)
     assert batch.sparse[ACTION_FEATURE].values().tolist() == [2]  # the input [4] of the training part [4, 5]
     assert torch.equal(batch.sparse[ACTION_FEATURE].lengths(), batch.sparse[ITEM_FEATURE].lengths())
     assert SequenceFileDataModule(str(path), num_items=20, num_action_types=3).num_items == 20
     plain = SequenceFileDataModule(str(_write(tmp_path / "p.txt", {1: [1, 2, 3]})), global_batch_size=1)
     assert plain.num_action_types == 0
-    assert next(iter(plain._dataset("test", 0, 1))).sparse.keys() == [ITEM_FEATURE, NEGATIVE_FEATURE]
+    assert next(iter(plain._dataset("test", 0, 1))).sparse.keys() == [ITEM_FEATURE, NEXT_ITEM_FEATURE, NEGATIVE_FEATURE]
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lightning_recsys.data import SyntheticPretrainDataModule
-from lightning_recsys.data.sequences import ACTION_FEATURE, ITEM_FEATURE, NEGATIVE_FEATURE
+from lightning_recsys.data.sequences import ACTION_FEATURE, ITEM_FEATURE, NEGATIVE_FEATURE, NEXT_ITEM_FEATURE
 
 
 def _test_examples(dm: SyntheticPretrainDataModule) -> list[tuple[list[int], int, list[int]]]:
@@ -72,7 +72,7 @@ def test_batches_carry_actions_and_negatives_from_the_item_table():
     dm = SyntheticPretrainDataModule(num_users=64, num_items=40, num_clusters=2, num_action_types=3, num_negatives=10, global_batch_size=8)
     for batch in dm._dataset("train", 1, 2):
         kjt = batch.sparse
-        assert kjt.keys() == [ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE]
+        assert kjt.keys() == [ITEM_FEATURE, NEXT_ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE]
         assert kjt[ACTION_FEATURE].values().max() < 3 and kjt[NEGATIVE_FEATURE].values().max() < 40
         assert kjt[NEGATIVE_FEATURE].lengths().tolist() == [3, 3, 2, 2]
     assert dm.num_items == 40 and dm.num_action_types == 3

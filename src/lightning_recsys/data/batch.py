@@ -36,7 +36,7 @@ class SequenceBatch:
     """One (local) batch of user activity sequences, for next-item pretraining and its evaluation.
 
     - ``sparse``: a KJT with, in this order, ``item_id`` (each example's input items, oldest first,
-      jagged), ``action`` (one action type per input item; only where the data has actions) and
+      jagged), ``next_item_id`` (the same values as ``next_item_ids``, with ``item_id``'s lengths), ``action`` (one action type per input item; only where the data has actions) and
       ``negative_item_id`` (the batch's shared pool of sampled negatives, spread over the examples,
       ``ceil``/``floor`` of ``N / B`` ids each, so they ride the same sharded lookup; 0 ids in
       evaluation batches). Every id is a row of the one item table.

@@ -15,6 +15,7 @@ from lightning_recsys.data.sequences.split import (
     ACTION_FEATURE,
     ITEM_FEATURE,
     NEGATIVE_FEATURE,
+    NEXT_ITEM_FEATURE,
     LeaveOneOutSplit,
     sequence_batch,
 )
@@ -27,6 +28,7 @@ __all__ = [
     "MOVIELENS_ACTION_TYPES",
     "MovieLensPretrainDataModule",
     "NEGATIVE_FEATURE",
+    "NEXT_ITEM_FEATURE",
     "PlantedChains",
     "SequenceFileDataModule",
     "SequencePretrainDataModule",

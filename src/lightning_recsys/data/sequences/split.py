@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 ITEM_FEATURE = "item_id"
 ACTION_FEATURE = "action"
 NEGATIVE_FEATURE = "negative_item_id"
+NEXT_ITEM_FEATURE = "next_item_id"
 MIN_EVALUATED_LENGTH = 3  # a validation and a test target, and at least one item before them
 MIN_TRAINING_LENGTH = 2  # an input item and its next item
 
@@ -105,7 +106,8 @@ def sequence_batch(
     lengths = torch.from_numpy(stop - start)
     items = torch.from_numpy(sequences.items[positions])
     next_items = torch.from_numpy(sequences.items[positions + 1])
-    keys, values, key_lengths = [ITEM_FEATURE], [items], [lengths]
+    # The targets ride the sharded lookup too: their embeddings are the positives of the loss.
+    keys, values, key_lengths = [ITEM_FEATURE, NEXT_ITEM_FEATURE], [items, next_items], [lengths, lengths]
     if sequences.actions is not None:
         keys.append(ACTION_FEATURE)
         values.append(torch.from_numpy(sequences.actions[positions]))
