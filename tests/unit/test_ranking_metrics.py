@@ -10,7 +10,8 @@ from lightning_recsys.models import RankingMetrics
 
 
 def _random_case(seed: int, users: int, items: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct scores per user (no ties) and one target each."""
+    """Distinct scores per user (no ties), all > 0 (torchmetrics 1.9's reciprocal rank gives 0 for a target scored
+    exactly 0), and one target each."""
     generator = torch.Generator().manual_seed(seed)
     scores = torch.stack([(torch.randperm(items, generator=generator).double() + 1) / items for _ in range(users)])
     targets = torch.randint(0, items, (users,), generator=generator)
