@@ -155,14 +155,17 @@ def train_unsharded(world_size: int, config: PretrainLogConfig | None = None, st
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def touched_rows(config: PretrainLogConfig | None = None, steps: int = STEPS) -> set[int]:
-    """Every item row that a training step reads: inputs, targets and negatives."""
+def touched_rows(config: PretrainLogConfig | None = None, steps: int = STEPS, kept_only: bool = False) -> set[int]:
+    """Every item row that a training step looks up: inputs, targets and negatives. ``kept_only``: only the
+    inputs and targets of the newest MAX_LENGTH positions (the rest are looked up but reach no loss)."""
     config = config or PretrainLogConfig()
+    cut = (lambda values: values[-MAX_LENGTH:]) if kept_only else (lambda values: values)  # noqa: E731
     rows: set[int] = set()
     for step in range(steps):
         lists = global_lists(config, "train", step)
-        for name in ("sequences", "next_items", "pool"):
-            rows |= {v for values in lists[name] for v in values}
+        for name in ("sequences", "next_items"):
+            rows |= {v for values in lists[name] for v in cut(values)}
+        rows |= {v for values in lists["pool"] for v in values}
     return rows
 
 

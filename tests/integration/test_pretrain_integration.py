@@ -1,0 +1,76 @@
+"""SequencePretrainer under TwoDRecStrategy on 2 processes (gloo): sharded SGD equals unsharded SGD, negatives included."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from multiprocess import run_ranks
+from oracle import assemble
+from pretrain_oracle import (
+    ACTION_KEY, ITEM_KEY, ITEMS, STEPS, fit_sharded, is_table, make_model, sgd_strategy, table_shards, touched_rows, train_unsharded,
+)
+
+WORLD_SIZE = 2
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return train_unsharded(WORLD_SIZE)
+
+
+def _fit(rank: int, world_size: int, sharding_type: str) -> dict:
+    model = make_model()
+    trainer = fit_sharded(world_size, sgd_strategy(sharding_types=[sharding_type]), model)
+    assert trainer.global_step == STEPS
+    pipeline = trainer.strategy._input_pipeline
+    return {
+        "shards": table_shards(model),
+        "dense": {k: v.detach().clone() for k, v in model.state_dict().items() if not is_table(k)},
+        "pipeline_off": None if pipeline is None else pipeline.disabled_reason,
+    }
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise", "column_wise"])
+def test_sharded_training_equals_unsharded_and_negatives_update_exactly_the_sampled_rows(sharding_type, oracle):
+    results = run_ranks(_fit, WORLD_SIZE, sharding_type, timeout=300)
+    initial = make_model().state_dict()
+    for key, expected in oracle.items():
+        if is_table(key):
+            torch.testing.assert_close(assemble([r["shards"] for r in results], key, expected), expected, msg=lambda m: f"{key}: {m}")
+        else:
+            for result in results:
+                torch.testing.assert_close(result["dense"][key], expected, msg=lambda m: f"{key}: {m}")
+    items = assemble([r["shards"] for r in results], ITEM_KEY, oracle[ITEM_KEY])
+    changed = set(torch.nonzero((items != initial[ITEM_KEY]).any(dim=1)).flatten().tolist())
+    # Every row that reached a loss moved (kept inputs and targets, and the rows only sampled as negatives) and
+    # no other row did: not even the inputs cut off beyond max_length, which are looked up with a zero gradient.
+    assert changed == touched_rows(kept_only=True) and touched_rows(kept_only=True) < touched_rows()
+    negatives_only = touched_rows() - set(range(ITEMS // 2))  # the data draws inputs and targets from the lower half
+    assert negatives_only and negatives_only <= changed
+    assert not torch.allclose(assemble([r["shards"] for r in results], ACTION_KEY, oracle[ACTION_KEY]), initial[ACTION_KEY])
+    if sharding_type == "column_wise":
+        assert any(offsets[1] > 0 for r in results for pieces in r["shards"].values() for offsets, _ in pieces)
+    for result in results:  # one lookup for inputs, targets and negatives: the sparse-dist pipeline keeps it
+        assert result["pipeline_off"] is None, result["pipeline_off"]
+
+
+INIT_STD = 0.5
+
+
+def _meta_tables(rank: int, world_size: int, sharding_type: str) -> dict:
+    model = make_model(embedding_device="meta", seed=100 + rank, init_std=INIT_STD)
+    fit_sharded(world_size, sgd_strategy(sharding_types=[sharding_type]), model, steps=1)
+    return table_shards(model)
+
+
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
+def test_tables_built_on_meta_start_at_init_std_on_every_shard(sharding_type):
+    """TorchRec's ShardedEmbeddingCollection.reset_parameters applies EmbeddingConfig.init_fn to the shards it materialises."""
+    results = run_ranks(_meta_tables, WORLD_SIZE, sharding_type, timeout=300)
+    like = torch.zeros(ITEMS, make_model().embedding_dim)
+    items = assemble(results, ITEM_KEY, like)
+    # TorchRec's default would be uniform(+-1/sqrt(ITEMS)): a std of 0.07 here.
+    assert abs(float(items.std()) - INIT_STD) < 0.1
+    for pieces in results:
+        for _, shard in pieces[ITEM_KEY]:
+            assert abs(float(shard.std()) - INIT_STD) < 0.15
