@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from lightning.pytorch import Trainer
+from lightning.pytorch import Callback, Trainer
 from torch.utils.data import IterableDataset
 from torchrec import KeyedJaggedTensor
 
@@ -180,10 +180,26 @@ def sgd_strategy(*, sharding_types: list[str] | None = None, **kwargs: object) -
     return TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), **kwargs)
 
 
-def fit_sharded(world_size: int, strategy: TwoDRecStrategy, model: SequencePretrainer, steps: int = STEPS) -> Trainer:
+class RecordPipeline(Callback):
+    """What the sparse-dist pipeline did while training (the strategy drops it at teardown)."""
+
+    def __init__(self) -> None:
+        self.pipelined: set[str] = set()
+        self.disabled_reason: str | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pipeline = trainer.strategy._input_pipeline
+        if pipeline is not None:
+            self.pipelined |= set(pipeline.pipelined_modules)
+            self.disabled_reason = pipeline.disabled_reason
+
+
+def fit_sharded(
+    world_size: int, strategy: TwoDRecStrategy, model: SequencePretrainer, steps: int = STEPS, callbacks: list[Callback] | None = None
+) -> Trainer:
     trainer = Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
     trainer.fit(model, datamodule=PretrainDataModule())
     return trainer

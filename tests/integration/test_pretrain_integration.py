@@ -7,7 +7,7 @@ import torch
 from multiprocess import run_ranks
 from oracle import assemble
 from pretrain_oracle import (
-    ACTION_KEY, ITEM_KEY, ITEMS, STEPS, fit_sharded, is_table, make_model, sgd_strategy, table_shards, touched_rows, train_unsharded,
+    ACTION_KEY, ITEM_KEY, ITEMS, STEPS, RecordPipeline, fit_sharded, is_table, make_model, sgd_strategy, table_shards, touched_rows, train_unsharded,
 )
 
 WORLD_SIZE = 2
@@ -19,14 +19,14 @@ def oracle():
 
 
 def _fit(rank: int, world_size: int, sharding_type: str) -> dict:
-    model = make_model()
-    trainer = fit_sharded(world_size, sgd_strategy(sharding_types=[sharding_type]), model)
+    model, record = make_model(), RecordPipeline()
+    trainer = fit_sharded(world_size, sgd_strategy(sharding_types=[sharding_type]), model, callbacks=[record])
     assert trainer.global_step == STEPS
-    pipeline = trainer.strategy._input_pipeline
     return {
         "shards": table_shards(model),
         "dense": {k: v.detach().clone() for k, v in model.state_dict().items() if not is_table(k)},
-        "pipeline_off": None if pipeline is None else pipeline.disabled_reason,
+        "pipeline_off": record.disabled_reason,
+        "pipelined": sorted(record.pipelined),
     }
 
 
@@ -51,7 +51,7 @@ def test_sharded_training_equals_unsharded_and_negatives_update_exactly_the_samp
     if sharding_type == "column_wise":
         assert any(offsets[1] > 0 for r in results for pieces in r["shards"].values() for offsets, _ in pieces)
     for result in results:  # one lookup for inputs, targets and negatives: the sparse-dist pipeline keeps it
-        assert result["pipeline_off"] is None, result["pipeline_off"]
+        assert result["pipeline_off"] is None and result["pipelined"] == ["item_embeddings"], result
 
 
 INIT_STD = 0.5
