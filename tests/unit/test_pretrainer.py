@@ -325,3 +325,24 @@ def test_learns_a_planted_next_item_chain():
     users = walks(64)
     model.validation_step(make_batch([u[:-1] for u in users], [u[1:] for u in users], seen=[u[:-1] for u in users]), 0)
     assert float(model.ranking_metrics["val"].compute()["hr@10"]) > 0.9
+
+
+@pytest.mark.gpu
+def test_cuda_loss_ranking_and_top_k_equal_the_cpu():
+    """The sampled loss (in-batch negatives, l2) and the unsharded full ranking on CUDA, against the CPU."""
+    model = _model(l2_normalize=True, in_batch_negatives=True, temperature=0.5, predict_top_k=5)
+    train = make_batch(SEQUENCES, pool=POOL)
+    batch, _, _ = _eval_batch()
+    expected_loss = model.training_losses(train)["loss"]
+    expected = model.predict_step(batch, 0)
+    model.validation_step(batch, 0)
+    expected_metrics = model.ranking_metrics["val"].compute()
+    model.ranking_metrics["val"].reset()
+    model = model.to("cuda")
+    torch.testing.assert_close(model.training_losses(train.to("cuda"))["loss"].cpu(), expected_loss, rtol=1e-4, atol=1e-5)
+    got = model.predict_step(batch.to("cuda"), 0)
+    torch.testing.assert_close(got["user_vectors"].cpu(), expected["user_vectors"], rtol=1e-4, atol=1e-5)
+    assert torch.equal(got["top_k_ids"].cpu(), expected["top_k_ids"])
+    model.validation_step(batch.to("cuda"), 0)
+    for name, value in model.ranking_metrics["val"].compute().items():
+        torch.testing.assert_close(value.cpu(), expected_metrics[name], msg=name)

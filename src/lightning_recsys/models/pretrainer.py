@@ -20,7 +20,7 @@ from lightning_recsys.models.ranking_metrics import RankingMetrics
 from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
 from lightning_recsys.parallel.ranking import ItemRanking, UnshardedItemRanking
 
-__all__ = ["ACTION_FEATURE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SequencePretrainer"]
+__all__ = ["ACTION_FEATURE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SASRecBlock", "SequencePretrainer"]
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
