@@ -74,3 +74,30 @@ def test_tables_built_on_meta_start_at_init_std_on_every_shard(sharding_type):
     for pieces in results:
         for _, shard in pieces[ITEM_KEY]:
             assert abs(float(shard.std()) - INIT_STD) < 0.15
+
+
+def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from pretrain_oracle import PretrainDataModule
+
+    model = make_model(embedding_device="meta", seed=100 + rank)  # only the shards exist
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=["row_wise"]), max_steps=2, limit_val_batches=0,
+        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")],
+    )
+    trainer.fit(model, datamodule=PretrainDataModule())
+    return {"shards": table_shards(model), "dense": {k: v.detach().clone() for k, v in model.state_dict().items() if not is_table(k)}}
+
+
+def test_load_from_checkpoint_reads_the_sharded_pretrainer_into_one_process(tmp_path):
+    from lightning_recsys.models import SequencePretrainer
+
+    results = run_ranks(_fit_and_save, WORLD_SIZE, str(tmp_path), timeout=300)
+    model = SequencePretrainer.load_from_checkpoint(tmp_path / "fitted.ckpt")  # a DCP directory; meta tables built on the CPU
+    assert model.hparams.embedding_device is None and model.hparams.in_batch_negatives
+    state = model.state_dict()
+    for key in (ITEM_KEY, ACTION_KEY):
+        assert torch.equal(assemble([r["shards"] for r in results], key, state[key]), state[key]), key
+    for key, value in results[0]["dense"].items():
+        assert torch.equal(state[key], value), key
