@@ -45,15 +45,13 @@ def evaluation_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.where(logits.isinf(), exact, losses).mean()
 
 
-class RankerModule(LightningModule):
-    """Binary click-through ranker. Subclasses implement ``forward(batch) -> logits [B]``.
+class RecsysModule(LightningModule):
+    """What every LightningModule of this package shares: the dense optimizer, logging the training loss, and loading checkpoints.
 
+    Subclasses implement ``training_losses(batch) -> {"loss": ..., ...}`` and the evaluation steps.
     Training logs ``train/loss`` (the step's loss, ``training_losses``) every step while a progress bar shows it, and
     otherwise on the steps the loggers write (``Trainer(log_every_n_steps=...)``), on each epoch's
     last batch and on the last step: Lightning's per-step ``self.log`` costs host time.
-    Validation and test log ``{stage}/loss`` (mean of per-batch losses) and, per epoch,
-    ``{stage}/auc``, ``{stage}/ne``, ``{stage}/calibration`` and ``{stage}/logloss`` (exact over every
-    example on every rank). The metric objects are ``self.metrics[f"{stage}_{name}"]``.
 
     Single-device code: it holds plain TorchRec modules and never touches a process group.
     Under TwoDRecStrategy the embedding modules inside it are sharded in place and the
@@ -72,9 +70,6 @@ class RankerModule(LightningModule):
             raise ValueError(f"dense_lr={dense_lr} must be > 0.")
         self.dense_optimizer_name = dense_optimizer
         self.dense_lr = dense_lr
-        self.metrics = nn.ModuleDict(
-            {f"{stage}_{name}": make() for stage in ("val", "test") for name, make in _EPOCH_METRICS.items()}
-        )
 
     @_restricted_classmethod
     def load_from_checkpoint(
@@ -113,23 +108,16 @@ class RankerModule(LightningModule):
         """
         apply_recorded_reshape(self, checkpoint.get(RESHAPE_CHECKPOINT_KEY))
 
-    def forward(self, batch: RecBatch) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} must implement forward(batch) -> logits of shape [B].")
-
-    def training_step(self, batch: RecBatch, batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         losses = self.training_losses(batch)
         if self._train_loss_is_read():
             for name, value in losses.items():
                 self.log(f"train/{name}", value, prog_bar=name == "loss", batch_size=batch.batch_size)
         return losses["loss"]
 
-    def training_losses(self, batch: RecBatch) -> dict[str, torch.Tensor]:
-        """What training minimizes, ``{"loss": ...}``, and any named parts of it; each is logged as ``train/<name>``.
-
-        Here the binary cross-entropy of the click logits. A subclass with an auxiliary loss returns
-        the weighted sum as ``loss`` and the terms beside it.
-        """
-        return {"loss": F.binary_cross_entropy_with_logits(self(batch), batch.labels)}
+    def training_losses(self, batch: Any) -> dict[str, torch.Tensor]:
+        """What training minimizes, ``{"loss": ...}``, and any named parts of it; each is logged as ``train/<name>``."""
+        raise NotImplementedError(f"{type(self).__name__} must implement training_losses(batch) -> {{'loss': ...}}.")
 
     def _train_loss_is_read(self) -> bool:
         """Whether this step's ``train/loss`` reaches a reader: a progress bar, or the loggers' write.
@@ -146,6 +134,49 @@ class RankerModule(LightningModule):
             return True
         last_of_epoch = trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
         return last_of_epoch or 0 <= trainer.max_steps <= trainer.global_step + 1
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        if self.dense_optimizer_name == "sgd":
+            return torch.optim.SGD(params, lr=self.dense_lr)
+        if self.dense_optimizer_name == "adam":
+            return torch.optim.Adam(params, lr=self.dense_lr)
+        return torch.optim.Adagrad(params, lr=self.dense_lr)
+
+
+class RankerModule(RecsysModule):
+    """Binary click-through ranker. Subclasses implement ``forward(batch) -> logits [B]``.
+
+    Training logs ``train/loss`` as ``RecsysModule`` says (here the click loss).
+    Validation and test log ``{stage}/loss`` (mean of per-batch losses) and, per epoch,
+    ``{stage}/auc``, ``{stage}/ne``, ``{stage}/calibration`` and ``{stage}/logloss`` (exact over every
+    example on every rank). The metric objects are ``self.metrics[f"{stage}_{name}"]``.
+
+    Single-device code: it holds plain TorchRec modules and never touches a process group.
+    Under TwoDRecStrategy the embedding modules inside it are sharded in place and the
+    optimizer returned here only sees the dense parameters.
+
+    Args:
+        dense_optimizer: ``sgd``, ``adagrad`` or ``adam`` for the dense (non-embedding) parameters.
+        dense_lr: its learning rate.
+    """
+
+    def __init__(self, dense_optimizer: DenseOptimizerName = "adagrad", dense_lr: float = 0.05) -> None:
+        super().__init__(dense_optimizer=dense_optimizer, dense_lr=dense_lr)
+        self.metrics = nn.ModuleDict(
+            {f"{stage}_{name}": make() for stage in ("val", "test") for name, make in _EPOCH_METRICS.items()}
+        )
+
+    def forward(self, batch: RecBatch) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} must implement forward(batch) -> logits of shape [B].")
+
+    def training_losses(self, batch: RecBatch) -> dict[str, torch.Tensor]:
+        """What training minimizes, ``{"loss": ...}``, and any named parts of it; each is logged as ``train/<name>``.
+
+        Here the binary cross-entropy of the click logits. A subclass with an auxiliary loss returns
+        the weighted sum as ``loss`` and the terms beside it.
+        """
+        return {"loss": F.binary_cross_entropy_with_logits(self(batch), batch.labels)}
 
     def validation_step(self, batch: RecBatch, batch_idx: int) -> torch.Tensor:
         return self._evaluate(batch, "val")
@@ -166,11 +197,3 @@ class RankerModule(LightningModule):
             # Logging the Metric object (not a value) lets Lightning compute, sync and reset it per epoch.
             self.log(f"{stage}/{name}", metric, prog_bar=name in ("auc", "ne"), on_step=False, on_epoch=True)
         return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        params = [p for p in self.parameters() if p.requires_grad]
-        if self.dense_optimizer_name == "sgd":
-            return torch.optim.SGD(params, lr=self.dense_lr)
-        if self.dense_optimizer_name == "adam":
-            return torch.optim.Adam(params, lr=self.dense_lr)
-        return torch.optim.Adagrad(params, lr=self.dense_lr)

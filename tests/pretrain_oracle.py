@@ -1,0 +1,209 @@
+"""SequencePretrainer's test batches, built by hand, and its correctness oracle: unsharded SGD on the ranks' slices.
+
+A ``SequenceBatch`` here follows the pretraining contract (``lightning_recsys.data.batch``): ``item_id``
+oldest first, ``next_item_id`` = the item after each input (also ``next_item_ids``), ``action`` with
+the same lengths, and ``negative_item_id``, the batch's shared pool spread over the examples. Global
+batch ``i`` is the same for any number of ranks; rank ``r`` of ``W`` trains on examples
+``[r * B / W, (r + 1) * B / W)`` with the negatives those examples carry, so the loss of rank ``r`` is
+that slice's loss, and the sharded step equals one unsharded SGD step on the mean of the slices' losses
+(DDP averages the dense gradients; TorchRec's all-to-all divides the table gradients by the world size).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from lightning.pytorch import Callback, Trainer
+from torch.utils.data import IterableDataset
+from torchrec import KeyedJaggedTensor
+
+from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, PlanningConfig, TableConstraints, TwoDRecStrategy
+from lightning_recsys.data.batch import SequenceBatch
+from lightning_recsys.data.module import RankSlicedDataModule
+from lightning_recsys.models import SequencePretrainer
+from lightning_recsys.parallel.sharding.sharded_model import local_shards
+
+ITEMS, ACTIONS, DIM, MAX_LENGTH = 64, 3, 8, 6
+STEPS, GLOBAL_BATCH, POOL_PER_EXAMPLE = 3, 8, 2
+EMBEDDING_LR, DENSE_LR = 0.5, 0.1
+ITEM_KEY = "item_embeddings.embeddings.item.weight"
+ACTION_KEY = "item_embeddings.embeddings.action.weight"
+TABLES = ["item", "action"]
+
+
+def make_batch(
+    sequences: list[list[int]],
+    next_items: list[list[int]] | None = None,
+    pool: list[list[int]] | None = None,
+    actions: list[list[int]] | None = None,
+    seen: list[list[int]] | None = None,
+) -> SequenceBatch:
+    """A ``SequenceBatch`` from per-example lists. ``next_items`` default: each sequence shifted by one, then
+    ``sequence[-1] + 1``; ``pool``: each example's share of the negatives (default none)."""
+    size = len(sequences)
+    if next_items is None:
+        next_items = [s[1:] + [s[-1] + 1] if s else [] for s in sequences]
+    pool = pool if pool is not None else [[] for _ in range(size)]
+    seen = seen if seen is not None else [[] for _ in range(size)]
+    lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+    flat = lambda lists: torch.tensor([v for values in lists for v in values], dtype=torch.long)  # noqa: E731
+    keys, values, all_lengths = ["item_id"], [flat(sequences)], [lengths]
+    if actions is not None:
+        keys, values, all_lengths = keys + ["action"], values + [flat(actions)], all_lengths + [lengths]
+    keys += ["next_item_id", "negative_item_id"]
+    values += [flat(next_items), flat(pool)]
+    all_lengths += [lengths, torch.tensor([len(p) for p in pool], dtype=torch.long)]
+    sparse = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(all_lengths))
+    return SequenceBatch(
+        sparse=sparse, next_item_ids=flat(next_items), seen_ids=flat(seen), seen_lengths=torch.tensor([len(s) for s in seen], dtype=torch.long)
+    )
+
+
+@dataclass(frozen=True)
+class PretrainLogConfig:
+    global_batch_size: int = GLOBAL_BATCH
+    train_batches: int = STEPS
+    max_sequence: int = MAX_LENGTH + 3  # longer than the model reads: the cut is exercised sharded too
+    seed: int = 11
+
+
+def global_lists(config: PretrainLogConfig, split: str, index: int) -> dict[str, list[list[int]]]:
+    """Global batch ``index`` as per-example lists: some empty sequences, some longer than MAX_LENGTH, hits in the pool."""
+    generator = torch.Generator().manual_seed(config.seed * 1000 + {"train": 0, "val": 1}[split] * 100 + index)
+    sequences, next_items, actions, pool, seen = [], [], [], [], []
+    low = 0 if split == "train" else 1  # every evaluated user has an input item
+    for _ in range(config.global_batch_size):
+        length = int(torch.randint(low, config.max_sequence + 1, (1,), generator=generator))
+        # Ids from the lower half of the table only (the upper half stays untouched unless sampled as negatives).
+        items = torch.randint(0, ITEMS // 2, (length + 1,), generator=generator).tolist()
+        sequences.append(items[:-1])
+        next_items.append(items[1:])
+        actions.append(torch.randint(0, ACTIONS, (length,), generator=generator).tolist())
+        if split == "train":
+            negatives = torch.randint(0, ITEMS, (POOL_PER_EXAMPLE,), generator=generator).tolist()
+            negatives[0] = items[-1] if length else negatives[0]  # an accidental hit: the example's own last target
+            pool.append(negatives)
+        else:
+            pool.append([])
+        seen.append(items[:-1] if split != "train" else [])
+    return {"sequences": sequences, "next_items": next_items, "actions": actions, "pool": pool, "seen": seen}
+
+
+def slice_lists(lists: dict[str, list[list[int]]], start: int, stop: int) -> SequenceBatch:
+    part = {name: values[start:stop] for name, values in lists.items()}
+    return make_batch(part["sequences"], part["next_items"], part["pool"], part["actions"], part["seen"])
+
+
+def rank_slice(config: PretrainLogConfig, split: str, index: int, rank: int, world_size: int) -> SequenceBatch:
+    local = config.global_batch_size // world_size
+    return slice_lists(global_lists(config, split, index), rank * local, (rank + 1) * local)
+
+
+class _Slices(IterableDataset):
+    def __init__(self, config: PretrainLogConfig, split: str, num_batches: int, rank: int, world_size: int) -> None:
+        self.config, self.split, self.num_batches, self.rank, self.world_size = config, split, num_batches, rank, world_size
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self):
+        for index in range(self.num_batches):
+            yield rank_slice(self.config, self.split, index, self.rank, self.world_size)
+
+
+class PretrainDataModule(RankSlicedDataModule):
+    """This rank's slice of every global batch of ``config`` (train), and one validation batch."""
+
+    def __init__(self, config: PretrainLogConfig | None = None) -> None:
+        super().__init__()
+        self.config = config or PretrainLogConfig()
+
+    def _dataset(self, split: str, rank: int, world_size: int) -> _Slices:
+        return _Slices(self.config, "train" if split == "train" else "val", self.config.train_batches if split == "train" else 1, rank, world_size)
+
+
+def make_model(embedding_device: str | None = None, seed: int | None = 1234, **overrides: object) -> SequencePretrainer:
+    if seed is not None:
+        torch.manual_seed(seed)
+    arguments = dict(
+        num_items=ITEMS, num_action_types=ACTIONS, embedding_dim=DIM, max_length=MAX_LENGTH, num_layers=2, num_heads=2,
+        dropout=0.0, temperature=0.5, in_batch_negatives=True, init_std=0.1, dense_optimizer="sgd", dense_lr=DENSE_LR,
+        embedding_device=embedding_device,
+    )
+    return SequencePretrainer(**{**arguments, **overrides})  # type: ignore[arg-type]
+
+
+def is_table(name: str) -> bool:
+    return name.startswith("item_embeddings.")
+
+
+def train_unsharded(world_size: int, config: PretrainLogConfig | None = None, steps: int = STEPS, **overrides: object) -> dict[str, torch.Tensor]:
+    """Plain SGD on the mean of the ``world_size`` slices' losses of each global batch: the state dict after ``steps``."""
+    config = config or PretrainLogConfig()
+    model = make_model(**overrides)
+    params = dict(model.named_parameters())
+    optimizer = torch.optim.SGD([
+        {"params": [p for n, p in params.items() if not is_table(n)], "lr": DENSE_LR},
+        {"params": [p for n, p in params.items() if is_table(n)], "lr": EMBEDDING_LR},
+    ])
+    for step in range(steps):
+        optimizer.zero_grad()
+        losses = [model.training_losses(rank_slice(config, "train", step, r, world_size))["loss"] for r in range(world_size)]
+        (sum(losses) / world_size).backward()
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def touched_rows(config: PretrainLogConfig | None = None, steps: int = STEPS, kept_only: bool = False) -> set[int]:
+    """Every item row that a training step looks up: inputs, targets and negatives. ``kept_only``: only the
+    inputs and targets of the newest MAX_LENGTH positions (the rest are looked up but reach no loss)."""
+    config = config or PretrainLogConfig()
+    cut = (lambda values: values[-MAX_LENGTH:]) if kept_only else (lambda values: values)  # noqa: E731
+    rows: set[int] = set()
+    for step in range(steps):
+        lists = global_lists(config, "train", step)
+        for name in ("sequences", "next_items"):
+            rows |= {v for values in lists[name] for v in cut(values)}
+        rows |= {v for values in lists["pool"] for v in values}
+    return rows
+
+
+def sgd_strategy(*, sharding_types: list[str] | None = None, **kwargs: object) -> TwoDRecStrategy:
+    """SGD tables; column_wise cuts each table into two DIM // 2 wide shards."""
+    kwargs.setdefault("process_group_timeout", 60)
+    constraints = {}
+    if sharding_types == ["column_wise"]:
+        constraints = {t: TableConstraints(sharding_types=sharding_types, min_partition=DIM // 2) for t in TABLES}
+    kwargs.setdefault("planning", PlanningConfig(sharding_types=sharding_types, table_constraints=constraints))
+    kwargs.setdefault("guard", GuardConfig(validate_inputs="error", check_finite=False))
+    return TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), **kwargs)
+
+
+class RecordPipeline(Callback):
+    """What the sparse-dist pipeline did while training (the strategy drops it at teardown)."""
+
+    def __init__(self) -> None:
+        self.pipelined: set[str] = set()
+        self.disabled_reason: str | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pipeline = trainer.strategy._input_pipeline
+        if pipeline is not None:
+            self.pipelined |= set(pipeline.pipelined_modules)
+            self.disabled_reason = pipeline.disabled_reason
+
+
+def fit_sharded(
+    world_size: int, strategy: TwoDRecStrategy, model: SequencePretrainer, steps: int = STEPS, callbacks: list[Callback] | None = None
+) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, limit_val_batches=0, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=PretrainDataModule())
+    return trainer
+
+
+def table_shards(model: SequencePretrainer) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
+    return {k: [(o, t.cpu()) for o, t in v] for k, v in local_shards(model).items() if is_table(k)}
