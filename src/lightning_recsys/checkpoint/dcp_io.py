@@ -41,7 +41,8 @@ from lightning_recsys.checkpoint.safe_reading import (
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_storage,
-    corrupt,
+    preload_byte_items,
+    read_host_state,
     read_index,
 )
 from lightning_recsys.checkpoint.table_state import EmbeddingOptimizerState, StateReads, TablePlacement, table_name
@@ -302,8 +303,9 @@ def load_checkpoint(
         directory = resolve(directory)  # the newest committed copy of this name (see directory.py)
         meta = read_meta(directory)
         metadata = read_index(directory / INDEX_FILE, trusted=trusted)
+        check_storage(metadata, directory)  # every shard file against the index
         # Read before the shards: a damaged host state must fail on every rank before the model changes.
-        host_state = _read_host_state(directory, weights_only)
+        host_state = read_host_state(directory, weights_only)
         if host_state is None and require_host_state:
             raise UncommittedCheckpointError(
                 f"checkpoint {str(directory)!r} has no {HOST_STATE_FILE} (the trainer state a resume needs); it was "
@@ -327,8 +329,8 @@ def load_checkpoint(
             saved = {k: v for k, v in saved_tensors(metadata).items() if k in loadable}  # strict=False may skip some
             reads = optimizer_state.plan_reads(saved, default_step=float(meta.step or 0))
             targets.update(reads.targets)
-        # Every shard file against the index, and the byte items loaded, before DCP copies any tensor.
-        check_storage(metadata, directory, keys=set(targets), trusted=trusted)
+        # A refused or damaged byte item fails here, before DCP copies any tensor.
+        preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
     except Exception as e:  # noqa: BLE001
         error = e
     _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
@@ -340,18 +342,6 @@ def load_checkpoint(
     if reads is not None:
         reads.apply()
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
-
-
-def _read_host_state(directory: Path, weights_only: bool | None) -> dict[str, Any] | None:
-    host_path = directory / HOST_STATE_FILE
-    if not host_path.is_file():
-        return None
-    try:
-        return torch.load(host_path, map_location="cpu", weights_only=weights_only)
-    except Exception as error:  # noqa: BLE001
-        if "Weights only load failed" in str(error):
-            raise  # the file is fine; torch's message says which globals to allow
-        raise corrupt(host_path, f"the file cannot be read ({type(error).__name__}: {error})") from error
 
 
 def _read_shards(targets: dict[str, Any], directory: Path, *, trusted: bool, **kwargs: Any) -> None:
@@ -398,7 +388,8 @@ def load_unsharded(
     directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     meta = read_meta(directory)
     metadata = read_index(directory / INDEX_FILE, trusted=trusted)
-    host_state = _read_host_state(directory, weights_only)
+    check_storage(metadata, directory)
+    host_state = read_host_state(directory, weights_only)
     # Saved with reshape_tables=True: rebuild the original tables as they were reshaped for training.
     apply_recorded_reshape(module, (host_state or {}).get(RESHAPE_CHECKPOINT_KEY))
     model_state = module.state_dict()
@@ -427,7 +418,7 @@ def load_unsharded(
         saved_optimizer=None,
     )
     targets = {e.key: model_state[e.key.removeprefix("model.")] for e in to_load}
-    check_storage(metadata, directory, keys=set(targets), trusted=trusted)
+    preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
     _read_shards(targets, directory, trusted=trusted, no_dist=True)
     # In case a module's state_dict() returns copies rather than views of its storage.
     module.load_state_dict({k.removeprefix("model."): v for k, v in targets.items()}, strict=False)
@@ -449,7 +440,8 @@ def to_lightning_checkpoint(
     directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     read_meta(directory)  # refuses uncommitted, damaged and foreign directories
     metadata = read_index(directory / INDEX_FILE, trusted=trusted)
-    host_state = _read_host_state(directory, weights_only) or {}
+    check_storage(metadata, directory)
+    host_state = read_host_state(directory, weights_only) or {}
     prefix = MODEL_NAMESPACE + "."
     targets: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -462,7 +454,7 @@ def to_lightning_checkpoint(
             node = node.setdefault(part, {})
         # Whole tensors of the saved global shapes; DCP replaces a non-tensor value as it reads it.
         node[path[-1]] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
-    check_storage(metadata, directory, keys=set(targets), trusted=trusted)
+    preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
     _read_shards(targets, directory, trusted=trusted, no_dist=True)
     return {**host_state, "state_dict": {k.removeprefix(prefix): v for k, v in targets.items()}}
 

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
 
-from lightning_recsys.checkpoint.directory import UncommittedCheckpointError
+from lightning_recsys.checkpoint.directory import HOST_STATE_FILE, UncommittedCheckpointError
 
 INDEX_FILE = ".metadata"
 
@@ -197,35 +197,66 @@ class SafeLoadPlanner(DefaultLoadPlanner):
             self.state_dict[fqn] = loaded
 
 
+def read_host_state(directory: Path, weights_only: bool | None) -> dict[str, Any] | None:
+    """``host_state.pt`` (None if absent), with ``torch.load(weights_only=...)``: torch's own refusal passes through."""
+    host_path = directory / HOST_STATE_FILE
+    if not host_path.is_file():
+        return None
+    try:
+        return torch.load(host_path, map_location="cpu", weights_only=weights_only)
+    except Exception as error:  # noqa: BLE001
+        if "Weights only load failed" in str(error):
+            raise  # the file is fine; torch's message says which globals to allow
+        raise corrupt(host_path, f"the file cannot be read ({type(error).__name__}: {error})") from error
+
+
 # torch.save writes a zip archive: a local file header first, the end-of-central-directory record last.
 _ZIP_START = b"PK\x03\x04"
 _ZIP_END = b"PK\x05\x06"
 _ZIP_END_SIZE = 22
 
 
-def check_storage(
-    metadata: Metadata, directory: Path, *, keys: set[str] | None = None, trusted: bool = False
-) -> None:
+def check_storage(metadata: Metadata, directory: Path) -> None:
     """Hold the index against the shard files before anything is read into a model.
 
-    Every storage entry must name a file in ``directory`` that exists and holds its byte range,
-    which must be a whole ``torch.save`` record, large enough for its chunk; every chunk of a tensor
-    must lie inside it and have a storage entry. The byte items under ``keys`` (state-dict keys, a
-    nested value's items included; all if None) are loaded (``load_byte_item``), so a refused one fails here, before any tensor is copied.
-    Raises ``CheckpointCorruptError`` or ``UnsafeCheckpointError``.
+    Every storage entry must name a file in ``directory`` that exists and holds its byte range, which
+    must be a whole ``torch.save`` record, large enough for its chunk; every chunk of a tensor must lie
+    inside the tensor and have a storage entry. Raises ``CheckpointCorruptError`` naming the file.
     """
     index_path = directory / INDEX_FILE
     storage = metadata.storage_data
     sizes: dict[str, int] = {}
-    for index, info in storage.items():
-        sizes.setdefault(info.relative_path, _shard_size(directory, info.relative_path, index_path))
+    for info in storage.values():
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = _shard_size(directory, info.relative_path, index_path)
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
-            load = keys is None or _under(key, keys, metadata.planner_data)
-            _check_bytes_entry(key, storage, directory, index_path, sizes, load=load, trusted=trusted)
+            info = storage.get(MetadataIndex(key))
+            if info is None:
+                raise corrupt(index_path, f"the index lists the item {key!r} but no file holds it")
+            _check_range(info, key, directory, sizes)
             continue
         for chunk in item.chunks:
             _check_chunk(key, item, chunk, storage, directory, index_path, sizes)
+
+
+def preload_byte_items(metadata: Metadata, directory: Path, *, keys: set[str] | None, trusted: bool = False) -> None:
+    """Load the byte items under ``keys`` (state-dict keys, a nested value's items included; all if None).
+
+    So that a refused or unreadable item fails before DCP copies any tensor into the model (DCP
+    reads items file by file, in no order that puts them first). Call ``check_storage`` first.
+    """
+    for key, item in metadata.state_dict_metadata.items():
+        if not isinstance(item, BytesStorageMetadata) or not (keys is None or _under(key, keys, metadata.planner_data)):
+            continue
+        info = metadata.storage_data[MetadataIndex(key)]
+        if getattr(info, "transform_descriptors", None):
+            continue  # a transformed record: SafeLoadPlanner still loads it with weights_only=True
+        path = directory / info.relative_path
+        with open(path, "rb") as f:
+            f.seek(info.offset)
+            data = io.BytesIO(f.read(info.length))
+        load_byte_item(data, name=key, where=str(path), trusted=trusted)
 
 
 def _shard_size(directory: Path, name: Any, index_path: Path) -> int:
@@ -285,27 +316,6 @@ def _check_chunk(
             f"the index gives the chunk of {key!r} at offsets {list(offsets)} {info.length} bytes, fewer than the "
             f"{needed} its shape {list(chunk_sizes)} of {item.properties.dtype} needs: the index disagrees with the shard",
         )
-
-
-def _check_bytes_entry(
-    key: str,
-    storage: dict[MetadataIndex, _StorageInfo],
-    directory: Path,
-    index_path: Path,
-    sizes: dict[str, int],
-    *,
-    load: bool,
-    trusted: bool,
-) -> None:
-    info = storage.get(MetadataIndex(key))
-    if info is None:
-        raise corrupt(index_path, f"the index lists the item {key!r} but no file holds it")
-    path = _check_range(info, key, directory, sizes)
-    if load and not getattr(info, "transform_descriptors", None):
-        with open(path, "rb") as f:
-            f.seek(info.offset)
-            data = io.BytesIO(f.read(info.length))
-        load_byte_item(data, name=key, where=str(path), trusted=trusted)
 
 
 def _under(key: str, roots: set[str], planner_data: Any) -> bool:
