@@ -151,6 +151,7 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         # Upstream: FileSystemReader.read_metadata (torch/distributed/checkpoint/filesystem.py) is a bare pickle.load.
         if kwargs.get("rank") is not None:
+            # DCP's load falls back to a rank's own index (__<rank>.metadata) when .metadata fails; ours write none.
             raise ValueError("SafeFileSystemReader reads one index per checkpoint (.metadata), not one per rank.")
         metadata = read_index(Path(self.path) / INDEX_FILE, trusted=self.trusted)
         metadata.storage_meta = metadata.storage_meta or StorageMeta()
@@ -167,17 +168,30 @@ def load_byte_item(data: IO[bytes], *, name: str, where: str, trusted: bool = Fa
     try:
         return torch.load(data, map_location="cpu", weights_only=not trusted)
     except pickle.UnpicklingError as error:
-        if "Weights only load failed" not in str(error):
-            raise corrupt(where, f"the item {name!r} cannot be unpickled ({error})") from error
-        first_line = str(error).split("\n\n")[0].splitlines()
-        reason = next((line for line in first_line if "global" in line.lower()), first_line[-1] if first_line else "")
+        reason = _weights_only_reason(str(error))
+        if not any(word in reason for word in _REFUSAL_WORDS):
+            raise corrupt(where, f"the item {name!r} cannot be unpickled ({reason or error})") from error
         raise UnsafeCheckpointError(
             f"{where}: refused to load the item {name!r} (a non-tensor value, e.g. a module's extra state): "
-            f"{reason.strip()} Loading it could run code chosen by whoever wrote the file; nothing was loaded. Allow "
-            f"a class it needs with torch.serialization.add_safe_globals([...]), or: {_TRUSTED_HOW}"
+            f"{reason} Loading it could run code chosen by whoever wrote the file; nothing was loaded. Allow a class "
+            f"it needs with torch.serialization.add_safe_globals([...]), or: {_TRUSTED_HOW}"
         ) from error
     except Exception as error:  # noqa: BLE001 - whatever reading cut or overwritten bytes raises
         raise corrupt(where, f"the item {name!r} cannot be read ({type(error).__name__}: {error})") from error
+
+
+# torch's weights-only unpickler words its refusals (torch/_weights_only_unpickler.py) with these; an
+# unknown opcode or a cut pickle ("Unsupported operand", "truncated") is damage instead.
+_REFUSAL_WORDS = ("GLOBAL", "global", "reduce", "allowlisted", "Unsupported class")
+
+
+def _weights_only_reason(message: str) -> str:
+    """The unpickler's own line(s) from torch's "Weights only load failed" message, without its advice."""
+    if "WeightsUnpickler error:" in message:
+        return " ".join(message.split("WeightsUnpickler error:", 1)[1].split("\n\n")[0].split())
+    parts = [p.strip() for p in message.split("\n\n") if p.strip()]
+    body = [p for p in parts if not p.startswith(("Weights only load failed", "Check the documentation", "Please file an issue"))]
+    return " ".join(body).replace("WeightsUnpickler error:", "").strip()
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
