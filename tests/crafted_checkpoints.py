@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -35,6 +36,11 @@ def write_checkpoint(model: DLRMRanker, final: Path, host_state: dict) -> Path:
     meta = CheckpointMeta(step=5, world_size=2, sharding_group_size=2, num_replicas=1, layout="all_to_all_optimized", written_by_ranks=[0, 1])
     commit(tmp, final, meta)
     return final
+
+
+def host_state(model: DLRMRanker, **extra: Any) -> dict[str, Any]:
+    """The host state a Trainer's checkpoint holds, as far as loading it needs (Lightning reads its version key)."""
+    return {"global_step": 5, "hyper_parameters": dict(model.hparams), "pytorch-lightning_version": lightning.__version__, **extra}
 
 
 def predictions(model: DLRMRanker) -> torch.Tensor:

@@ -12,7 +12,6 @@ import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning
 import pytest
 import torch
 from safetensors import safe_open
@@ -28,6 +27,7 @@ from crafted_checkpoints import (
     craft_index,
     edit_index,
     extra_state_ranker,
+    host_state,
     predictions,
     ranker,
     write_checkpoint,
@@ -100,9 +100,7 @@ def _unchanged(model: torch.nn.Module, before: dict[str, torch.Tensor]) -> bool:
     return all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
 
 
-def _host(model: DLRMRanker) -> dict:
-    # What Lightning's load_from_checkpoint reads from the host state.
-    return {"global_step": 5, "hyper_parameters": dict(model.hparams), "pytorch-lightning_version": lightning.__version__}
+_host = host_state
 
 
 class _Paths:

@@ -315,6 +315,8 @@ def load_checkpoint(
         expected = model_entries(state.model_state_dict, set(state.table_placements()))
         if optimizer_state is not None:
             expected += optimizer_entries(optimizer_state)
+        # A refused or damaged byte item fails first, before any comparison and before DCP copies any tensor.
+        preload_byte_items(metadata, directory, keys={e.key for e in expected}, trusted=trusted)
         to_load = check_entries(
             expected,
             metadata,
@@ -329,8 +331,6 @@ def load_checkpoint(
             saved = {k: v for k, v in saved_tensors(metadata).items() if k in loadable}  # strict=False may skip some
             reads = optimizer_state.plan_reads(saved, default_step=float(meta.step or 0))
             targets.update(reads.targets)
-        # A refused or damaged byte item fails here, before DCP copies any tensor.
-        preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
     except Exception as e:  # noqa: BLE001
         error = e
     _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
@@ -409,8 +409,10 @@ def load_unsharded(
         for fqn, sub in find_embedding_modules(module).items()
         for k in sub.state_dict()
     }
+    expected = model_entries(model_state, tables)
+    preload_byte_items(metadata, directory, keys={e.key for e in expected}, trusted=trusted)
     to_load = check_entries(
-        model_entries(model_state, tables),
+        expected,
         metadata,
         path=directory,
         strict=strict,
@@ -418,7 +420,6 @@ def load_unsharded(
         saved_optimizer=None,
     )
     targets = {e.key: model_state[e.key.removeprefix("model.")] for e in to_load}
-    preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
     _read_shards(targets, directory, trusted=trusted, no_dist=True)
     # In case a module's state_dict() returns copies rather than views of its storage.
     module.load_state_dict({k.removeprefix("model."): v for k, v in targets.items()}, strict=False)
