@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import pytest
 import torch
 import torch.distributed as dist
 from crafted_checkpoints import (
