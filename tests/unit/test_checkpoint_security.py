@@ -165,16 +165,20 @@ def test_the_extra_state_our_models_save_still_loads_as_plain_values(tmp_path: P
     assert restored.restored_extra == {"vocab_version": 7}
 
 
-def test_trusted_true_is_dcps_own_reading_which_runs_the_payload(tmp_path: Path) -> None:
+@pytest.mark.parametrize("load", LOAD_PATHS)
+def test_trusted_true_is_dcps_own_reading_which_runs_the_payload(tmp_path: Path, load) -> None:
     # What trusted=True gives up: the same checkpoint, loaded trusting it, runs the author's code.
     marker = tmp_path / "the_payload_ran"
     source = ranker(seed=0)
     path = write_checkpoint(source, tmp_path / "last.ckpt", _host(source))
     craft_index(path.resolve(), marker)
     target = ranker(seed=1)
-    load_unsharded(path, target, trusted=True)
+    result = load(path, target, trusted=True)
     assert marker.exists()
-    assert torch.equal(predictions(target), predictions(source))
+    if isinstance(result, DLRMRanker):  # load_from_checkpoint
+        target = result
+    if not isinstance(result, (dict, Path)):
+        assert torch.equal(predictions(target), predictions(source))
 
 
 def test_an_allowed_class_in_a_byte_item_loads_once_the_user_allows_it(tmp_path: Path) -> None:
@@ -252,3 +256,10 @@ def test_dcp_checkpoint_io_validates_trusted() -> None:
     assert DCPCheckpointIO().trusted is False
     with pytest.raises(ValueError, match="trusted='yes' must be a bool"):
         DCPCheckpointIO(trusted="yes")  # type: ignore[arg-type]
+
+
+def test_trusted_must_be_a_bool_on_the_load_functions(tmp_path: Path) -> None:
+    source = ranker(seed=0)
+    path = write_checkpoint(source, tmp_path / "last.ckpt", _host(source))
+    with pytest.raises(ValueError, match="trusted='false' must be a bool"):
+        load_unsharded(path, ranker(seed=1), trusted="false")  # type: ignore[arg-type]

@@ -112,8 +112,15 @@ class IndexUnpickler(pickle.Unpickler):
         raise UnsafeCheckpointError(f"{self.path}: refused a persistent id in the index (DCP writes none). {_TRUSTED_HOW}")
 
 
+def require_trusted_bool(trusted: object) -> None:
+    """``trusted`` must be a real bool: a truthy string such as "false" must not switch the protection off."""
+    if not isinstance(trusted, bool):
+        raise ValueError(f"trusted={trusted!r} must be a bool (True only for a checkpoint you trust as you would trust code).")
+
+
 def read_index(path: Path, *, trusted: bool = False) -> Metadata:
     """Unpickle the DCP index file ``path``: restricted unless ``trusted``; damage raises ``CheckpointCorruptError``."""
+    require_trusted_bool(trusted)
     try:
         with open(path, "rb") as f:
             metadata = pickle.load(f) if trusted else IndexUnpickler(f, path=path).load()
@@ -146,6 +153,7 @@ class SafeFileSystemReader(FileSystemReader):
 
     def __init__(self, path: str | os.PathLike[str], *, trusted: bool = False) -> None:
         super().__init__(path)
+        require_trusted_bool(trusted)
         self.trusted = trusted
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -154,7 +162,7 @@ class SafeFileSystemReader(FileSystemReader):
             # DCP's load falls back to a rank's own index (__<rank>.metadata) when .metadata fails; ours write none.
             raise ValueError("SafeFileSystemReader reads one index per checkpoint (.metadata), not one per rank.")
         metadata = read_index(Path(self.path) / INDEX_FILE, trusted=self.trusted)
-        metadata.storage_meta = metadata.storage_meta or StorageMeta()
+        metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         metadata.storage_meta.load_id = self.load_id  # as upstream does
         return metadata
 
@@ -199,6 +207,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def __init__(self, *, trusted: bool = False) -> None:
         super().__init__()
+        require_trusted_bool(trusted)
         self.trusted = trusted
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:

@@ -21,6 +21,7 @@ from lightning_recsys.checkpoint import (
     save_checkpoint,
 )
 from lightning_recsys.checkpoint.directory import checkpoint_path, remove_checkpoint
+from lightning_recsys.checkpoint.safe_reading import require_trusted_bool
 from lightning_recsys.parallel.topology import ParallelTopology
 
 
@@ -58,8 +59,7 @@ class DCPCheckpointIO(CheckpointIO):
     """
 
     def __init__(self, async_save: bool = False, trusted: bool = False) -> None:
-        if not isinstance(trusted, bool):
-            raise ValueError(f"trusted={trusted!r} must be a bool (True only for a checkpoint you trust as code).")
+        require_trusted_bool(trusted)
         self.async_save = async_save
         self.trusted = trusted
         self._source: Optional[ShardedCheckpointSource] = None
