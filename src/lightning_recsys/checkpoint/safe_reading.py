@@ -252,15 +252,18 @@ def check_storage(metadata: Metadata, directory: Path) -> None:
     for info in storage.values():
         if info.relative_path not in sizes:
             sizes[info.relative_path] = _shard_size(directory, info.relative_path, index_path)
+    records: dict[str, list[tuple[int, int, str]]] = {}  # file -> (offset, length, key) of each record to frame-check
     for key, item in metadata.state_dict_metadata.items():
         if isinstance(item, BytesStorageMetadata):
             info = storage.get(MetadataIndex(key))
             if info is None:
                 raise corrupt(index_path, f"the index lists the item {key!r} but no file holds it")
-            _check_range(info, key, directory, sizes)
+            _check_range(info, key, directory, sizes, records)
             continue
         for chunk in item.chunks:
-            _check_chunk(key, item, chunk, storage, directory, index_path, sizes)
+            _check_chunk(key, item, chunk, storage, directory, index_path, sizes, records)
+    for name, ranges in records.items():
+        _check_framing(directory / name, sorted(ranges))
 
 
 def preload_byte_items(metadata: Metadata, directory: Path, *, keys: set[str] | None, trusted: bool = False) -> None:
@@ -291,7 +294,9 @@ def _shard_size(directory: Path, name: Any, index_path: Path) -> int:
     return path.stat().st_size
 
 
-def _check_range(info: _StorageInfo, key: str, directory: Path, sizes: dict[str, int]) -> Path:
+def _check_range(
+    info: _StorageInfo, key: str, directory: Path, sizes: dict[str, int], records: dict[str, list[tuple[int, int, str]]]
+) -> Path:
     path = directory / info.relative_path
     offset, length = info.offset, info.length
     if not (isinstance(offset, int) and isinstance(length, int) and offset >= 0 and length >= _ZIP_END_SIZE):
@@ -302,16 +307,25 @@ def _check_range(info: _StorageInfo, key: str, directory: Path, sizes: dict[str,
             f"the shard file is truncated: the index places {key!r} at bytes {offset}..{offset + length}, but the "
             f"file has {sizes[info.relative_path]} bytes",
         )
-    if getattr(info, "transform_descriptors", None):
-        return path  # a transformed (e.g. compressed) record has no zip header to check
-    with open(path, "rb") as f:
-        f.seek(offset)
-        start = f.read(len(_ZIP_START))
-        f.seek(offset + length - _ZIP_END_SIZE)
-        end = f.read(len(_ZIP_END))
-    if start != _ZIP_START or end != _ZIP_END:
-        raise corrupt(path, f"the bytes of {key!r} at {offset}..{offset + length} are not a torch.save record (overwritten, or the index's offsets are wrong)")
+    if not getattr(info, "transform_descriptors", None):  # a transformed (e.g. compressed) record has no zip framing
+        records.setdefault(info.relative_path, []).append((offset, length, key))
     return path
+
+
+def _check_framing(path: Path, ranges: list[tuple[int, int, str]]) -> None:
+    """Each record starts with a zip local header and ends with the end-of-central-directory record (one open per file)."""
+    with open(path, "rb") as f:
+        for offset, length, key in ranges:
+            f.seek(offset)
+            start = f.read(len(_ZIP_START))
+            f.seek(offset + length - _ZIP_END_SIZE)
+            end = f.read(len(_ZIP_END))
+            if start != _ZIP_START or end != _ZIP_END:
+                raise corrupt(
+                    path,
+                    f"the bytes of {key!r} at {offset}..{offset + length} are not a torch.save record (overwritten, "
+                    "or the index's offsets are wrong)",
+                )
 
 
 def _check_chunk(
@@ -322,6 +336,7 @@ def _check_chunk(
     directory: Path,
     index_path: Path,
     sizes: dict[str, int],
+    records: dict[str, list[tuple[int, int, str]]],
 ) -> None:
     offsets, chunk_sizes, size = tuple(chunk.offsets), tuple(chunk.sizes), tuple(item.size)
     if len(offsets) != len(size) or len(chunk_sizes) != len(size) or any(
@@ -331,7 +346,7 @@ def _check_chunk(
     info = storage.get(MetadataIndex(key, offsets))
     if info is None:
         raise corrupt(index_path, f"the index lists a chunk of {key!r} at offsets {list(offsets)} but no file holds it")
-    path = _check_range(info, key, directory, sizes)
+    path = _check_range(info, key, directory, sizes, records)
     needed = item.properties.dtype.itemsize * _numel(chunk_sizes)
     if info.length < needed and not getattr(info, "transform_descriptors", None):
         raise corrupt(
