@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import importlib
+import io
 import pickle
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +34,7 @@ from crafted_checkpoints import (
     write_checkpoint,
 )
 
-from lightning_recsys.checkpoint import CheckpointCorruptError, UnsafeCheckpointError, load_unsharded, to_lightning_checkpoint
+from lightning_recsys.checkpoint import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError, load_unsharded, to_lightning_checkpoint
 from lightning_recsys.checkpoint.safe_reading import INDEX_GLOBALS
 from lightning_recsys.checkpoint.safetensors_export import export_safetensors
 from lightning_recsys.models import DLRMRanker
@@ -263,3 +264,26 @@ def test_trusted_must_be_a_bool_on_the_load_functions(tmp_path: Path) -> None:
     path = write_checkpoint(source, tmp_path / "last.ckpt", _host(source))
     with pytest.raises(ValueError, match="trusted='false' must be a bool"):
         load_unsharded(path, ranker(seed=1), trusted="false")  # type: ignore[arg-type]
+
+
+def test_a_crafted_tensor_record_is_refused_by_dcp_and_never_runs(tmp_path: Path) -> None:
+    # The index points a tensor chunk at a torch.save record of a payload appended to the shard.
+    marker = tmp_path / "the_payload_ran"
+    source = ranker(seed=0)
+    path = write_checkpoint(source, tmp_path / "last.ckpt", _host(source))
+    data = path.resolve()
+    buffer = io.BytesIO()
+    torch.save(SideEffect(marker), buffer)
+    payload = buffer.getvalue()
+
+    def point_at_payload(metadata) -> None:  # type: ignore[no-untyped-def]
+        index, info = next((i, v) for i, v in metadata.storage_data.items() if i.offset is not None)
+        shard = data / info.relative_path
+        info.offset, info.length = shard.stat().st_size, len(payload)
+        with open(shard, "ab") as f:
+            f.write(payload)
+
+    edit_index(data, point_at_payload)
+    with pytest.raises(CheckpointError, match="(?s)Weights only load failed.*partly overwritten"):
+        load_unsharded(path, ranker(seed=1))
+    assert not marker.exists(), "DCP ran the payload of a tensor record"
