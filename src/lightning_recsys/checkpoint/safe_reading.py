@@ -10,8 +10,9 @@ torch 2.13's DCP trusts its files in two places, both replaced here:
   ``SafeLoadPlanner`` loads them with ``weights_only=True``.
 
 Tensors are already read with ``weights_only=True`` by DCP (``FileSystemReader.read_data``).
-``check_storage`` compares the index with the shard files (names, sizes, record headers) and pre-reads
-the byte items, so a damaged or crafted checkpoint is refused before one tensor is copied into the model.
+``check_storage`` compares the index with the shard files (names, sizes, record framing) and
+``preload_byte_items`` loads the byte items first, so a damaged or crafted checkpoint is refused before one
+tensor is copied into the model.
 ``trusted=True`` restores DCP's own unrestricted reading, for a checkpoint trusted as code.
 """
 
@@ -34,8 +35,8 @@ from torch.distributed.checkpoint.metadata import (
     StorageMeta,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.planner import ReadItem
 
 from lightning_recsys.checkpoint.directory import HOST_STATE_FILE, UncommittedCheckpointError
 
