@@ -23,6 +23,7 @@ from lightning_recsys.checkpoint.directory import (
     latest_checkpoint,
     read_meta,
 )
+from lightning_recsys.checkpoint.safe_reading import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recsys.checkpoint.safetensors_export import export_safetensors
 from lightning_recsys.checkpoint.table_state import NORMALIZED_STATES
 from lightning_recsys.checkpoint.validation import CheckpointMismatchError
@@ -31,6 +32,7 @@ from lightning_recsys.checkpoint.write_errors import CheckpointDiskFullError
 __all__ = [
     "AsyncCheckpointHandle",
     "AsyncCheckpointSaver",
+    "CheckpointCorruptError",
     "CheckpointDiskFullError",
     "CheckpointError",
     "CheckpointMeta",
@@ -40,6 +42,7 @@ __all__ = [
     "NORMALIZED_STATES",
     "ShardedState",
     "UncommittedCheckpointError",
+    "UnsafeCheckpointError",
     "default_storage_writer",
     "export_safetensors",
     "is_committed",

@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint import CheckpointException, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from lightning_recsys.checkpoint.directory import (
@@ -35,6 +35,15 @@ from lightning_recsys.checkpoint.directory import (
     software_versions,
     temporary_path,
     utc_now,
+)
+from lightning_recsys.checkpoint.safe_reading import (
+    INDEX_FILE,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    check_storage,
+    preload_byte_items,
+    read_host_state,
+    read_index,
 )
 from lightning_recsys.checkpoint.table_state import EmbeddingOptimizerState, StateReads, TablePlacement, table_name
 from lightning_recsys.checkpoint.validation import (
@@ -265,6 +274,7 @@ def load_checkpoint(
     load_embedding_optimizer_state: bool = True,
     weights_only: bool | None = None,
     require_host_state: bool = False,
+    trusted: bool = False,
 ) -> LoadedCheckpoint:
     """Load a committed checkpoint into ``state`` in place, resharding as needed; every rank calls it.
 
@@ -274,8 +284,12 @@ def load_checkpoint(
     group then reads with its own process group. ``strict=False`` skips keys present on one side
     only; ``load_embedding_optimizer_state=False`` leaves the embedding optimizer as it is.
     ``weights_only`` is passed to ``torch.load`` for the host state; ``require_host_state=True`` refuses
-    a checkpoint without one (a Trainer's resume needs it). A damaged index or host state raises
-    ``UncommittedCheckpointError`` before anything is written. Returns the host state and meta.
+    a checkpoint without one (a Trainer's resume needs it). Returns the host state and meta.
+
+    Loading runs no code from the checkpoint (see ``safe_reading``): a global in the index or in a
+    non-tensor item other than DCP's own raises ``UnsafeCheckpointError``, unless ``trusted=True``
+    (for a checkpoint trusted as code). A damaged file (index, shard or host state) raises
+    ``CheckpointCorruptError`` naming it. Both are raised on every rank before anything is written.
     """
     _require_process_group("load_checkpoint")
     directory = checkpoint_path(path)
@@ -288,9 +302,10 @@ def load_checkpoint(
     try:
         directory = resolve(directory)  # the newest committed copy of this name (see directory.py)
         meta = read_meta(directory)
-        metadata = _read_index(directory)
+        metadata = read_index(directory / INDEX_FILE, trusted=trusted)
+        check_storage(metadata, directory)  # every shard file against the index
         # Read before the shards: a damaged host state must fail on every rank before the model changes.
-        host_state = _read_host_state(directory, weights_only)
+        host_state = read_host_state(directory, weights_only)
         if host_state is None and require_host_state:
             raise UncommittedCheckpointError(
                 f"checkpoint {str(directory)!r} has no {HOST_STATE_FILE} (the trainer state a resume needs); it was "
@@ -300,6 +315,8 @@ def load_checkpoint(
         expected = model_entries(state.model_state_dict, set(state.table_placements()))
         if optimizer_state is not None:
             expected += optimizer_entries(optimizer_state)
+        # A refused or damaged byte item fails first, before any comparison and before DCP copies any tensor.
+        preload_byte_items(metadata, directory, keys={e.key for e in expected}, trusted=trusted)
         to_load = check_entries(
             expected,
             metadata,
@@ -318,7 +335,7 @@ def load_checkpoint(
         error = e
     _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
     assert meta is not None
-    _read_shards(targets, directory, process_group=group)
+    _read_shards(targets, directory, trusted=trusted, process_group=group)
     for key, value in state.model_state_dict.items():
         if not isinstance(value, torch.Tensor) and model_key(key) in targets:
             state.model_state_dict[key] = targets[model_key(key)]  # DCP replaces non-tensor values
@@ -327,36 +344,19 @@ def load_checkpoint(
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
 
 
-def _damaged(path: Path, error: Exception) -> UncommittedCheckpointError:
-    return UncommittedCheckpointError(
-        f"{path} cannot be read ({type(error).__name__}: {error}); the checkpoint is damaged (a truncated or "
-        "deleted file). Load another checkpoint, e.g. an earlier one of the same run."
-    )
+def _read_shards(targets: dict[str, Any], directory: Path, *, trusted: bool, **kwargs: Any) -> None:
+    """``dcp.load`` through the safe reader and planner; a failure becomes one error naming the checkpoint (on every rank).
 
-
-def _read_index(directory: Path) -> Metadata:
+    ``check_storage`` has held the files against the index already, so this fails only if a file
+    changes in between, or a record is damaged inside.
+    """
     try:
-        return FileSystemReader(directory).read_metadata()
-    except Exception as error:  # noqa: BLE001 - whatever unpickling a cut file raises
-        raise _damaged(directory / ".metadata", error) from error
-
-
-def _read_host_state(directory: Path, weights_only: bool | None) -> dict[str, Any] | None:
-    host_path = directory / HOST_STATE_FILE
-    if not host_path.is_file():
-        return None
-    try:
-        return torch.load(host_path, map_location="cpu", weights_only=weights_only)
-    except Exception as error:  # noqa: BLE001
-        if "Weights only load failed" in str(error):
-            raise  # the file is fine; torch's message says which globals to allow
-        raise _damaged(host_path, error) from error
-
-
-def _read_shards(targets: dict[str, Any], directory: Path, **kwargs: Any) -> None:
-    """``dcp.load``; a missing or truncated shard file becomes one error naming the checkpoint (on every rank)."""
-    try:
-        dcp.load(targets, storage_reader=FileSystemReader(directory), **kwargs)
+        dcp.load(
+            targets,
+            storage_reader=SafeFileSystemReader(directory, trusted=trusted),
+            planner=SafeLoadPlanner(trusted=trusted),
+            **kwargs,
+        )
     except CheckpointException as error:
         # DCP keeps (exception, traceback) per failed rank.
         causes = {r: f[0] if isinstance(f, tuple) else f for r, f in sorted(error.failures.items())}
@@ -374,6 +374,7 @@ def load_unsharded(
     *,
     strict: bool = True,
     weights_only: bool | None = None,
+    trusted: bool = False,
 ) -> LoadedCheckpoint:
     """Load a checkpoint's model state into an unsharded ``module`` in this process, with no process group.
 
@@ -381,12 +382,14 @@ def load_unsharded(
     optimizer state is not read. ``module`` must have the saved model's structure, with real (not
     meta) storage. Validation and ``strict`` are as in ``load_checkpoint``. A checkpoint saved with
     ``PlanningConfig(reshape_tables=True)`` records its reshaped tables; ``module`` (built with the
-    original tables) is reshaped the same way, in place, before it loads.
+    original tables) is reshaped the same way, in place, before it loads. ``trusted`` and the errors of
+    a crafted or damaged checkpoint are as in ``load_checkpoint``.
     """
     directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     meta = read_meta(directory)
-    metadata = _read_index(directory)
-    host_state = _read_host_state(directory, weights_only)
+    metadata = read_index(directory / INDEX_FILE, trusted=trusted)
+    check_storage(metadata, directory)
+    host_state = read_host_state(directory, weights_only)
     # Saved with reshape_tables=True: rebuild the original tables as they were reshaped for training.
     apply_recorded_reshape(module, (host_state or {}).get(RESHAPE_CHECKPOINT_KEY))
     model_state = module.state_dict()
@@ -406,8 +409,10 @@ def load_unsharded(
         for fqn, sub in find_embedding_modules(module).items()
         for k in sub.state_dict()
     }
+    expected = model_entries(model_state, tables)
+    preload_byte_items(metadata, directory, keys={e.key for e in expected}, trusted=trusted)
     to_load = check_entries(
-        model_entries(model_state, tables),
+        expected,
         metadata,
         path=directory,
         strict=strict,
@@ -415,25 +420,29 @@ def load_unsharded(
         saved_optimizer=None,
     )
     targets = {e.key: model_state[e.key.removeprefix("model.")] for e in to_load}
-    _read_shards(targets, directory, no_dist=True)
+    _read_shards(targets, directory, trusted=trusted, no_dist=True)
     # In case a module's state_dict() returns copies rather than views of its storage.
     module.load_state_dict({k.removeprefix("model."): v for k, v in targets.items()}, strict=False)
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
 
 
-def to_lightning_checkpoint(path: str | os.PathLike[str], *, weights_only: bool | None = None) -> dict[str, Any]:
+def to_lightning_checkpoint(
+    path: str | os.PathLike[str], *, weights_only: bool | None = None, trusted: bool = False
+) -> dict[str, Any]:
     """The checkpoint ``path`` in Lightning's one-dict form, read in this process with no process group.
 
     Its host state (epoch, global step, loops, callbacks, dense optimizers, hyperparameters, ...)
     plus ``"state_dict"``: the model state with every table whole, as the unsharded module's
     ``state_dict()`` names it. ``torch.save`` it to a file and any ``LightningModule.load_from_checkpoint``
     (which cannot open a DCP directory) reads it; the embedding optimizer state is left out. Needs
-    memory for the whole model.
+    memory for the whole model. ``trusted`` and the errors of a crafted or damaged checkpoint are as
+    in ``load_checkpoint``.
     """
     directory = resolve(path)  # the newest committed copy of this name (see directory.py)
     read_meta(directory)  # refuses uncommitted, damaged and foreign directories
-    metadata = _read_index(directory)
-    host_state = _read_host_state(directory, weights_only) or {}
+    metadata = read_index(directory / INDEX_FILE, trusted=trusted)
+    check_storage(metadata, directory)
+    host_state = read_host_state(directory, weights_only) or {}
     prefix = MODEL_NAMESPACE + "."
     targets: dict[str, Any] = {}
     for key, item in metadata.state_dict_metadata.items():
@@ -446,7 +455,8 @@ def to_lightning_checkpoint(path: str | os.PathLike[str], *, weights_only: bool 
             node = node.setdefault(part, {})
         # Whole tensors of the saved global shapes; DCP replaces a non-tensor value as it reads it.
         node[path[-1]] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
-    _read_shards(targets, directory, no_dist=True)
+    preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
+    _read_shards(targets, directory, trusted=trusted, no_dist=True)
     return {**host_state, "state_dict": {k.removeprefix(prefix): v for k, v in targets.items()}}
 
 

@@ -13,21 +13,22 @@ from lightning_recsys.checkpoint.dcp_io import to_lightning_checkpoint
 from lightning_recsys.checkpoint.directory import read_meta, resolve
 
 
-def export_safetensors(path: str | os.PathLike[str], output: str | os.PathLike[str]) -> Path:
+def export_safetensors(path: str | os.PathLike[str], output: str | os.PathLike[str], *, trusted: bool = False) -> Path:
     """Write the model weights of checkpoint ``path`` (every table whole) to the safetensors file ``output``.
 
     The keys are the unsharded module's ``state_dict()`` names, so
     ``module.load_state_dict(safetensors.torch.load_file(output))`` restores the model (built with
     real, not meta, tables). Optimizer and trainer state are not exported. Reads the checkpoint's
     host state with ``weights_only=True``. The file's metadata holds the source checkpoint's step,
-    topology and versions. Returns ``output``; needs memory for the whole model.
+    topology and versions. Returns ``output``; needs memory for the whole model. The checkpoint is read as
+    ``to_lightning_checkpoint`` reads it: no code from it runs unless ``trusted=True``.
     """
     output = Path(output)
     if output.suffix != ".safetensors":
         raise ValueError(f"output={str(output)!r} must end in .safetensors (the file export_safetensors writes).")
     directory = resolve(path)  # the newest committed copy of this name
     meta = read_meta(directory)
-    state_dict = to_lightning_checkpoint(directory, weights_only=True)["state_dict"]
+    state_dict = to_lightning_checkpoint(directory, weights_only=True, trusted=trusted)["state_dict"]
     not_tensors = sorted(k for k, v in state_dict.items() if v is not None and not isinstance(v, torch.Tensor))
     if not_tensors:
         raise ValueError(

@@ -98,6 +98,17 @@ def saved_tensors(metadata: Metadata) -> dict[str, tuple[tuple[int, ...], torch.
     }
 
 
+def _saved_roots(metadata: Metadata) -> dict[str, object]:
+    """The checkpoint's state-dict keys: a nested value (a module's extra state dict), which DCP saves
+    flattened into one index key per item, counts once under its own key (DCP's planner_data keeps its path)."""
+    paths = metadata.planner_data if isinstance(metadata.planner_data, dict) else {}
+    roots: dict[str, object] = {}
+    for key, item in metadata.state_dict_metadata.items():
+        path = paths.get(key, (key,))
+        roots.setdefault(str(path[0]) if len(path) > 1 else key, item)
+    return roots
+
+
 def check_entries(
     expected: Sequence[ExpectedEntry],
     metadata: Metadata,
@@ -112,7 +123,7 @@ def check_entries(
     With ``strict=False`` entries missing from the checkpoint are dropped and keys the model lacks
     are ignored; a shape mismatch is an error either way.
     """
-    saved = metadata.state_dict_metadata
+    saved = _saved_roots(metadata)
     shapes = saved_tensors(metadata)
     problems: list[str] = []
     kinds: list[str] = []  # of each problem, for the advice

@@ -79,6 +79,7 @@ class RecsysModule(LightningModule):
         hparams_file: _PATH | None = None,
         strict: bool | None = None,
         weights_only: bool | None = None,
+        trusted: bool = False,
         **kwargs: Any,
     ) -> Self:
         """Lightning's ``load_from_checkpoint``, which also reads TwoDRecStrategy's checkpoint directories.
@@ -86,10 +87,12 @@ class RecsysModule(LightningModule):
         For serving or offline evaluation in one process: the model is built from the saved
         hyperparameters (``kwargs`` override them) with every table whole, on the CPU. Tables saved
         with ``embedding_device="meta"`` are built on the CPU instead, since meta tensors hold no values.
+        A checkpoint directory is read without running code from it unless ``trusted=True``
+        (``lightning_recsys.checkpoint.to_lightning_checkpoint``).
         """
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
             # Lightning's torch.load cannot open a DCP directory: hand it the same checkpoint as one dict.
-            checkpoint = to_lightning_checkpoint(checkpoint_path, weights_only=weights_only)
+            checkpoint = to_lightning_checkpoint(checkpoint_path, weights_only=weights_only, trusted=trusted)
             if checkpoint.get("hyper_parameters", {}).get("embedding_device") == "meta":
                 kwargs.setdefault("embedding_device", None)
             buffer = io.BytesIO()

@@ -21,6 +21,7 @@ from lightning_recsys.checkpoint import (
     save_checkpoint,
 )
 from lightning_recsys.checkpoint.directory import checkpoint_path, remove_checkpoint
+from lightning_recsys.checkpoint.safe_reading import require_trusted_bool
 from lightning_recsys.parallel.topology import ParallelTopology
 
 
@@ -51,10 +52,16 @@ class DCPCheckpointIO(CheckpointIO):
         async_save: write in the background with DCP's ``async_save``; the save returns once the
             state is copied to CPU memory, and is committed at the next save or at teardown (a save
             after teardown is committed before it returns).
+        trusted: load checkpoints with DCP's own unrestricted unpickling. By default a load runs no
+            code from the checkpoint: its index and non-tensor items may hold only the classes DCP
+            writes (see docs/checkpoints.md, Security), anything else raises ``UnsafeCheckpointError``.
+            Set it only for a checkpoint you trust as you would trust code.
     """
 
-    def __init__(self, async_save: bool = False) -> None:
+    def __init__(self, async_save: bool = False, trusted: bool = False) -> None:
+        require_trusted_bool(trusted)
         self.async_save = async_save
+        self.trusted = trusted
         self._source: Optional[ShardedCheckpointSource] = None
         self._saver: Optional[AsyncCheckpointSaver] = None
         self._pending: Optional[AsyncCheckpointHandle] = None
@@ -109,6 +116,7 @@ class DCPCheckpointIO(CheckpointIO):
                 load_embedding_optimizer_state=source.restores_optimizer_state(),
                 weights_only=weights_only,
                 require_host_state=True,
+                trusted=self.trusted,
             )
         except CheckpointMismatchError as error:
             # Its remedies name load_checkpoint()'s arguments, which a Trainer call cannot pass.
