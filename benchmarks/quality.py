@@ -32,6 +32,14 @@ stand-in for the real data's numbers.
     python benchmarks/quality.py --path data/ml-100k --split time --sequence --seeds 0 1 2
     python benchmarks/quality.py --synthetic-sequence --seeds 0 1 2
     python benchmarks/quality.py --criteo-path npy/ --train-days 0 1 2 --val-days 3 --test-days 4
+    python benchmarks/quality.py --pretrain-path beauty.txt --seeds 0 1 2
+    python benchmarks/quality.py --synthetic-pretrain
+
+``--pretrain-path FILE`` trains ``examples/configs/beauty_pretrain.yaml`` (``SequencePretrainer``) on a
+BERT4Rec-format sequence file, once per seed (``--seeds``; the data's seed follows it), tests the
+checkpoint of the best epoch by ``val/ndcg@10`` and prints test HR@10/NDCG@10/HR@100/NDCG@100/MRR next
+to a most-popular baseline (``benchmarks/_pretrain_quality.py``); ``--synthetic-pretrain`` does the same
+with ``synthetic_pretrain.yaml``.
 """
 
 from __future__ import annotations
@@ -281,12 +289,19 @@ def _train(cli: LightningCLI) -> dict:
     fit_seconds = time.perf_counter() - start
     val = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("val/")}
     epochs = cli.trainer.current_epoch
-    cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)
+    best = cli.trainer.checkpoint_callback
+    chosen = best is not None and best.monitor is not None and best.best_model_path
+    # A config that keeps its best epoch (by validation) is tested from it; the others from the last step.
+    cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False, ckpt_path="best" if chosen else None)
     test = {k: float(v) for k, v in cli.trainer.callback_metrics.items() if k.startswith("test/")}
-    return {
+    result = {
         "rank": cli.trainer.global_rank, "world_size": cli.trainer.world_size, "epochs_run": epochs,
         "fit_seconds": round(fit_seconds, 1), "val": val, "test": test,
     }
+    if chosen:
+        result.update(best_val=float(best.best_model_score), best_checkpoint=Path(best.best_model_path).name)
+        result["best_epoch"] = int(result["best_checkpoint"].split("epoch")[1][:2]) if "epoch" in result["best_checkpoint"] else None
+    return result
 
 
 def _train_in_subprocess(config: Path, overrides: list[str], seed: int, workdir: Path) -> dict:
@@ -294,10 +309,10 @@ def _train_in_subprocess(config: Path, overrides: list[str], seed: int, workdir:
     out = workdir / f"run-{config.stem}-{seed}-{time.monotonic_ns()}.json"
     command = [sys.executable, str(Path(__file__).resolve()), "--train-only", str(config), "--seed", str(seed), "--json", str(out),
                "--override", *overrides]
-    proc = subprocess.run(command, capture_output=True, text=True)
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=workdir)  # a config's relative checkpoint dir lands in workdir
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return json.loads(out.read_text())["model"]
+    return {**json.loads(out.read_text())["model"], "seed": seed}
 
 
 def _mean_over_seeds(runs: list[dict]) -> dict:
@@ -365,6 +380,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-override", default="", help="CLI arguments for both configs' data, one quoted string")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="train each model once per seed; report the mean (default: --seed)")
     parser.add_argument("--train-only", type=Path, default=None, help=argparse.SUPPRESS)  # one fit of this config (a _compare child)
+    parser.add_argument("--pretrain-path", help="a BERT4Rec-format sequence file: train beauty_pretrain.yaml (or --pretrain-config) on it")
+    parser.add_argument("--synthetic-pretrain", action="store_true", help="train synthetic_pretrain.yaml (or --pretrain-config)")
+    parser.add_argument("--pretrain-config", type=Path, default=None, help="default: beauty_pretrain.yaml / synthetic_pretrain.yaml")
+    parser.add_argument("--pretrain-override", default="", help="CLI arguments for the pretraining config, one quoted string")
     parser.add_argument("--override", nargs=argparse.REMAINDER, default=[], help="CLI arguments passed on to the (DLRM) config (last)")
     args = parser.parse_args(argv)
 
@@ -378,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         if result["model"]["rank"] == 0:
             args.json.write_text(json.dumps(result, indent=2))
         return 0
+    if args.pretrain_path or args.synthetic_pretrain:
+        return _pretrain(args, workdir)
     if args.synthetic_sequence or args.sequence or args.seeds is not None:
         if not args.synthetic_sequence and not args.path:
             parser.error("--sequence and --seeds need --path (MovieLens-100k), or use --synthetic-sequence")
@@ -426,6 +447,26 @@ def main(argv: list[str] | None = None) -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     _print(result)
+    print(f"JSON: {args.json}")
+    return 0
+
+
+def _pretrain(args: argparse.Namespace, workdir: Path) -> int:
+    """--pretrain-path / --synthetic-pretrain: the pretraining config over the seeds, beside most-popular."""
+    import _pretrain_quality
+
+    default = "synthetic_pretrain.yaml" if args.synthetic_pretrain else "beauty_pretrain.yaml"
+    config = args.pretrain_config or CONFIGS / default
+    overrides = [*(["--data.path", str(Path(args.pretrain_path).resolve())] if args.pretrain_path else []), *shlex.split(args.pretrain_override)]
+    datamodule = _build(config, overrides, workdir).datamodule
+
+    def train(config: Path, overrides: list[str], seed: int) -> dict:
+        return _train_in_subprocess(config, overrides, seed, workdir)
+
+    result = _pretrain_quality.compare(config, overrides, args.seeds or [args.seed], datamodule, train)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2))
+    _pretrain_quality.print_comparison(result)
     print(f"JSON: {args.json}")
     return 0
 
