@@ -10,7 +10,11 @@ The protocol (what every ``ItemRanking`` computes):
   count against the target (pessimistic), so a model that scores everything alike ranks last, never
   first. Rank 0 is the top.
 - ``top_k``: the ``k`` highest-scoring items that the user has not seen, best first; equal scores are
-  ordered by the lower id.
+  ordered by the lower id. With fewer than ``k`` items in the table, ``min(k, num_items)`` columns; seen
+  items only fill the list (score ``-inf``) when fewer than ``k`` items are unseen.
+
+The chunk functions below (``target_scores``, ``count_at_least``, ``chunk_candidates``) are the one
+arithmetic of a score; the sharded ranking calls them on the rows each rank holds, so both agree bit for bit.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ class ItemRanking(Protocol):
     def top_k(
         self, queries: torch.Tensor, k: int, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scores, ids)``, each ``[B, k]``: the best ``k`` unseen items, best first (ties: lower id first)."""
+        """``(scores, ids)``, each ``[B, min(k, num_items)]``: the best unseen items, best first (ties: lower id first)."""
         ...
 
 
@@ -50,48 +54,87 @@ def seen_mask(
     return mask
 
 
-class UnshardedItemRanking:
-    """``ItemRanking`` over a whole table ``[num_items, D]`` in this process, ``chunk_rows`` rows at a time."""
+def ranking_input_problem(
+    queries: torch.Tensor,
+    seen_ids: torch.Tensor,
+    seen_lengths: torch.Tensor,
+    *,
+    num_items: int,
+    dim: int,
+    target_ids: torch.Tensor | None = None,
+) -> str | None:
+    """What is wrong with one rank's ranking inputs for a ``[num_items, dim]`` table, or None."""
+    if queries.dim() != 2 or queries.shape[1] != dim:
+        return f"queries must be [batch, {dim}] (the table's dim), got shape {tuple(queries.shape)}."
+    batch = queries.shape[0]
+    if seen_lengths.shape != (batch,):
+        return f"seen_lengths must be [{batch}] (one per query), got shape {tuple(seen_lengths.shape)}."
+    if seen_ids.dim() != 1 or seen_ids.numel() != int(seen_lengths.sum()) or bool((seen_lengths < 0).any()):
+        return (
+            f"seen_ids ({seen_ids.numel()} ids, shape {tuple(seen_ids.shape)}) must be 1-D with sum(seen_lengths) = "
+            f"{int(seen_lengths.sum())} ids, and seen_lengths must be >= 0."
+        )
+    ids = [("seen_ids", seen_ids)] + ([("target_ids", target_ids)] if target_ids is not None else [])
+    if target_ids is not None and target_ids.shape != (batch,):
+        return f"target_ids must be [{batch}] (one per query), got shape {tuple(target_ids.shape)}."
+    for name, values in ids:
+        outside = values[(values < 0) | (values >= num_items)]
+        if outside.numel():
+            return f"{name} contains {outside[:5].tolist()}, outside the table's rows 0..{num_items - 1}."
+    return None
 
-    def __init__(self, table: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalize_rows: bool = False) -> None:
-        if table.dim() != 2:
-            raise ValueError(f"table must be [num_items, dim], got shape {tuple(table.shape)}.")
-        if chunk_rows < 1:
-            raise ValueError(f"chunk_rows={chunk_rows} must be >= 1.")
-        self.table = torch.nn.functional.normalize(table, dim=-1) if normalize_rows else table
-        self.chunk_rows = chunk_rows
 
-    @torch.no_grad()
-    def target_ranks(
-        self, queries: torch.Tensor, target_ids: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
-    ) -> torch.Tensor:
-        queries = queries.to(self.table.dtype)
-        batch = queries.shape[0]
-        target_scores = (queries * self.table[target_ids]).sum(-1)
-        ranks = torch.zeros(batch, dtype=torch.long, device=queries.device)
-        for start in range(0, self.table.shape[0], self.chunk_rows):
-            rows = self.table[start : start + self.chunk_rows]
-            above = queries @ rows.T >= target_scores[:, None]
-            above &= ~seen_mask(seen_ids, seen_lengths, start, rows.shape[0], batch)
-            ids = torch.arange(start, start + rows.shape[0], device=queries.device)
-            above &= ids[None, :] != target_ids[:, None]
-            ranks += above.sum(1)
-        return ranks
+def check_k(k: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"k={k!r} must be an integer >= 1.")
 
-    @torch.no_grad()
-    def top_k(
-        self, queries: torch.Tensor, k: int, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        queries = queries.to(self.table.dtype)
-        batch = queries.shape[0]
-        best_scores = torch.full((batch, 0), -torch.inf, dtype=self.table.dtype, device=queries.device)
-        best_ids = torch.zeros((batch, 0), dtype=torch.long, device=queries.device)
-        for start in range(0, self.table.shape[0], self.chunk_rows):
-            rows = self.table[start : start + self.chunk_rows]
-            scores = (queries @ rows.T).masked_fill(seen_mask(seen_ids, seen_lengths, start, rows.shape[0], batch), -torch.inf)
-            ids = torch.arange(start, start + rows.shape[0], device=queries.device).expand(batch, -1)
-            best_scores, best_ids = merge_top_k(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1), k)
-        return best_scores, best_ids
+
+def check_chunk_rows(chunk_rows: int) -> None:
+    if isinstance(chunk_rows, bool) or not isinstance(chunk_rows, int) or chunk_rows < 1:
+        raise ValueError(f"chunk_rows={chunk_rows!r} must be an integer >= 1.")
+
+
+def scored_rows(rows: torch.Tensor, normalize_rows: bool) -> torch.Tensor:
+    """The rows as they are scored: L2-normalised with ``normalize_rows`` (each row on its own: full rows only)."""
+    return torch.nn.functional.normalize(rows, dim=-1) if normalize_rows else rows
+
+
+def target_scores(queries: torch.Tensor, target_rows: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each query's score for its target row (already as scored)."""
+    return (queries * target_rows).sum(-1)
+
+
+def count_at_least(
+    queries: torch.Tensor,
+    rows: torch.Tensor,
+    row_start: int,
+    scores_of_targets: torch.Tensor,
+    target_ids: torch.Tensor,
+    seen_ids: torch.Tensor,
+    seen_lengths: torch.Tensor,
+) -> torch.Tensor:
+    """``[B]``: how many of ``rows`` (ids from ``row_start``) are unseen, not the target, and score >= the target."""
+    batch = queries.shape[0]
+    above = queries @ rows.T >= scores_of_targets[:, None]
+    above &= ~seen_mask(seen_ids, seen_lengths, row_start, rows.shape[0], batch)
+    ids = torch.arange(row_start, row_start + rows.shape[0], device=queries.device)
+    above &= ids[None, :] != target_ids[:, None]
+    return above.sum(1)
+
+
+def chunk_candidates(
+    queries: torch.Tensor, rows: torch.Tensor, row_start: int, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores, ids)`` ``[B, rows]``: every row's score, ``-inf`` where the user has seen it."""
+    batch = queries.shape[0]
+    scores = (queries @ rows.T).masked_fill(seen_mask(seen_ids, seen_lengths, row_start, rows.shape[0], batch), -torch.inf)
+    ids = torch.arange(row_start, row_start + rows.shape[0], device=queries.device).expand(batch, -1)
+    return scores, ids
+
+
+def no_candidates(batch: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """An empty ``(scores, ids)`` list per query, to merge chunks into."""
+    return torch.full((batch, 0), -torch.inf, dtype=dtype, device=device), torch.zeros((batch, 0), dtype=torch.long, device=device)
 
 
 def merge_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,3 +143,51 @@ def merge_top_k(scores: torch.Tensor, ids: torch.Tensor, k: int) -> tuple[torch.
     scores, ids = scores.gather(1, by_id), ids.gather(1, by_id)
     order = torch.argsort(scores, dim=1, descending=True, stable=True)[:, :k]
     return scores.gather(1, order), ids.gather(1, order)
+
+
+class UnshardedItemRanking:
+    """``ItemRanking`` over a whole table ``[num_items, D]`` in this process, ``chunk_rows`` rows at a time.
+
+    Memory: the ``[B, chunk_rows]`` scores of one chunk (and the normalised table with ``normalize_rows``).
+    The table is read when this is built: build it again after the table changes (training).
+    """
+
+    def __init__(self, table: torch.Tensor, chunk_rows: int = DEFAULT_CHUNK_ROWS, normalize_rows: bool = False) -> None:
+        if table.dim() != 2:
+            raise ValueError(f"table must be [num_items, dim], got shape {tuple(table.shape)}.")
+        check_chunk_rows(chunk_rows)
+        self.table = scored_rows(table, normalize_rows)
+        self.chunk_rows = chunk_rows
+
+    def _check(self, queries: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor, target_ids: torch.Tensor | None = None) -> None:
+        problem = ranking_input_problem(
+            queries, seen_ids, seen_lengths, num_items=self.table.shape[0], dim=self.table.shape[1], target_ids=target_ids
+        )
+        if problem is not None:
+            raise ValueError(problem)
+
+    @torch.no_grad()
+    def target_ranks(
+        self, queries: torch.Tensor, target_ids: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
+    ) -> torch.Tensor:
+        self._check(queries, seen_ids, seen_lengths, target_ids)
+        queries = queries.to(self.table.dtype)
+        scores_of_targets = target_scores(queries, self.table[target_ids])
+        ranks = torch.zeros(queries.shape[0], dtype=torch.long, device=queries.device)
+        for start in range(0, self.table.shape[0], self.chunk_rows):
+            rows = self.table[start : start + self.chunk_rows]
+            ranks += count_at_least(queries, rows, start, scores_of_targets, target_ids, seen_ids, seen_lengths)
+        return ranks
+
+    @torch.no_grad()
+    def top_k(
+        self, queries: torch.Tensor, k: int, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        check_k(k)
+        self._check(queries, seen_ids, seen_lengths)
+        queries = queries.to(self.table.dtype)
+        best_scores, best_ids = no_candidates(queries.shape[0], self.table.dtype, queries.device)
+        for start in range(0, self.table.shape[0], self.chunk_rows):
+            scores, ids = chunk_candidates(queries, self.table[start : start + self.chunk_rows], start, seen_ids, seen_lengths)
+            best_scores, best_ids = merge_top_k(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1), k)
+        return best_scores, best_ids

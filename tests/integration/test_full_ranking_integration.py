@@ -1,0 +1,207 @@
+"""The sharded full ranking equals the unsharded brute force (``UnshardedItemRanking``), test for test.
+
+One ``EmbeddingCollection`` holds a table per sharding type (table-wise, row-wise, column-wise), each once
+with random floats (ties improbable) and once with planted exact ties, and is sharded with
+``shard_model`` on 2 processes (1D) and on 4 processes as 2 sharding groups of 2 (2D). Every rank ranks its
+own users (different users and batch sizes on every rank, an empty batch on one rank, an empty group),
+with row chunks smaller than a shard and with the default, with and without ``normalize_rows``; the
+parent ranks each rank's users with the reference over the whole table and compares.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from multiprocess import run_ranks
+from torch import nn
+from torchrec import EmbeddingCollection, EmbeddingConfig
+
+from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import ShardingPlan
+
+from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
+from lightning_recsys.parallel.ranking import DEFAULT_CHUNK_ROWS, ShardedItemRanking, UnshardedItemRanking, make_item_ranking
+
+NUM_ITEMS, DIM = 37, 8  # odd rows: uneven row-wise shards
+# Placements are group-local ranks. Column-wise: the first half of the columns on group rank 1, the second on 0;
+# and both halves on group rank 1 (as table-wise-column-wise places them): rank 0 holds none of it, yet scores rows.
+FUSED = EmbeddingComputeKernel.FUSED.value  # as the planner picks: FBGEMM's kernel, the optimizer in backward
+PLACEMENTS = {
+    "random_tw": table_wise(rank=1, compute_kernel=FUSED),
+    "ties_tw": table_wise(rank=0, compute_kernel=FUSED),
+    "random_rw": row_wise(compute_kernel=FUSED),
+    "ties_rw": row_wise(compute_kernel=FUSED),
+    "random_cw": column_wise(ranks=[1, 0], compute_kernel=FUSED),
+    "ties_cw": column_wise(ranks=[1, 1], compute_kernel=FUSED),
+}
+LOCAL_SHARDS = {"random_tw": [0, 1], "ties_tw": [1, 0], "random_rw": [1, 1], "ties_rw": [1, 1], "random_cw": [1, 1], "ties_cw": [0, 2]}
+TABLES = list(PLACEMENTS)
+SCENARIOS = ("uneven", "one_empty", "all_empty")
+CHUNKS = (3, DEFAULT_CHUNK_ROWS)  # 3: several chunks per shard (and a last chunk shorter than the group)
+K_SMALL, K_LARGE = 4, NUM_ITEMS + 5  # K_LARGE: more than the table; seen items fill the list at -inf
+
+
+def table_values(name: str) -> torch.Tensor:
+    """Random floats, or planted ties: every row has four entries of +-1 (norm 2, so normalised rows are
+    exact halves) and many rows repeat, so scores are exact and many equal the target's."""
+    generator = torch.Generator().manual_seed(TABLES.index(name) + 11)
+    if name.startswith("random"):
+        return torch.randn(NUM_ITEMS, DIM, generator=generator)
+    patterns = torch.zeros(6, DIM)
+    for row in patterns:
+        columns = torch.randperm(DIM, generator=generator)[:4]
+        row[columns] = torch.randint(0, 2, (4,), generator=generator).float() * 2 - 1
+    return patterns[torch.randint(0, 6, (NUM_ITEMS,), generator=generator)]
+
+
+def batch_size(scenario: str, rank: int) -> int:
+    return {"uneven": 2 + 3 * rank, "one_empty": 0 if rank == 1 else 4, "all_empty": 0}[scenario]
+
+
+def rank_inputs(table: str, scenario: str, rank: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s users: queries, targets, seen ids (some users see nothing, some saw their target)."""
+    generator = torch.Generator().manual_seed(1000 * TABLES.index(table) + 100 * SCENARIOS.index(scenario) + rank)
+    batch = batch_size(scenario, rank)
+    if table.startswith("random"):
+        queries = torch.randn(batch, DIM, generator=generator)
+    else:
+        queries = torch.randint(-2, 3, (batch, DIM), generator=generator).float()
+    targets = torch.randint(0, NUM_ITEMS, (batch,), generator=generator)
+    seen_lengths = torch.randint(0, 7, (batch,), generator=generator)
+    seen_ids = torch.randint(0, NUM_ITEMS, (int(seen_lengths.sum()),), generator=generator)
+    if batch and seen_lengths[0] > 0:
+        seen_ids[0] = targets[0]  # a seen target is still ranked
+    return {"queries": queries, "target_ids": targets, "seen_ids": seen_ids, "seen_lengths": seen_lengths}
+
+
+class _Model(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        configs = [EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=NUM_ITEMS, feature_names=[f"f_{t}"]) for t in TABLES]
+        self.item_embeddings = EmbeddingCollection(tables=configs)
+        with torch.no_grad():
+            for name in TABLES:
+                self.item_embeddings.embeddings[name].weight.copy_(table_values(name))
+
+
+def _sharded_collection(rank: int, world_size: int, group_size: int) -> tuple[nn.Module, ParallelTopology]:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+    topology = ParallelTopology(world_size=world_size, sharding_group_size=group_size)
+    topology.device_mesh("cpu")
+    model = _Model()
+    sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd", lr=0.1).fused_params())
+    module_plan = construct_module_sharding_plan(
+        model.item_embeddings, PLACEMENTS, sharder=sharders[1], local_size=group_size, world_size=group_size, device_type="cpu"
+    )
+    plan = ShardingPlan({"item_embeddings": module_plan})
+    sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=plan)
+    return sharded.dmp.module.item_embeddings, topology
+
+
+def _rank_everything(rank: int, world_size: int, group_size: int) -> dict[str, Any]:
+    collection, topology = _sharded_collection(rank, world_size, group_size)
+    started = time.perf_counter()
+    group = topology.sharding_process_group()
+    results: dict[Any, Any] = {}
+    for table in TABLES:
+        for scenario in SCENARIOS:
+            inputs = rank_inputs(table, scenario, rank)
+            seen = (inputs["seen_ids"], inputs["seen_lengths"])
+            for chunk_rows in CHUNKS:
+                for normalize in (False, True):
+                    ranking = make_item_ranking(collection, table, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize)
+                    assert isinstance(ranking, ShardedItemRanking)
+                    results[(table, scenario, chunk_rows, normalize)] = (
+                        ranking.target_ranks(inputs["queries"], inputs["target_ids"], *seen),
+                        ranking.top_k(inputs["queries"], K_SMALL, *seen),
+                        ranking.top_k(inputs["queries"], K_LARGE, *seen),
+                    )
+    shard_counts = {t: len(collection.state_dict()[f"embeddings.{t}.weight"].local_shards()) for t in TABLES}
+    wrong_group = None
+    if not topology.is_1d:  # the world under 2D spans both replicas: every rank must refuse, none may hang
+        inputs = rank_inputs("random_rw", "uneven", rank)
+        try:
+            ShardedItemRanking(collection, "random_rw", dist.group.WORLD).target_ranks(**inputs)
+        except ValueError as error:
+            wrong_group = str(error)
+    seconds = time.perf_counter() - started
+    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "seconds": seconds}
+
+
+def _expected(table: str, scenario: str, rank: int, normalize: bool) -> tuple[torch.Tensor, tuple, tuple]:
+    inputs = rank_inputs(table, scenario, rank)
+    reference = UnshardedItemRanking(table_values(table), normalize_rows=normalize)
+    seen = (inputs["seen_ids"], inputs["seen_lengths"])
+    return (
+        reference.target_ranks(inputs["queries"], inputs["target_ids"], *seen),
+        reference.top_k(inputs["queries"], K_SMALL, *seen),
+        reference.top_k(inputs["queries"], K_LARGE, *seen),
+    )
+
+
+def _assert_equal_to_reference(outputs: list[dict[str, Any]], table: str) -> None:
+    for rank, output in enumerate(outputs):
+        for scenario in SCENARIOS:
+            for chunk_rows in CHUNKS:
+                for normalize in (False, True):
+                    ranks, small, large = output["results"][(table, scenario, chunk_rows, normalize)]
+                    expected_ranks, expected_small, expected_large = _expected(table, scenario, rank, normalize)
+                    where = f"rank {rank}, {scenario}, chunk_rows={chunk_rows}, normalize_rows={normalize}"
+                    assert ranks.shape == (batch_size(scenario, rank),), where
+                    assert torch.equal(ranks, expected_ranks), f"{where}: {ranks} != {expected_ranks}"
+                    for (scores, ids), (expected_scores, expected_ids), k in ((small, expected_small, K_SMALL), (large, expected_large, K_LARGE)):
+                        assert ids.shape == (batch_size(scenario, rank), min(k, NUM_ITEMS)), where
+                        assert torch.equal(ids, expected_ids), f"{where}, k={k}: {ids} != {expected_ids}"
+                        # A matrix product's last bit depends on its shape (BLAS blocking), here as between two chunk_rows
+                        # of the reference; the planted ties are small integers and halves: exact whatever the order.
+                        exact = {"rtol": 0, "atol": 0} if table.startswith("ties") else {}
+                        torch.testing.assert_close(scores, expected_scores, msg=where, **exact)
+
+
+@pytest.fixture(scope="module")
+def one_d() -> list[dict[str, Any]]:
+    out = run_ranks(_rank_everything, 2, 2, timeout=240); print("SECONDS", [o["seconds"] for o in out]); return out
+
+
+@pytest.fixture(scope="module")
+def two_d() -> list[dict[str, Any]]:
+    return run_ranks(_rank_everything, 4, 2, timeout=300)
+
+
+@pytest.mark.parametrize("table", TABLES)
+def test_sharded_ranking_equals_brute_force_on_2_processes(one_d: list[dict[str, Any]], table: str) -> None:
+    _assert_equal_to_reference(one_d, table)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("table", TABLES)
+def test_sharded_ranking_equals_brute_force_under_2d_2x2(two_d: list[dict[str, Any]], table: str) -> None:
+    _assert_equal_to_reference(two_d, table)
+
+
+@pytest.mark.slow
+def test_the_world_group_under_2d_is_refused_on_every_rank(two_d: list[dict[str, Any]]) -> None:
+    assert all("sharding group" in (output["wrong_group"] or "") for output in two_d), [o["wrong_group"] for o in two_d]
+
+
+def test_the_tables_are_sharded_as_planned(one_d: list[dict[str, Any]]) -> None:
+    assert {t: [output["shard_counts"][t] for output in one_d] for t in TABLES} == LOCAL_SHARDS
+
+
+def test_planted_ties_make_the_pessimistic_rule_matter() -> None:
+    # Had the tie tables no ties with the target, the tie rule would go untested.
+    broken_ties = 0
+    for name in [t for t in TABLES if t.startswith("ties")]:
+        table = table_values(name)
+        for rank in range(4):
+            inputs = rank_inputs(name, "uneven", rank)
+            scores = inputs["queries"] @ table.T
+            target = scores.gather(1, inputs["target_ids"][:, None])
+            broken_ties += int(((scores == target).sum(1) > 1).sum())
+    assert broken_ties > 10
