@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from multiprocess import run_ranks
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torchrec import EmbeddingCollection, EmbeddingConfig
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
@@ -104,11 +105,26 @@ def _sharded_collection(rank: int, world_size: int, group_size: int) -> tuple[nn
     return sharded.dmp.module.item_embeddings, topology
 
 
+class _ScoreColumns(TorchFunctionMode):
+    """The widest matrix product (score block: queries x rows) computed inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.widest = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        result = func(*args, **(kwargs or {}))
+        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+            self.widest = max(self.widest, result.shape[-1])
+        return result
+
+
 def _rank_everything(rank: int, world_size: int, group_size: int) -> dict[str, Any]:
     collection, topology = _sharded_collection(rank, world_size, group_size)
     started = time.perf_counter()
     group = topology.sharding_process_group()
     results: dict[Any, Any] = {}
+    widest: dict[tuple[str, int], int] = {}  # the most rows one score block held
     for table in TABLES:
         for scenario in SCENARIOS:
             inputs = rank_inputs(table, scenario, rank)
@@ -117,11 +133,13 @@ def _rank_everything(rank: int, world_size: int, group_size: int) -> dict[str, A
                 for normalize in (False, True):
                     ranking = make_item_ranking(collection, table, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize)
                     assert isinstance(ranking, ShardedItemRanking)
-                    results[(table, scenario, chunk_rows, normalize)] = (
-                        ranking.target_ranks(inputs["queries"], inputs["target_ids"], *seen),
-                        ranking.top_k(inputs["queries"], K_SMALL, *seen),
-                        ranking.top_k(inputs["queries"], K_LARGE, *seen),
-                    )
+                    with _ScoreColumns() as score_columns:
+                        results[(table, scenario, chunk_rows, normalize)] = (
+                            ranking.target_ranks(inputs["queries"], inputs["target_ids"], *seen),
+                            ranking.top_k(inputs["queries"], K_SMALL, *seen),
+                            ranking.top_k(inputs["queries"], K_LARGE, *seen),
+                        )
+                    widest[(table, chunk_rows)] = max(widest.get((table, chunk_rows), 0), score_columns.widest)
     shard_counts = {t: len(collection.state_dict()[f"embeddings.{t}.weight"].local_shards()) for t in TABLES}
     wrong_group = None
     if not topology.is_1d:  # the world under 2D spans both replicas: every rank must refuse, none may hang
@@ -131,7 +149,7 @@ def _rank_everything(rank: int, world_size: int, group_size: int) -> dict[str, A
         except ValueError as error:
             wrong_group = str(error)
     seconds = time.perf_counter() - started
-    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "seconds": seconds}
+    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "seconds": seconds, "widest": widest}
 
 
 def _expected(table: str, scenario: str, rank: int, normalize: bool) -> tuple[torch.Tensor, tuple, tuple]:
@@ -166,7 +184,7 @@ def _assert_equal_to_reference(outputs: list[dict[str, Any]], table: str) -> Non
 
 @pytest.fixture(scope="module")
 def one_d() -> list[dict[str, Any]]:
-    out = run_ranks(_rank_everything, 2, 2, timeout=240); print("SECONDS", [o["seconds"] for o in out]); return out
+    return run_ranks(_rank_everything, 2, 2, timeout=240)
 
 
 @pytest.fixture(scope="module")
@@ -188,6 +206,13 @@ def test_sharded_ranking_equals_brute_force_under_2d_2x2(two_d: list[dict[str, A
 @pytest.mark.slow
 def test_the_world_group_under_2d_is_refused_on_every_rank(two_d: list[dict[str, Any]]) -> None:
     assert all("sharding group" in (output["wrong_group"] or "") for output in two_d), [o["wrong_group"] for o in two_d]
+
+
+def test_no_score_block_is_wider_than_chunk_rows(one_d: list[dict[str, Any]]) -> None:
+    for table in TABLES:
+        widest = [output["widest"][(table, 3)] for output in one_d]  # 0 on a rank that holds none of a table-wise table
+        assert max(widest) == 3, (table, widest)  # never [queries x all rows]
+        assert max(output["widest"][(table, DEFAULT_CHUNK_ROWS)] for output in one_d) <= NUM_ITEMS
 
 
 def test_the_tables_are_sharded_as_planned(one_d: list[dict[str, Any]]) -> None:

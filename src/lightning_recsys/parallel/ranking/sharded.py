@@ -39,6 +39,7 @@ from lightning_recsys.parallel.ranking.table_shards import ColumnSlicedRows, Sha
 from lightning_recsys.parallel.ranking.unsharded import (
     DEFAULT_CHUNK_ROWS,
     ItemRanking,
+    SeenItems,
     UnshardedItemRanking,
     check_chunk_rows,
     check_k,
@@ -56,15 +57,16 @@ class ShardedItemRanking:
 
     ``module``: the ``ShardedEmbeddingCollection`` that ``DistributedModelParallel`` put in place of the
     model's ``EmbeddingCollection``. ``process_group``: the group the table is sharded over (1D: the world;
-    2D: this rank's sharding group, ``ParallelTopology.sharding_process_group()``). Every rank of that group
-    must make the same calls in the same order. The table is read at each call, so one instance follows training.
+    2D: this rank's sharding group, ``ParallelTopology.sharding_process_group()``; None only for a table every
+    rank holds whole, which is ranked locally). Every rank of that group must make the same calls in the same
+    order. The table is read at each call, so one instance follows training.
     """
 
     def __init__(
         self,
         module: nn.Module,
         table_name: str,
-        process_group: dist.ProcessGroup,
+        process_group: dist.ProcessGroup | None,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         normalize_rows: bool = False,
     ) -> None:
@@ -89,18 +91,18 @@ class ShardedItemRanking:
         if isinstance(table, torch.Tensor):  # held whole here: no exchange
             return self._reference(table).target_ranks(queries, target_ids, seen_ids, seen_lengths)
         device = table.device or queries.device
-        group_queries = gather_group_queries(queries, seen_ids, seen_lengths, target_ids, layout=table, device=device, group=self.group)
+        group = self._sharding_group()
+        group_queries = gather_group_queries(queries, seen_ids, seen_lengths, target_ids, layout=table, device=device, group=group)
         if group_queries.total == 0:
             return torch.zeros(0, dtype=torch.long, device=queries.device)
         targets = group_queries.target_ids
         assert targets is not None
-        scores_of_targets = target_scores(group_queries.queries, scored_rows(share_target_rows(table, targets, self.group), self.normalize_rows))
+        scores_of_targets = target_scores(group_queries.queries, scored_rows(share_target_rows(table, targets, group), self.normalize_rows))
+        seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         counts = torch.zeros(group_queries.total, dtype=torch.long, device=device)
-        for row_start, rows in self._row_chunks(table, device):
-            counts += count_at_least(
-                group_queries.queries, rows, row_start, scores_of_targets, targets, group_queries.seen_ids, group_queries.seen_lengths
-            )
-        return sum_to_owners(counts, group_queries, self.group).to(queries.device)
+        for row_start, rows in self._row_chunks(table, device, group):
+            counts += count_at_least(group_queries.queries, rows, row_start, scores_of_targets, targets, seen)
+        return sum_to_owners(counts, group_queries, group).to(queries.device)
 
     @torch.no_grad()
     def top_k(
@@ -111,32 +113,38 @@ class ShardedItemRanking:
         if isinstance(table, torch.Tensor):
             return self._reference(table).top_k(queries, k, seen_ids, seen_lengths)
         device = table.device or queries.device
-        group_queries = gather_group_queries(queries, seen_ids, seen_lengths, None, layout=table, device=device, group=self.group)
+        group = self._sharding_group()
+        group_queries = gather_group_queries(queries, seen_ids, seen_lengths, None, layout=table, device=device, group=group)
         width = min(k, table.num_items)
         own = group_queries.batch_sizes[group_queries.group_rank]
         if group_queries.total == 0:
             scores, ids = no_candidates(0, table.dtype, queries.device)
             return scores.new_empty(0, width), ids.new_empty(0, width)
+        seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         best_scores, best_ids = no_candidates(group_queries.total, table.dtype, device)
-        for row_start, rows in self._row_chunks(table, device):
-            scores, ids = chunk_candidates(group_queries.queries, rows, row_start, group_queries.seen_ids, group_queries.seen_lengths)
+        for row_start, rows in self._row_chunks(table, device, group):
+            scores, ids = chunk_candidates(group_queries.queries, rows, row_start, seen)
             best_scores, best_ids = merge_top_k(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1), width)
         # Pad to one width for the exchange: -inf and an id past the table sort after every real item.
         missing = width - best_scores.shape[1]
         best_scores = torch.cat([best_scores, best_scores.new_full((group_queries.total, missing), -torch.inf)], 1)
         best_ids = torch.cat([best_ids, best_ids.new_full((group_queries.total, missing), table.num_items)], 1)
-        scores, ids = top_k_to_owners(best_scores, best_ids, group_queries, self.group)
+        scores, ids = top_k_to_owners(best_scores, best_ids, group_queries, group)
         scores, ids = merge_top_k(scores, ids, width)
         assert scores.shape == (own, width)
         return scores.to(queries.device), ids.to(queries.device)
 
-    def _row_chunks(self, table: ShardedTableLayout, device: torch.device) -> Iterator[tuple[int, torch.Tensor]]:
+    def _sharding_group(self) -> dist.ProcessGroup:
+        assert self.group is not None  # read_table refused a sharded table without one
+        return self.group
+
+    def _row_chunks(self, table: ShardedTableLayout, device: torch.device, group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first row id, full rows as scored)`` of every chunk this rank scores; the same collectives on every rank."""
         for shard in table.full_rows:
             for start in range(0, shard.num_rows, self.chunk_rows):
                 yield shard.row_start + start, scored_rows(shard.values[start : start + self.chunk_rows], self.normalize_rows)
         for sliced in table.column_sliced:
-            for row_start, rows in _assembled_rows(sliced, table, self.chunk_rows, device, self.group):
+            for row_start, rows in _assembled_rows(sliced, table, self.chunk_rows, device, group):
                 yield row_start, scored_rows(rows, self.normalize_rows)
 
 
