@@ -230,3 +230,45 @@ def test_planted_ties_make_the_pessimistic_rule_matter() -> None:
             target = scores.gather(1, inputs["target_ids"][:, None])
             broken_ties += int(((scores == target).sum(1) > 1).sum())
     assert broken_ties > 10
+
+
+def _fit_then_rank_through_the_strategy(rank: int, world_size: int) -> dict[str, Any]:
+    from sequence_oracle import DIM, ITEMS, fit_sharded, make_model, sgd_strategy, table_shards
+
+    model, trainer, _ = fit_sharded(rank, world_size, sgd_strategy(sharding_types=["column_wise"]), steps=1)
+    ranking = trainer.strategy.item_ranking(model.sequence_embeddings, "item", normalize_rows=True, chunk_rows=5)
+    generator = torch.Generator().manual_seed(rank)
+    batch = 3 + 2 * rank
+    inputs = {
+        "queries": torch.randn(batch, DIM, generator=generator),
+        "target_ids": torch.randint(0, ITEMS, (batch,), generator=generator),
+        "seen_ids": torch.randint(0, ITEMS, (batch,), generator=generator),
+        "seen_lengths": torch.ones(batch, dtype=torch.long),
+    }
+    seen = (inputs["seen_ids"], inputs["seen_lengths"])
+    return {
+        "sharded": isinstance(ranking, ShardedItemRanking),
+        "inputs": inputs,
+        "ranks": ranking.target_ranks(**inputs),
+        "top_k": ranking.top_k(inputs["queries"], 6, *seen),
+        "shards": table_shards(model),
+        "initial": make_model().state_dict()["sequence_embeddings.embeddings.item.weight"],
+    }
+
+
+@pytest.mark.slow
+def test_the_strategy_ranks_the_trained_sharded_table_of_a_fitted_model() -> None:
+    from oracle import assemble
+    from sequence_oracle import ITEM_KEY
+
+    outputs = run_ranks(_fit_then_rank_through_the_strategy, 2, timeout=300)
+    table = assemble([o["shards"] for o in outputs], ITEM_KEY, outputs[0]["initial"])
+    assert not torch.equal(table, outputs[0]["initial"])  # trained: the ranking must read the table as it is now
+    for output in outputs:
+        assert output["sharded"]
+        inputs = output["inputs"]
+        reference = UnshardedItemRanking(table, normalize_rows=True)
+        assert torch.equal(output["ranks"], reference.target_ranks(**inputs))
+        scores, ids = reference.top_k(inputs["queries"], 6, inputs["seen_ids"], inputs["seen_lengths"])
+        assert torch.equal(output["top_k"][1], ids)
+        torch.testing.assert_close(output["top_k"][0], scores)
