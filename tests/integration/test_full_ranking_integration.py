@@ -10,7 +10,7 @@ parent ranks each rank's users with the reference over the whole table and compa
 
 from __future__ import annotations
 
-import time
+import zlib
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch.overrides import TorchFunctionMode
 from torchrec import EmbeddingCollection, EmbeddingConfig
 
 from torchrec.distributed.embedding_types import EmbeddingComputeKernel
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
 
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
@@ -41,6 +41,16 @@ PLACEMENTS = {
     "random_cw": column_wise(ranks=[1, 0], compute_kernel=FUSED),
     "ties_cw": column_wise(ranks=[1, 1], compute_kernel=FUSED),
 }
+# One process on one device: the column slices both on it (still put together by the all-to-all); data_parallel
+# runs for sequence tables on CUDA only (RecSysEmbeddingCollectionSharder), so it joins there.
+ONE_DEVICE = {
+    "random_tw": table_wise(rank=0, compute_kernel=FUSED),
+    "random_rw": row_wise(compute_kernel=FUSED),
+    "random_cw": column_wise(ranks=[0, 0], compute_kernel=FUSED),
+    "ties_cw": column_wise(ranks=[0, 0], compute_kernel=FUSED),
+}
+CUDA_ONLY = {"random_dp": data_parallel()}
+LAYOUTS = {"two_ranks": PLACEMENTS, "one_device": ONE_DEVICE, "one_cuda_device": {**ONE_DEVICE, **CUDA_ONLY}}
 LOCAL_SHARDS = {"random_tw": [0, 1], "ties_tw": [1, 0], "random_rw": [1, 1], "ties_rw": [1, 1], "random_cw": [1, 1], "ties_cw": [0, 2]}
 TABLES = list(PLACEMENTS)
 SCENARIOS = ("uneven", "one_empty", "all_empty")
@@ -51,7 +61,7 @@ K_SMALL, K_LARGE = 4, NUM_ITEMS + 5  # K_LARGE: more than the table; seen items 
 def table_values(name: str) -> torch.Tensor:
     """Random floats, or planted ties: every row has four entries of +-1 (norm 2, so normalised rows are
     exact halves) and many rows repeat, so scores are exact and many equal the target's."""
-    generator = torch.Generator().manual_seed(TABLES.index(name) + 11)
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
     if name.startswith("random"):
         return torch.randn(NUM_ITEMS, DIM, generator=generator)
     patterns = torch.zeros(6, DIM)
@@ -67,7 +77,7 @@ def batch_size(scenario: str, rank: int) -> int:
 
 def rank_inputs(table: str, scenario: str, rank: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s users: queries, targets, seen ids (some users see nothing, some saw their target)."""
-    generator = torch.Generator().manual_seed(1000 * TABLES.index(table) + 100 * SCENARIOS.index(scenario) + rank)
+    generator = torch.Generator().manual_seed(zlib.crc32(f"{table} {scenario} {rank}".encode()))
     batch = batch_size(scenario, rank)
     if table.startswith("random"):
         queries = torch.randn(batch, DIM, generator=generator)
@@ -82,26 +92,32 @@ def rank_inputs(table: str, scenario: str, rank: int) -> dict[str, torch.Tensor]
 
 
 class _Model(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, tables: list[str]) -> None:
         super().__init__()
-        configs = [EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=NUM_ITEMS, feature_names=[f"f_{t}"]) for t in TABLES]
+        configs = [EmbeddingConfig(name=t, embedding_dim=DIM, num_embeddings=NUM_ITEMS, feature_names=[f"f_{t}"]) for t in tables]
         self.item_embeddings = EmbeddingCollection(tables=configs)
         with torch.no_grad():
-            for name in TABLES:
+            for name in tables:
                 self.item_embeddings.embeddings[name].weight.copy_(table_values(name))
 
 
-def _sharded_collection(rank: int, world_size: int, group_size: int) -> tuple[nn.Module, ParallelTopology]:
-    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
+def _sharded_collection(
+    rank: int, world_size: int, group_size: int, layout: str, device: torch.device
+) -> tuple[nn.Module, ParallelTopology]:
+    dist.init_process_group(
+        "nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=60),
+        device_id=device if device.type == "cuda" else None,
+    )
     topology = ParallelTopology(world_size=world_size, sharding_group_size=group_size)
-    topology.device_mesh("cpu")
-    model = _Model()
+    topology.device_mesh(device.type)
+    placements = LAYOUTS[layout]
+    model = _Model(list(placements))
     sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd", lr=0.1).fused_params())
     module_plan = construct_module_sharding_plan(
-        model.item_embeddings, PLACEMENTS, sharder=sharders[1], local_size=group_size, world_size=group_size, device_type="cpu"
+        model.item_embeddings, placements, sharder=sharders[1], local_size=group_size, world_size=group_size, device_type=device.type
     )
     plan = ShardingPlan({"item_embeddings": module_plan})
-    sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=plan)
+    sharded = shard_model(model, topology=topology, device=device, sharders=sharders, plan=plan)
     return sharded.dmp.module.item_embeddings, topology
 
 
@@ -119,28 +135,33 @@ class _ScoreColumns(TorchFunctionMode):
         return result
 
 
-def _rank_everything(rank: int, world_size: int, group_size: int) -> dict[str, Any]:
-    collection, topology = _sharded_collection(rank, world_size, group_size)
-    started = time.perf_counter()
+def _rank_everything(rank: int, world_size: int, group_size: int, layout: str = "two_ranks", device_type: str = "cpu") -> dict[str, Any]:
+    device = torch.device(device_type, 0) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    collection, topology = _sharded_collection(rank, world_size, group_size, layout, device)
     group = topology.sharding_process_group()
+    tables = list(LAYOUTS[layout])
     results: dict[Any, Any] = {}
     widest: dict[tuple[str, int], int] = {}  # the most rows one score block held
-    for table in TABLES:
+    for table in tables:
         for scenario in SCENARIOS:
-            inputs = rank_inputs(table, scenario, rank)
+            inputs = {name: value.to(device) for name, value in rank_inputs(table, scenario, rank).items()}
             seen = (inputs["seen_ids"], inputs["seen_lengths"])
             for chunk_rows in CHUNKS:
                 for normalize in (False, True):
                     ranking = make_item_ranking(collection, table, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize)
                     assert isinstance(ranking, ShardedItemRanking)
                     with _ScoreColumns() as score_columns:
-                        results[(table, scenario, chunk_rows, normalize)] = (
-                            ranking.target_ranks(inputs["queries"], inputs["target_ids"], *seen),
-                            ranking.top_k(inputs["queries"], K_SMALL, *seen),
-                            ranking.top_k(inputs["queries"], K_LARGE, *seen),
-                        )
+                        ranks = ranking.target_ranks(inputs["queries"], inputs["target_ids"], *seen)
+                        small = ranking.top_k(inputs["queries"], K_SMALL, *seen)
+                        large = ranking.top_k(inputs["queries"], K_LARGE, *seen)
+                    results[(table, scenario, chunk_rows, normalize)] = (
+                        ranks.cpu(), tuple(t.cpu() for t in small), tuple(t.cpu() for t in large)
+                    )
                     widest[(table, chunk_rows)] = max(widest.get((table, chunk_rows), 0), score_columns.widest)
-    shard_counts = {t: len(collection.state_dict()[f"embeddings.{t}.weight"].local_shards()) for t in TABLES}
+    state = collection.state_dict()
+    shard_counts = {t: len(state[f"embeddings.{t}.weight"].local_shards()) for t in tables if t not in CUDA_ONLY}
     wrong_group = None
     if not topology.is_1d:  # the world under 2D spans both replicas: every rank must refuse, none may hang
         inputs = rank_inputs("random_rw", "uneven", rank)
@@ -148,8 +169,7 @@ def _rank_everything(rank: int, world_size: int, group_size: int) -> dict[str, A
             ShardedItemRanking(collection, "random_rw", dist.group.WORLD).target_ranks(**inputs)
         except ValueError as error:
             wrong_group = str(error)
-    seconds = time.perf_counter() - started
-    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "seconds": seconds, "widest": widest}
+    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "widest": widest}
 
 
 def _expected(table: str, scenario: str, rank: int, normalize: bool) -> tuple[torch.Tensor, tuple, tuple]:
@@ -206,6 +226,24 @@ def test_sharded_ranking_equals_brute_force_under_2d_2x2(two_d: list[dict[str, A
 @pytest.mark.slow
 def test_the_world_group_under_2d_is_refused_on_every_rank(two_d: list[dict[str, Any]]) -> None:
     assert all("sharding group" in (output["wrong_group"] or "") for output in two_d), [o["wrong_group"] for o in two_d]
+
+
+@pytest.fixture(scope="module")
+def one_process() -> list[dict[str, Any]]:
+    return run_ranks(_rank_everything, 1, 1, "one_device", "cpu", timeout=120)
+
+
+@pytest.mark.parametrize("table", list(ONE_DEVICE))
+def test_one_process_puts_its_own_column_slices_together(one_process: list[dict[str, Any]], table: str) -> None:
+    _assert_equal_to_reference(one_process, table)
+
+
+@pytest.mark.gpu
+def test_sharded_ranking_on_cuda_with_nccl_equals_brute_force() -> None:
+    # One GPU is one rank under nccl: every table kind (data_parallel too) through the nccl collectives on CUDA tensors.
+    outputs = run_ranks(_rank_everything, 1, 1, "one_cuda_device", "cuda", timeout=300)
+    for table in LAYOUTS["one_cuda_device"]:
+        _assert_equal_to_reference(outputs, table)
 
 
 def test_no_score_block_is_wider_than_chunk_rows(one_d: list[dict[str, Any]]) -> None:
