@@ -10,6 +10,7 @@ parent ranks each rank's users with the reference over the whole table and compa
 
 from __future__ import annotations
 
+import functools
 import zlib
 from datetime import timedelta
 from typing import Any
@@ -172,6 +173,7 @@ def _rank_everything(rank: int, world_size: int, group_size: int, layout: str = 
     return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "widest": widest}
 
 
+@functools.cache
 def _expected(table: str, scenario: str, rank: int, normalize: bool) -> tuple[torch.Tensor, tuple, tuple]:
     inputs = rank_inputs(table, scenario, rank)
     reference = UnshardedItemRanking(table_values(table), normalize_rows=normalize)
@@ -294,7 +296,6 @@ def _fit_then_rank_through_the_strategy(rank: int, world_size: int) -> dict[str,
     }
 
 
-@pytest.mark.slow
 def test_the_strategy_ranks_the_trained_sharded_table_of_a_fitted_model() -> None:
     from oracle import assemble
     from sequence_oracle import ITEM_KEY

@@ -65,12 +65,12 @@ def gather_group_queries(
         )
     batch_sizes = tuple(int(h[0]) for h in headers)
     seen_counts = [int(h[1]) for h in headers]
-    ints = [seen_lengths.to(device)] + ([target_ids.to(device)] if target_ids is not None else [])
-    per_query = _all_gather_rows(torch.stack(ints, 1), batch_sizes, group)
+    ints = [seen_lengths] + ([target_ids] if target_ids is not None else [])
+    per_query = _all_gather_rows(torch.stack([i.to(device=device, dtype=torch.long) for i in ints], 1), batch_sizes, group)
     return GroupQueries(
         queries=_all_gather_rows(queries.to(device=device, dtype=layout.dtype).reshape(batch, layout.dim), batch_sizes, group),
         target_ids=per_query[:, 1] if target_ids is not None else None,
-        seen_ids=_all_gather_rows(seen_ids.to(device), seen_counts, group),
+        seen_ids=_all_gather_rows(seen_ids.to(device=device, dtype=torch.long), seen_counts, group),
         seen_lengths=per_query[:, 0],
         batch_sizes=batch_sizes,
         group_rank=dist.get_rank(group),
