@@ -195,7 +195,8 @@ def _assert_equal_to_reference(outputs: list[dict[str, Any]], table: str) -> Non
                     where = f"rank {rank}, {scenario}, chunk_rows={chunk_rows}, normalize_rows={normalize}"
                     assert ranks.shape == (batch_size(scenario, rank),), where
                     assert torch.equal(ranks, expected_ranks), f"{where}: {ranks} != {expected_ranks}"
-                    for (scores, ids), (expected_scores, expected_ids), k in ((small, expected_small, K_SMALL), (large, expected_large, K_LARGE)):
+                    pairs = ((small, expected_small, K_SMALL), (large, expected_large, K_LARGE))
+                    for (scores, ids), (expected_scores, expected_ids), k in pairs:
                         assert ids.shape == (batch_size(scenario, rank), min(k, NUM_ITEMS)), where
                         assert torch.equal(ids, expected_ids), f"{where}, k={k}: {ids} != {expected_ids}"
                         # A matrix product's last bit depends on its shape (BLAS blocking), here as between two chunk_rows

@@ -69,7 +69,9 @@ def test_the_reference_ranks_as_written_out_by_hand(integer: bool, chunk_rows: i
 
 def test_ties_count_against_the_target() -> None:
     table = torch.ones(NUM_ITEMS, DIM)  # every item scores alike: the target ranks last among the unseen
-    inputs = {"queries": torch.ones(2, DIM), "target_ids": torch.tensor([0, 5]), "seen_ids": torch.tensor([1, 2, 5]), "seen_lengths": torch.tensor([0, 3])}
+    inputs = {
+        "queries": torch.ones(2, DIM), "target_ids": torch.tensor([0, 5]), "seen_ids": torch.tensor([1, 2, 5]), "seen_lengths": torch.tensor([0, 3])
+    }
     ranks = UnshardedItemRanking(table).target_ranks(**inputs)
     assert ranks.tolist() == [NUM_ITEMS - 1, NUM_ITEMS - 3]  # the seen target (user 1) is still ranked, its seen items are not counted
     _, ids = UnshardedItemRanking(table).top_k(inputs["queries"], 3, inputs["seen_ids"], inputs["seen_lengths"])
@@ -179,7 +181,8 @@ def _same_ranking(ranking, table: torch.Tensor, normalize_rows: bool) -> None:  
     reference = UnshardedItemRanking(table, normalize_rows=normalize_rows)
     assert torch.equal(ranking.target_ranks(**inputs), reference.target_ranks(**inputs))
     seen = (inputs["seen_ids"], inputs["seen_lengths"])
-    (scores, ids), (expected_scores, expected_ids) = ranking.top_k(inputs["queries"], 5, *seen), reference.top_k(inputs["queries"], 5, *seen)
+    scores, ids = ranking.top_k(inputs["queries"], 5, *seen)
+    expected_scores, expected_ids = reference.top_k(inputs["queries"], 5, *seen)
     assert torch.equal(ids, expected_ids)
     torch.testing.assert_close(scores, expected_scores)  # a matrix product's last bit depends on the chunk's shape
 

@@ -97,7 +97,8 @@ class ShardedItemRanking:
             return torch.zeros(0, dtype=torch.long, device=queries.device)
         targets = group_queries.target_ids
         assert targets is not None
-        scores_of_targets = target_scores(group_queries.queries, scored_rows(share_target_rows(table, targets, group), self.normalize_rows))
+        target_rows = scored_rows(share_target_rows(table, targets, group), self.normalize_rows)
+        scores_of_targets = target_scores(group_queries.queries, target_rows)
         seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         counts = torch.zeros(group_queries.total, dtype=torch.long, device=device)
         for row_start, rows in self._row_chunks(table, device, group):
@@ -118,8 +119,8 @@ class ShardedItemRanking:
         width = min(k, table.num_items)
         own = group_queries.batch_sizes[group_queries.group_rank]
         if group_queries.total == 0:
-            scores, ids = no_candidates(0, table.dtype, queries.device)
-            return scores.new_empty(0, width), ids.new_empty(0, width)
+            empty = torch.empty(0, width, device=queries.device)
+            return empty.to(table.dtype), empty.to(torch.long)
         seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         best_scores, best_ids = no_candidates(group_queries.total, table.dtype, device)
         for row_start, rows in self._row_chunks(table, device, group):
@@ -138,7 +139,9 @@ class ShardedItemRanking:
         assert self.group is not None  # read_table refused a sharded table without one
         return self.group
 
-    def _row_chunks(self, table: ShardedTableLayout, device: torch.device, group: dist.ProcessGroup) -> Iterator[tuple[int, torch.Tensor]]:
+    def _row_chunks(
+        self, table: ShardedTableLayout, device: torch.device, group: dist.ProcessGroup
+    ) -> Iterator[tuple[int, torch.Tensor]]:
         """``(first row id, full rows as scored)`` of every chunk this rank scores; the same collectives on every rank."""
         for shard in table.full_rows:
             for start in range(0, shard.num_rows, self.chunk_rows):

@@ -116,7 +116,8 @@ def _layout(name: str, table: ShardedTensor, group: dist.ProcessGroup) -> Sharde
     column_sliced = []
     for (row, rows), slices in sorted(by_rows.items()):
         slices.sort()
-        if [c for c, _, _ in slices] != [sum(w for _, w, _ in slices[:i]) for i in range(len(slices))] or sum(w for _, w, _ in slices) != dim:
+        ends = [col + width for col, width, _ in slices]
+        if [col for col, _, _ in slices] != [0, *ends[:-1]] or ends[-1] != dim:
             raise ValueError(
                 f"the column shards of {name!r} over rows {row}..{row + rows - 1} do not tile its {dim} columns "
                 f"((col, width, group rank): {slices}); full ranking needs each row's slices to cover it once."

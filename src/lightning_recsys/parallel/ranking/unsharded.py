@@ -177,7 +177,9 @@ class UnshardedItemRanking:
         self.table = scored_rows(table, normalize_rows)
         self.chunk_rows = chunk_rows
 
-    def _check(self, queries: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor, target_ids: torch.Tensor | None = None) -> None:
+    def _check(
+        self, queries: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor, target_ids: torch.Tensor | None = None
+    ) -> None:
         problem = ranking_input_problem(
             queries, seen_ids, seen_lengths, num_items=self.table.shape[0], dim=self.table.shape[1], target_ids=target_ids
         )
