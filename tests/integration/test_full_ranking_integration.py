@@ -5,7 +5,9 @@ with random floats (ties improbable) and once with planted exact ties, and is sh
 ``shard_model`` on 2 processes (1D) and on 4 processes as 2 sharding groups of 2 (2D). Every rank ranks its
 own users (different users and batch sizes on every rank, an empty batch on one rank, an empty group),
 with row chunks smaller than a shard and with the default, with and without ``normalize_rows``; the
-parent ranks each rank's users with the reference over the whole table and compares.
+parent ranks each rank's users with the reference over the whole table and compares. Also: one process
+holding every column slice of a table (gloo), one GPU under nccl with a data-parallel table (``gpu``), and
+``TwoDRecStrategy.item_ranking`` on a fitted model's column-wise item table.
 """
 
 from __future__ import annotations
