@@ -210,3 +210,19 @@ def test_the_strategy_ranks_an_unsharded_module_over_its_weight() -> None:
 def test_an_unknown_table_is_named_with_the_tables_there_are() -> None:
     with pytest.raises(ValueError, match=r"table_name='items'.*\['item', 'other'\]"):
         make_item_ranking(_collection(), "items")
+
+
+@pytest.mark.parametrize("k", [1, 2, 5, 9])
+def test_a_chunks_candidates_are_its_best_k_by_score_then_lower_id(k: int) -> None:
+    # Few distinct scores and seen items at -inf: ties at the k-th score, where torch.topk alone could pick any.
+    from lightning_recsys.parallel.ranking.unsharded import SeenItems, chunk_candidates
+
+    generator = torch.Generator().manual_seed(k)
+    queries, rows = torch.ones(5, 1), torch.randint(0, 3, (11, 1), generator=generator).float()
+    seen = SeenItems.from_jagged(torch.randint(20, 31, (10,), generator=generator), torch.tensor([0, 2, 8, 0, 0]))
+    scores, ids = chunk_candidates(queries, rows, 20, seen, k)
+    all_scores, all_ids = chunk_candidates(queries, rows, 20, seen, 11)  # the whole chunk
+    expected_scores, expected_ids = merge_top_k(all_scores, all_ids, k)
+    assert ids.shape == (5, k)
+    got_scores, got_ids = merge_top_k(scores, ids, k)
+    assert torch.equal(got_ids, expected_ids) and torch.equal(got_scores, expected_scores)

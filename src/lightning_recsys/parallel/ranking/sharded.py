@@ -124,7 +124,7 @@ class ShardedItemRanking:
         seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         best_scores, best_ids = no_candidates(group_queries.total, table.dtype, device)
         for row_start, rows in self._row_chunks(table, device, group):
-            scores, ids = chunk_candidates(group_queries.queries, rows, row_start, seen)
+            scores, ids = chunk_candidates(group_queries.queries, rows, row_start, seen, width)
             best_scores, best_ids = merge_top_k(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1), width)
         # Pad to one width for the exchange: -inf and an id past the table sort after every real item.
         missing = width - best_scores.shape[1]

@@ -143,11 +143,26 @@ def count_at_least(
     return above.sum(1)
 
 
-def chunk_candidates(queries: torch.Tensor, rows: torch.Tensor, row_start: int, seen: SeenItems) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(scores, ids)`` ``[B, rows]``: every row's score, ``-inf`` where the user has seen it."""
+def chunk_candidates(
+    queries: torch.Tensor, rows: torch.Tensor, row_start: int, seen: SeenItems, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(scores, ids)`` ``[B, min(k, rows)]``: the chunk's best ``k`` rows per query (seen ones score ``-inf``),
+    by score then lower id, in id order."""
     scores = (queries @ rows.T).masked_fill(seen.mask(row_start, rows.shape[0]), -torch.inf)
     ids = torch.arange(row_start, row_start + rows.shape[0], device=queries.device).expand(queries.shape[0], -1)
-    return scores, ids
+    if rows.shape[0] <= k:
+        return scores, ids
+    # torch.topk's choice among equal scores is unspecified, so it only finds each query's k-th score; then the
+    # rows above it and, of those equal to it, the lowest ids: exactly k per query, as a full sort would give.
+    kth = torch.topk(scores, k, dim=1).values[:, -1:]
+    above = scores > kth
+    tied = scores == kth
+    room = k - above.sum(1, keepdim=True)
+    keep = above | tied
+    surplus = (tied.sum(1, keepdim=True) > room).squeeze(1).nonzero().squeeze(1)  # queries with more ties than room
+    if surplus.numel():
+        keep[surplus] = above[surplus] | (tied[surplus] & (tied[surplus].cumsum(1) <= room[surplus]))
+    return scores[keep].view(-1, k), ids[keep].view(-1, k)
 
 
 def no_candidates(batch: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,6 +225,6 @@ class UnshardedItemRanking:
         seen = SeenItems.from_jagged(seen_ids, seen_lengths)
         best_scores, best_ids = no_candidates(queries.shape[0], self.table.dtype, queries.device)
         for start in range(0, self.table.shape[0], self.chunk_rows):
-            scores, ids = chunk_candidates(queries, self.table[start : start + self.chunk_rows], start, seen)
+            scores, ids = chunk_candidates(queries, self.table[start : start + self.chunk_rows], start, seen, k)
             best_scores, best_ids = merge_top_k(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1), k)
         return best_scores, best_ids
