@@ -102,10 +102,14 @@ def _layout(name: str, table: ShardedTensor, group: dist.ProcessGroup) -> Sharde
     shards = table.metadata().shards_metadata
     placements = [shard.placement.rank() if shard.placement is not None else -1 for shard in shards]
     signature = hash(tuple(sorted((*s.shard_offsets, *s.shard_sizes, p) for s, p in zip(shards, placements))))
+    full_row_ranges = []
     for shard, placed in zip(shards, placements):
         row, col = (int(v) for v in shard.shard_offsets)
         rows, width = (int(v) for v in shard.shard_sizes)
-        if rows == 0 or width == dim:
+        if rows == 0:
+            continue
+        if width == dim:
+            full_row_ranges.append((row, rows))
             continue
         if placed not in group_ranks:
             raise ValueError(
@@ -113,6 +117,10 @@ def _layout(name: str, table: ShardedTensor, group: dist.ProcessGroup) -> Sharde
                 f"{group_ranks}): pass the process group the table is sharded over (under 2D, this rank's sharding group)."
             )
         by_rows[(row, rows)].append((col, width, group_ranks.index(placed)))
+    ranges = sorted(full_row_ranges + list(by_rows))
+    if [row for row, _ in ranges] != [0, *(row + rows for row, rows in ranges[:-1])] or sum(rows for _, rows in ranges) != num_items:
+        # Each row must be scored once in the group: a row held twice would be counted twice.
+        raise ValueError(f"the shards of {name!r} do not cover its {num_items} rows once ((first row, rows): {ranges}).")
     column_sliced = []
     for (row, rows), slices in sorted(by_rows.items()):
         slices.sort()
