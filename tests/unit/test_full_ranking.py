@@ -69,11 +69,10 @@ def test_the_reference_ranks_as_written_out_by_hand(integer: bool, chunk_rows: i
 
 def test_ties_count_against_the_target() -> None:
     table = torch.ones(NUM_ITEMS, DIM)  # every item scores alike: the target ranks last among the unseen
-    inputs = {
-        "queries": torch.ones(2, DIM), "target_ids": torch.tensor([0, 5]), "seen_ids": torch.tensor([1, 2, 5]), "seen_lengths": torch.tensor([0, 3])
-    }
+    inputs = {"queries": torch.ones(2, DIM), "target_ids": torch.tensor([0, 5])}
+    inputs.update(seen_ids=torch.tensor([1, 2, 5]), seen_lengths=torch.tensor([0, 3]))
     ranks = UnshardedItemRanking(table).target_ranks(**inputs)
-    assert ranks.tolist() == [NUM_ITEMS - 1, NUM_ITEMS - 3]  # the seen target (user 1) is still ranked, its seen items are not counted
+    assert ranks.tolist() == [NUM_ITEMS - 1, NUM_ITEMS - 3]  # user 1's seen target is still ranked; its seen items do not count
     _, ids = UnshardedItemRanking(table).top_k(inputs["queries"], 3, inputs["seen_ids"], inputs["seen_lengths"])
     assert ids.tolist() == [[0, 1, 2], [0, 3, 4]]  # equal scores: lower ids first
 

@@ -165,9 +165,8 @@ def _assembled_rows(
         pieces = [shard.values[start : start + rows] for shard in sliced.local]
         send = torch.cat(pieces, 1) if pieces else torch.empty(rows, 0, dtype=table.dtype, device=device)
         received = torch.empty(parts[me] * sum(widths), dtype=table.dtype, device=device)
-        dist.all_to_all_single(
-            received, send.to(device).contiguous().reshape(-1), [parts[me] * w for w in widths], [p * widths[me] for p in parts], group=group
-        )
+        send = send.to(device).contiguous().reshape(-1)
+        dist.all_to_all_single(received, send, [parts[me] * w for w in widths], [p * widths[me] for p in parts], group=group)
         full = torch.empty(parts[me], table.dim, dtype=table.dtype, device=device)
         offset = 0
         for rank, width in enumerate(widths):
