@@ -14,7 +14,10 @@ The protocol (what every ``ItemRanking`` computes):
   items only fill the list (score ``-inf``) when fewer than ``k`` items are unseen.
 
 The chunk functions below (``target_scores``, ``count_at_least``, ``chunk_candidates``) are the one
-arithmetic of a score; the sharded ranking calls them on the rows each rank holds, so both agree bit for bit.
+arithmetic of a score; the sharded ranking calls them on the full rows each rank scores, so both count and
+break ties alike. A matrix product's last bit depends on its shape (BLAS blocking), so scores can differ by one
+rounding between chunk sizes or layouts (here too, between two ``chunk_rows``); a count can only differ where
+an item scores within that rounding of the target.
 """
 
 from __future__ import annotations
