@@ -172,7 +172,16 @@ def _rank_everything(rank: int, world_size: int, group_size: int, layout: str = 
             ShardedItemRanking(collection, "random_rw", dist.group.WORLD).target_ranks(**inputs)
         except ValueError as error:
             wrong_group = str(error)
-    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "widest": widest}
+    bad_input = None
+    if layout == "two_ranks":  # rank 1 alone names a target outside the table: both ranks raise, neither waits
+        inputs = rank_inputs("random_cw", "uneven", rank)
+        if rank == 1:
+            inputs["target_ids"][0] = NUM_ITEMS
+        try:
+            ShardedItemRanking(collection, "random_cw", group).target_ranks(**inputs)
+        except ValueError as error:
+            bad_input = str(error)
+    return {"results": results, "shard_counts": shard_counts, "wrong_group": wrong_group, "widest": widest, "bad_input": bad_input}
 
 
 @functools.cache
@@ -249,6 +258,11 @@ def test_sharded_ranking_on_cuda_with_nccl_equals_brute_force() -> None:
     outputs = run_ranks(_rank_everything, 1, 1, "one_cuda_device", "cuda", timeout=300)
     for table in LAYOUTS["one_cuda_device"]:
         _assert_equal_to_reference(outputs, table)
+
+
+def test_a_bad_input_on_one_rank_stops_every_rank_of_the_group(one_d: list[dict[str, Any]]) -> None:
+    assert "group rank(s) [1]" in (one_d[0]["bad_input"] or ""), one_d[0]["bad_input"]
+    assert f"target_ids contains [{NUM_ITEMS}], outside the table's rows" in (one_d[1]["bad_input"] or ""), one_d[1]["bad_input"]
 
 
 def test_no_score_block_is_wider_than_chunk_rows(one_d: list[dict[str, Any]]) -> None:
