@@ -1,17 +1,22 @@
-"""The strategy's own collectives over the default process group (Lightning calls them for metrics and barriers)."""
+"""The strategy's own collectives over the default process group (Lightning calls them for metrics and barriers),
+and the exact full ranking of an item table over the sharding group (a model calls it for its ranking metrics)."""
 
 from __future__ import annotations
 
 from typing import Any, Optional, Union
 
 import torch.distributed as dist
+from torch import nn
 from lightning.fabric.utilities.distributed import _distributed_is_initialized, _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies.strategy import TBroadcast
 from torch import Tensor
+from torchrec.distributed.types import ShardedModule
 from typing_extensions import override
 
 from lightning_recsys.parallel.comms import comm_purpose
+from lightning_recsys.parallel.ranking import DEFAULT_CHUNK_ROWS, ItemRanking, make_item_ranking
+from lightning_recsys.parallel.topology import ParallelTopology
 
 
 class ProcessGroupCollectives:
@@ -21,6 +26,19 @@ class ProcessGroupCollectives:
     """
 
     root_device: Any
+    topology: ParallelTopology
+
+    def item_ranking(
+        self, module: nn.Module, table_name: str, normalize_rows: bool = False, chunk_rows: int = DEFAULT_CHUNK_ROWS
+    ) -> ItemRanking:
+        """The exact full ranking of ``table_name`` in ``module`` (``lightning_recsys.parallel.ranking``).
+
+        ``module``: the model's ``EmbeddingCollection`` attribute; once sharded, the ``ShardedEmbeddingCollection``
+        in its place, ranked inside this rank's sharding group, where every rank calls it with its own users.
+        An unsharded module is ranked over its own weight.
+        """
+        group = self.topology.sharding_process_group() if isinstance(module, ShardedModule) else None
+        return make_item_ranking(module, table_name, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize_rows)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:

@@ -1,9 +1,25 @@
 """Full ranking of every item of an item table for a batch of user query vectors: exact target ranks and top-K.
 
-``UnshardedItemRanking`` scores a whole table held in one process (brute force, in row chunks).
-The sharded ranking, over a TorchRec-sharded table, returns the same results.
+``UnshardedItemRanking`` scores a whole table held in one process (brute force, in row chunks): the reference.
+``ShardedItemRanking`` ranks a TorchRec-sharded ``EmbeddingCollection`` table inside its sharding group, with
+the same results; ``make_item_ranking`` picks the one a module needs.
 """
 
-from lightning_recsys.parallel.ranking.unsharded import ItemRanking, UnshardedItemRanking, seen_mask
+from lightning_recsys.parallel.ranking.sharded import ShardedItemRanking, make_item_ranking
+from lightning_recsys.parallel.ranking.unsharded import (
+    DEFAULT_CHUNK_ROWS,
+    ItemRanking,
+    UnshardedItemRanking,
+    merge_top_k,
+    seen_mask,
+)
 
-__all__ = ["ItemRanking", "UnshardedItemRanking", "seen_mask"]
+__all__ = [
+    "DEFAULT_CHUNK_ROWS",
+    "ItemRanking",
+    "ShardedItemRanking",
+    "UnshardedItemRanking",
+    "make_item_ranking",
+    "merge_top_k",
+    "seen_mask",
+]
