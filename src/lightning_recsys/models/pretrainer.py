@@ -301,7 +301,9 @@ class SequencePretrainer(RecsysModule):
         values = metric.compute()
         metric.reset()
         for name, value in values.items():
-            self.log(f"{stage}/{name}", value.float(), prog_bar=name in ("ndcg@10", "hr@10"))
+            # Already summed over every rank by compute(); averaging equal values changes nothing, and
+            # without sync_dist Lightning warns about epoch-level logging in distributed runs.
+            self.log(f"{stage}/{name}", value.float(), prog_bar=name in ("ndcg@10", "hr@10"), sync_dist=True)
 
     def predict_step(self, batch: SequenceBatch, batch_idx: int) -> dict[str, torch.Tensor]:
         queries = self.user_vectors(batch)
