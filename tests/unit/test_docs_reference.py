@@ -9,6 +9,7 @@ from docs_text import page
 
 from lightning_recsys import (
     CommunicationMonitor,
+    DCPCheckpointIO,
     EmbeddingOptimizerConfig,
     GuardConfig,
     PlanningConfig,
@@ -23,10 +24,13 @@ from lightning_recsys.data import (
     CriteoDataModule,
     MovieLens100KDataModule,
     MovieLens100KSequenceDataModule,
+    MovieLensPretrainDataModule,
+    SequenceFileDataModule,
     SyntheticClickLogConfig,
+    SyntheticPretrainDataModule,
     SyntheticSequenceConfig,
 )
-from lightning_recsys.models import DCNRanker, DLRMRanker, SequenceRanker
+from lightning_recsys.models import DCNRanker, DLRMRanker, SequencePretrainer, SequenceRanker
 
 REFERENCE_PAGE = "docs/configuration.md"
 REFERENCE = page(REFERENCE_PAGE)
@@ -34,6 +38,7 @@ REFERENCE = page(REFERENCE_PAGE)
 LIGHTNING_PLUMBING = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
 SECTIONS = {
     "`TwoDRecStrategy`": [TwoDRecStrategy],
+    "`DCPCheckpointIO`": [DCPCheckpointIO],
     "`PlanningConfig`": [PlanningConfig],
     "`GuardConfig`": [GuardConfig],
     "`EmbeddingOptimizerConfig`": [EmbeddingOptimizerConfig],
@@ -46,6 +51,10 @@ SECTIONS = {
     "`MovieLens100KDataModule`": [MovieLens100KDataModule],
     "`SyntheticSequenceConfig`": [SyntheticSequenceConfig],
     "`MovieLens100KSequenceDataModule`": [MovieLens100KSequenceDataModule],
+    "`SequencePretrainer`": [SequencePretrainer],
+    "`SequenceFileDataModule`": [SequenceFileDataModule],
+    "`SyntheticPretrainDataModule`": [SyntheticPretrainDataModule],
+    "`MovieLensPretrainDataModule`": [MovieLensPretrainDataModule],
     "`CriteoDataModule`": [CriteoDataModule],
     "`CriteoBinaryDataModule`": [CriteoBinaryDataModule],
     "Callbacks": [CommunicationMonitor, RunSummary],
