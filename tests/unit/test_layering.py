@@ -15,7 +15,7 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = "lightning_recsys"
 TRAINER_FREE = [
     "lightning_recsys",
-    *(f"lightning_recsys.parallel.{concern}" for concern in ("topology", "comms", "input", "sync", "sharding")),
+    *(f"lightning_recsys.parallel.{concern}" for concern in ("topology", "comms", "input", "sync", "sharding", "ranking")),
     "lightning_recsys.parallel",
     "lightning_recsys.planner.cost",
     "lightning_recsys.planner",
