@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -59,14 +60,19 @@ def mean_over_seeds(runs: list[dict]) -> dict:
 
 def compare(
     config: Path, overrides: list[str], seeds: list[int], datamodule: SequencePretrainDataModule,
-    train: Callable[[Path, list[str], int], dict],
+    train: Callable[[Path, list[str], int], dict], parallel: bool = False,
 ) -> dict:
-    """``train(config, overrides, seed)`` once per seed (its data seed too), then the baseline."""
-    runs = [train(config, [*overrides, "--data.seed", str(seed)], seed) for seed in seeds]
+    """``train(config, overrides, seed)`` once per seed (its data seed too), then the baseline.
+
+    ``parallel``: the seeds' fits run at the same time (each in its own processes), which shortens the
+    wall time on a machine with cores to spare and lengthens each fit's ``fit_seconds``.
+    """
+    with ThreadPoolExecutor(max_workers=len(seeds) if parallel else 1) as pool:
+        runs = list(pool.map(lambda seed: train(config, [*overrides, "--data.seed", str(seed)], seed), seeds))
     return {
         "dataset": "sequences", "config": str(config), "overrides": overrides, "seeds": seeds,
         "data": {"users": int(datamodule.sequences.num_users), "items": int(datamodule.num_items), **datamodule.num_examples},
-        "runs": runs, "mean": mean_over_seeds(runs), "baseline": most_popular(datamodule),
+        "runs": runs, "mean": mean_over_seeds(runs), "baseline": most_popular(datamodule), "parallel_seeds": parallel,
     }
 
 
@@ -78,7 +84,8 @@ def print_comparison(result: dict) -> None:
     print(f"{'':<14}{header}  notes")
     mean = result["mean"]
     runs = result["runs"]
-    notes = f"mean of {len(runs)} (NDCG@10 std {mean['ndcg@10_std']:.4f}); fit {mean['fit_seconds']:.0f} s, {runs[0]['world_size']} processes"
+    together = ", seeds run at once" if result.get("parallel_seeds") else ""
+    notes = f"mean of {len(runs)} (NDCG@10 std {mean['ndcg@10_std']:.4f}); fit {mean['fit_seconds']:.0f} s, {runs[0]['world_size']} processes{together}"
     print(f"{'model':<14}" + "".join(f"{mean[name]:>15.4f}" for name in METRICS) + f"  {notes}")
     for run in runs:
         best = f"best val/ndcg@10 {run.get('best_val', math.nan):.4f} at epoch {run.get('best_epoch')}"

@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pretrain-path", help="a BERT4Rec-format sequence file: train beauty_pretrain.yaml (or --pretrain-config) on it")
     parser.add_argument("--synthetic-pretrain", action="store_true", help="train synthetic_pretrain.yaml (or --pretrain-config)")
     parser.add_argument("--pretrain-config", type=Path, default=None, help="default: beauty_pretrain.yaml / synthetic_pretrain.yaml")
+    parser.add_argument("--parallel-seeds", action="store_true", help="run the pretraining seeds' fits at the same time")
     parser.add_argument("--pretrain-override", default="", help="CLI arguments for the pretraining config, one quoted string")
     parser.add_argument("--override", nargs=argparse.REMAINDER, default=[], help="CLI arguments passed on to the (DLRM) config (last)")
     args = parser.parse_args(argv)
@@ -463,7 +464,7 @@ def _pretrain(args: argparse.Namespace, workdir: Path) -> int:
     def train(config: Path, overrides: list[str], seed: int) -> dict:
         return _train_in_subprocess(config, overrides, seed, workdir)
 
-    result = _pretrain_quality.compare(config, overrides, args.seeds or [args.seed], datamodule, train)
+    result = _pretrain_quality.compare(config, overrides, args.seeds or [args.seed], datamodule, train, parallel=args.parallel_seeds)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2))
     _pretrain_quality.print_comparison(result)
