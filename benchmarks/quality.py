@@ -462,7 +462,9 @@ def _pretrain(args: argparse.Namespace, workdir: Path) -> int:
     datamodule = _build(config, overrides, workdir).datamodule
 
     def train(config: Path, overrides: list[str], seed: int) -> dict:
-        return _train_in_subprocess(config, overrides, seed, workdir)
+        seed_dir = workdir / f"seed-{seed}"  # each fit's checkpoints apart: the seeds may run at once
+        seed_dir.mkdir()
+        return _train_in_subprocess(config, overrides, seed, seed_dir)
 
     result = _pretrain_quality.compare(config, overrides, args.seeds or [args.seed], datamodule, train, parallel=args.parallel_seeds)
     args.json.parent.mkdir(parents=True, exist_ok=True)
