@@ -88,3 +88,138 @@ def test_2d_fp8_sequence_all_to_all_with_negatives_stays_within_fp8_tolerance(tw
     assert error < FP8_TOLERANCE, error
     assert not torch.equal(items, expected)  # quantized: not the fp32 result bit for bit
     assert torch.equal(items[expected_update == 0], initial[expected_update == 0])  # untouched rows stay untouched
+
+
+# ----------------------------------------------------------------- checkpoints: save, reshard, evaluate, predict, export, resume
+TOP_K, EVAL_K = 5, (1, 5, 10)
+CHECKPOINT_MODEL = dict(embedding_device="meta", seed=None, predict_top_k=TOP_K, eval_k=EVAL_K)  # only the shards exist
+LAYOUTS = {  # name: (sharding types, processes per node, nodes)
+    "row_wise on 2": (["row_wise"], 2, 1),
+    "column_wise on 2": (["column_wise"], 2, 1),
+    "2D 2x2 row_wise on 4": (["row_wise"], PER_NODE, NODES),
+}
+
+
+def _trainer(strategy, devices: int, num_nodes: int = 1, **kwargs):
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, **kwargs,
+    )
+
+
+def _evaluations(trainer, model_factory, ckpt_path: str | None) -> dict:
+    from pretrain_oracle import PretrainDataModule
+
+    out = {}
+    for fn in ("validate", "test", "predict"):
+        model = model_factory()
+        out[fn] = getattr(trainer(), fn)(model, datamodule=PretrainDataModule(), ckpt_path=ckpt_path)
+    out["tables"] = table_shards(model)
+    return out
+
+
+def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from pretrain_oracle import PretrainDataModule
+
+    model = make_model(**CHECKPOINT_MODEL)
+    trainer = _trainer(
+        sgd_strategy(sharding_types=["table_wise"]), world_size, max_epochs=1,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")],
+    )
+    trainer.fit(model, datamodule=PretrainDataModule())
+    out = _evaluations(lambda: _trainer(sgd_strategy(sharding_types=["table_wise"]), world_size), lambda: model, None)
+    return out
+
+
+def _evaluate_resharded(rank: int, world_size: int, ckpt_path: str, layout: str) -> dict:
+    sharding_types, devices, num_nodes = LAYOUTS[layout]
+    strategy = lambda: sgd_strategy(sharding_types=sharding_types, sharding_group_size=devices)  # noqa: E731
+    return _evaluations(lambda: _trainer(strategy(), devices, num_nodes), lambda: make_model(**CHECKPOINT_MODEL), ckpt_path)
+
+
+def _brute_force(model) -> dict:
+    """The unsharded model's validation metrics and top-K over the validation users (the test and predict users too)."""
+    from pretrain_oracle import PretrainLogConfig, global_lists, slice_lists
+
+    from lightning_recsys.models.ranking_metrics import RankingMetrics
+    from lightning_recsys.models.pretrainer_ops import last_entries
+    from lightning_recsys.parallel.ranking import UnshardedItemRanking
+
+    config = PretrainLogConfig()
+    batch = slice_lists(global_lists(config, "val", 0), 0, config.global_batch_size)
+    model.eval()
+    with torch.no_grad():
+        queries = model.user_vectors(batch)
+    ranking = UnshardedItemRanking(model.state_dict()[ITEM_KEY])
+    metrics = RankingMetrics(EVAL_K)
+    metrics.update(ranking.target_ranks(queries, last_entries(batch.sparse["item_id"].lengths(), batch.next_item_ids), batch.seen_ids, batch.seen_lengths))
+    scores, ids = ranking.top_k(queries, TOP_K, batch.seen_ids, batch.seen_lengths)
+    return {"metrics": {k: float(v) for k, v in metrics.compute().items()}, "queries": queries, "top_k_ids": ids, "top_k_scores": scores}
+
+
+def _predictions(results: list[dict]) -> dict[str, torch.Tensor]:
+    """Each rank's predict outputs (one batch: its slice of the global batch), in global example order."""
+    return {key: torch.cat([r["predict"][0][key] for r in results]) for key in ("user_vectors", "top_k_ids", "top_k_scores")}
+
+
+def _check_against(expected: dict, results: list[dict], where: str) -> None:
+    for stage in ("val", "test"):  # test reads the same users here
+        logged = results[0]["validate" if stage == "val" else "test"][0]
+        for name, value in expected["metrics"].items():
+            assert logged[f"{stage}/{name}"] == pytest.approx(value, abs=1e-6), f"{where}: {stage}/{name}"
+    predicted = _predictions(results)
+    torch.testing.assert_close(predicted["user_vectors"], expected["queries"], msg=lambda m: f"{where}: {m}")
+    assert torch.equal(predicted["top_k_ids"], expected["top_k_ids"]), where
+    torch.testing.assert_close(predicted["top_k_scores"], expected["top_k_scores"], msg=lambda m: f"{where}: {m}")
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    from lightning_recsys.models import SequencePretrainer
+
+    directory = tmp_path_factory.mktemp("pretrain_checkpoint")
+    results = run_ranks(_fit_and_save, 2, str(directory), timeout=300)
+    checkpoint = directory / "fitted.ckpt"
+    unsharded = SequencePretrainer.load_from_checkpoint(checkpoint)
+    items = assemble([r["tables"] for r in results], ITEM_KEY, unsharded.state_dict()[ITEM_KEY])
+    return {"results": results, "checkpoint": str(checkpoint), "items": items, "unsharded": unsharded, "dir": directory}
+
+
+@pytest.mark.slow
+def test_evaluate_and_predict_of_the_fitted_sharded_pretrainer_match_brute_force_on_its_weights(saved):
+    assert torch.equal(saved["items"], saved["unsharded"].state_dict()[ITEM_KEY])  # what was saved is what was trained
+    expected = _brute_force(saved["unsharded"])
+    assert 0 < expected["metrics"]["hr@10"] < 1  # neither trivial nor impossible: the comparison can fail
+    _check_against(expected, saved["results"], "table_wise on 2 (in memory)")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_a_table_wise_checkpoint_loads_into_another_layout_bit_identical_and_evaluates_the_same(saved, layout):
+    _, devices, num_nodes = LAYOUTS[layout]
+    results = run_ranks(_evaluate_resharded, devices * num_nodes, saved["checkpoint"], layout, timeout=400, ranks_per_node=devices)
+    group = [r["tables"] for r in results[:devices]]  # the first sharding group holds a whole copy
+    assert torch.equal(assemble(group, ITEM_KEY, saved["items"]), saved["items"]), layout
+    if num_nodes > 1:
+        for rank in range(devices, devices * num_nodes):
+            assert results[rank]["tables"].keys() == results[rank - devices]["tables"].keys()
+            for key in results[rank]["tables"]:
+                for (o, value), (p, other) in zip(results[rank]["tables"][key], results[rank - devices]["tables"][key], strict=True):
+                    assert o == p and torch.equal(value, other), f"{layout}: replica of rank {rank} differs in {key}"
+    _check_against(_brute_force(saved["unsharded"]), results, layout)
+    for name, value in saved["results"][0]["validate"][0].items():  # the same val metrics as the layout that trained
+        assert results[0]["validate"][0][name] == pytest.approx(value, abs=1e-6), f"{layout}: {name}"
+
+
+def test_export_safetensors_of_the_sharded_checkpoint_ranks_as_the_sharded_model(saved):
+    from safetensors.torch import load_file
+
+    from lightning_recsys.checkpoint import export_safetensors
+
+    rebuilt = make_model(seed=0, predict_top_k=TOP_K, eval_k=EVAL_K)
+    rebuilt.load_state_dict(load_file(export_safetensors(saved["checkpoint"], saved["dir"] / "fitted.safetensors")))
+    assert torch.equal(rebuilt.state_dict()[ITEM_KEY], saved["items"])
+    _check_against(_brute_force(rebuilt), saved["results"], "safetensors export")
