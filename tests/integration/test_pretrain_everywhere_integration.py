@@ -223,3 +223,40 @@ def test_export_safetensors_of_the_sharded_checkpoint_ranks_as_the_sharded_model
     rebuilt.load_state_dict(load_file(export_safetensors(saved["checkpoint"], saved["dir"] / "fitted.safetensors")))
     assert torch.equal(rebuilt.state_dict()[ITEM_KEY], saved["items"])
     _check_against(_brute_force(rebuilt), saved["results"], "safetensors export")
+
+
+def _fit_epochs(rank: int, world_size: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None) -> dict:
+    from lightning.pytorch import Callback
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from pretrain_oracle import PretrainDataModule
+
+    class Losses(Callback):
+        def __init__(self) -> None:
+            self.losses: list[tuple[int, float]] = []
+
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+            self.losses.append((trainer.global_step, float(outputs["loss"])))
+
+    losses = Losses()
+    trainer = _trainer(
+        sgd_strategy(sharding_types=["table_wise"]), world_size, max_epochs=max_epochs, limit_val_batches=0,
+        callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1), losses],
+    )
+    model = make_model(embedding_device="meta", seed=None, dense_optimizer="adam")  # Adam: its state must resume too
+    trainer.fit(model, datamodule=PretrainDataModule(), ckpt_path=ckpt_path)
+    return {"losses": losses.losses, "tables": table_shards(model), "dense": {k: v.clone() for k, v in model.state_dict().items() if not is_table(k)}}
+
+
+@pytest.mark.slow
+def test_fit_resumed_from_a_sharded_checkpoint_continues_exactly(tmp_path):
+    full = run_ranks(_fit_epochs, 2, str(tmp_path / "full"), 2, None, timeout=300)
+    run_ranks(_fit_epochs, 2, str(tmp_path / "resumed"), 1, None, timeout=300)
+    resumed = run_ranks(_fit_epochs, 2, str(tmp_path / "resumed"), 2, "last", timeout=300)
+    for rank in range(2):
+        assert len(full[rank]["losses"]) == 2 * STEPS
+        assert resumed[rank]["losses"] == full[rank]["losses"][STEPS:], rank
+        for key, pieces in full[rank]["tables"].items():
+            for (offsets, expected), (resumed_offsets, actual) in zip(pieces, resumed[rank]["tables"][key], strict=True):
+                assert offsets == resumed_offsets and torch.equal(actual, expected), f"rank {rank}: {key}"
+        for key, expected in full[rank]["dense"].items():
+            assert torch.equal(resumed[rank]["dense"][key], expected), f"rank {rank}: {key}"
