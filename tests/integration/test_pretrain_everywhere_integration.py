@@ -260,3 +260,124 @@ def test_fit_resumed_from_a_sharded_checkpoint_continues_exactly(tmp_path):
                 assert offsets == resumed_offsets and torch.equal(actual, expected), f"rank {rank}: {key}"
         for key, expected in full[rank]["dense"].items():
             assert torch.equal(resumed[rank]["dense"][key], expected), f"rank {rank}: {key}"
+
+
+# ----------------------------------------------------------------- the sequence DataModules on 2 ranks
+EVAL_USERS = 5  # users with a validation example; TRAIN_ONLY_USERS more with 2 items (a training example, no evaluation)
+TRAIN_ONLY_USERS = 3
+
+
+def _write_sequences(path) -> None:
+    generator = torch.Generator().manual_seed(5)
+    lines = []
+    for user in range(1, EVAL_USERS + TRAIN_ONLY_USERS + 1):
+        length = 7 if user <= EVAL_USERS else 2
+        lines += [f"{user} {int(item) + 1}" for item in torch.randint(0, 32, (length,), generator=generator)]  # ids from 1
+    path.write_text("\n".join(lines) + "\n")
+
+
+class _EvaluatedUsers:
+    """Counts the users each validation step ranks on this rank (as a Lightning Callback; built in the rank)."""
+
+    @staticmethod
+    def make():
+        from lightning.pytorch import Callback
+
+        class Counter(Callback):
+            def __init__(self) -> None:
+                self.users = 0
+
+            def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+                self.users += int(batch.seen_lengths.numel())
+
+        return Counter()
+
+
+def _file_data(path: str, global_batch_size: int):
+    from pretrain_oracle import ITEMS, MAX_LENGTH
+
+    from lightning_recsys.data.sequences import SequenceFileDataModule
+
+    return SequenceFileDataModule(path, max_length=MAX_LENGTH, num_negatives=8, global_batch_size=global_batch_size, shuffle=False, num_items=ITEMS)
+
+
+def _fit_validate_file(rank: int, world_size: int, path: str, global_batch_size: int, sharding_type: str, ckpt: str) -> dict:
+    counter = _EvaluatedUsers.make()
+    data = _file_data(path, global_batch_size)
+    model = make_model(eval_k=EVAL_K, num_action_types=0)  # the file has no actions
+    trainer = _trainer(sgd_strategy(sharding_types=[sharding_type]), world_size, max_epochs=1, limit_val_batches=0, enable_checkpointing=False)
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(ckpt)
+    evaluation = _trainer(sgd_strategy(sharding_types=[sharding_type]), world_size, callbacks=[counter])
+    metrics = evaluation.validate(model, datamodule=data, verbose=False)[0]
+    loader = evaluation.val_dataloaders
+    return {"metrics": metrics, "users": counter.users, "skipped": getattr(loader, "skipped_steps", None), "steps": trainer.global_step}
+
+
+def _single_process_metrics(ckpt: str, path: str, global_batch_size: int) -> dict:
+    from lightning_recsys.models import SequencePretrainer
+
+    model = SequencePretrainer.load_from_checkpoint(ckpt)
+    trainer = _trainer("auto", 1)
+    return trainer.validate(model, datamodule=_file_data(path, global_batch_size), verbose=False)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
+def test_a_sequence_file_whose_last_eval_batch_splits_unevenly_evaluates_every_user(tmp_path, sharding_type):
+    """6 per global batch: the 5 validation users split 2 and 3 over the 2 ranks; the full ranking takes both sizes."""
+    path = tmp_path / "sequences.txt"
+    _write_sequences(path)
+    ckpt = str(tmp_path / "fitted.ckpt")
+    results = run_ranks(_fit_validate_file, 2, str(path), 6, sharding_type, ckpt, timeout=300)
+    assert [r["users"] for r in results] == [2, 3] and all(r["skipped"] == 0 for r in results), results
+    assert results[0]["steps"] == 1  # 8 training examples: one global batch of 6
+    expected = _single_process_metrics(ckpt, str(path), 6)
+    for name, value in expected.items():
+        assert results[0]["metrics"][name] == pytest.approx(value, abs=1e-6), name
+
+
+@pytest.mark.slow
+def test_an_eval_batch_smaller_than_the_world_size_is_skipped_on_every_rank_and_counted(tmp_path):
+    """4 per global batch: the 5th validation user is alone in the last one, so rank 1's slice is empty. The input guard
+    skips that step on every rank (TorchRec's lookups cannot take an empty batch); the skip is counted per loader and
+    logged, and the DataModule's docstring says which users are lost (the last N mod B when that is below the world size)."""
+    path = tmp_path / "sequences.txt"
+    _write_sequences(path)
+    ckpt = str(tmp_path / "fitted.ckpt")
+    results = run_ranks(_fit_validate_file, 2, str(path), 4, "table_wise", ckpt, timeout=300)
+    assert sum(r["users"] for r in results) == EVAL_USERS - 1 and all(r["skipped"] == 1 for r in results), results
+
+
+SYNTHETIC = dict(num_users=24, num_items=64, num_clusters=4, min_sequence_length=4, max_sequence_length=10, num_action_types=3,
+                 max_length=6, num_negatives=8, global_batch_size=8, seed=3)
+
+
+def _fit_validate_synthetic(rank: int, world_size: int, sharding_type: str, ckpt: str) -> dict:
+    from lightning_recsys.data.sequences import SyntheticPretrainDataModule
+
+    counter = _EvaluatedUsers.make()
+    data = SyntheticPretrainDataModule(**SYNTHETIC)
+    model = make_model(eval_k=EVAL_K)
+    trainer = _trainer(
+        sgd_strategy(sharding_types=[sharding_type]), world_size, max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[counter]
+    )
+    trainer.fit(model, datamodule=data)
+    trainer.save_checkpoint(ckpt)
+    return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "users": counter.users, "steps": trainer.global_step,
+            "val_users": data.num_examples["val"]}
+
+
+@pytest.mark.slow
+def test_synthetic_pretrain_data_fits_and_validates_on_two_ranks_as_on_one(tmp_path):
+    from lightning_recsys.data.sequences import SyntheticPretrainDataModule
+    from lightning_recsys.models import SequencePretrainer
+
+    ckpt = str(tmp_path / "fitted.ckpt")
+    results = run_ranks(_fit_validate_synthetic, 2, "column_wise", ckpt, timeout=300)
+    assert results[0]["steps"] == 24 // 8  # every user has a training example
+    assert results[0]["val_users"] == 24 and sum(r["users"] for r in results) == 24, results  # the epoch's validation saw every user
+    single = _trainer("auto", 1).validate(SequencePretrainer.load_from_checkpoint(ckpt), datamodule=SyntheticPretrainDataModule(**SYNTHETIC), verbose=False)[0]
+    assert set(single) <= set(results[0]["metrics"])
+    for name, value in single.items():
+        assert results[0]["metrics"][name] == pytest.approx(value, abs=1e-6), name
