@@ -3,6 +3,8 @@ resumed, evaluated and exported, and the sequence DataModules' evaluation batche
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from multiprocess import run_ranks
@@ -309,9 +311,16 @@ def _fit_validate_file(rank: int, world_size: int, path: str, global_batch_size:
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(ckpt)
     evaluation = _trainer(sgd_strategy(sharding_types=[sharding_type]), world_size, callbacks=[counter])
+    warnings: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("lightning_recsys.parallel.input.input_guard").addHandler(handler)
     metrics = evaluation.validate(model, datamodule=data, verbose=False)[0]
     loader = evaluation.val_dataloaders
-    return {"metrics": metrics, "users": counter.users, "skipped": getattr(loader, "skipped_steps", None), "steps": trainer.global_step}
+    return {
+        "metrics": metrics, "users": counter.users, "skipped": getattr(loader, "skipped_steps", None), "steps": trainer.global_step,
+        "warnings": warnings,
+    }
 
 
 def _single_process_metrics(ckpt: str, path: str, global_batch_size: int) -> dict:
@@ -330,7 +339,7 @@ def test_a_sequence_file_whose_last_eval_batch_splits_unevenly_evaluates_every_u
     _write_sequences(path)
     ckpt = str(tmp_path / "fitted.ckpt")
     results = run_ranks(_fit_validate_file, 2, str(path), 6, sharding_type, ckpt, timeout=300)
-    assert [r["users"] for r in results] == [2, 3] and all(r["skipped"] == 0 for r in results), results
+    assert [r["users"] for r in results] == [2, 3] and all(r["skipped"] == 0 and not r["warnings"] for r in results), results
     assert results[0]["steps"] == 1  # 8 training examples: one global batch of 6
     expected = _single_process_metrics(ckpt, str(path), 6)
     for name, value in expected.items():
@@ -339,7 +348,7 @@ def test_a_sequence_file_whose_last_eval_batch_splits_unevenly_evaluates_every_u
 
 @pytest.mark.slow
 def test_an_eval_batch_smaller_than_the_world_size_is_skipped_on_every_rank_and_counted(tmp_path):
-    """4 per global batch: the 5th validation user is alone in the last one, so rank 1's slice is empty. The input guard
+    """4 per global batch: the 5th validation user is alone in the last one, so rank 0's slice is empty. The input guard
     skips that step on every rank (TorchRec's lookups cannot take an empty batch); the skip is counted per loader and
     logged, and the DataModule's docstring says which users are lost (the last N mod B when that is below the world size)."""
     path = tmp_path / "sequences.txt"
@@ -347,6 +356,8 @@ def test_an_eval_batch_smaller_than_the_world_size_is_skipped_on_every_rank_and_
     ckpt = str(tmp_path / "fitted.ckpt")
     results = run_ranks(_fit_validate_file, 2, str(path), 4, "table_wise", ckpt, timeout=300)
     assert sum(r["users"] for r in results) == EVAL_USERS - 1 and all(r["skipped"] == 1 for r in results), results
+    for result in results:  # every rank says which step it skipped and why
+        assert any("batch 1: batch sizes per rank [0, 1]; skipped on every rank" in w for w in result["warnings"]), result["warnings"]
 
 
 SYNTHETIC = dict(num_users=24, num_items=64, num_clusters=4, min_sequence_length=4, max_sequence_length=10, num_action_types=3,
