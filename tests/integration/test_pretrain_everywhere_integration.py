@@ -7,13 +7,23 @@ import logging
 
 import pytest
 import torch
+from lightning.pytorch import Callback, Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_ranks
 from oracle import assemble
 from pretrain_oracle import (
-    ITEM_KEY, STEPS, fit_two_d, is_table, make_model, sgd_strategy, table_shards, train_two_replicas, train_unsharded,
+    ITEM_KEY, ITEMS, MAX_LENGTH, STEPS, PretrainDataModule, PretrainLogConfig, fit_two_d, global_lists, is_table, make_model,
+    sgd_strategy, slice_lists, table_shards, train_two_replicas, train_unsharded,
 )
+from safetensors.torch import load_file
 
 from lightning_recsys import QCommsConfig, ReplicaSyncConfig
+from lightning_recsys.checkpoint import export_safetensors
+from lightning_recsys.data.sequences import SequenceFileDataModule, SyntheticPretrainDataModule
+from lightning_recsys.models import SequencePretrainer
+from lightning_recsys.models.pretrainer_ops import last_entries
+from lightning_recsys.models.ranking_metrics import RankingMetrics
+from lightning_recsys.parallel.ranking import UnshardedItemRanking
 
 # ----------------------------------------------------------------- 2D: 2 nodes x 2 processes
 WORLD, PER_NODE, NODES = 4, 2, 2
@@ -24,14 +34,19 @@ FP8_DIM = 16  # fp8 scales blocks of 8 or 16 values (at 4 it runs as bf16)
 FP8_TOLERANCE = 1e-1
 
 
+def _dense(model: SequencePretrainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items() if not is_table(k)}
+
+
 def _fit_2d(rank: int, world_size: int) -> dict:
     out: dict = {}
     for name, overlap in (("blocking", False), ("overlapped", True)):
         model = make_model()
-        strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=ReplicaSyncConfig(overlap=overlap))
+        sync = ReplicaSyncConfig(rows="touched", overlap=overlap)
+        strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=sync)
         trainer = fit_two_d(strategy, model, devices=PER_NODE, num_nodes=NODES)
         assert trainer.global_step == STEPS
-        out[name] = {"shards": table_shards(model), "dense": {k: v.detach().clone() for k, v in model.state_dict().items() if not is_table(k)}}
+        out[name] = {"shards": table_shards(model), "dense": _dense(model)}
     model = make_model(embedding_dim=FP8_DIM)
     strategy = sgd_strategy(
         sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=ReplicaSyncConfig(),
@@ -102,9 +117,7 @@ LAYOUTS = {  # name: (sharding types, processes per node, nodes)
 }
 
 
-def _trainer(strategy, devices: int, num_nodes: int = 1, **kwargs):
-    from lightning.pytorch import Trainer
-
+def _trainer(strategy, devices: int, num_nodes: int = 1, **kwargs) -> Trainer:
     return Trainer(
         accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, logger=False, enable_progress_bar=False,
         enable_model_summary=False, **kwargs,
@@ -112,8 +125,6 @@ def _trainer(strategy, devices: int, num_nodes: int = 1, **kwargs):
 
 
 def _evaluations(trainer, model_factory, ckpt_path: str | None) -> dict:
-    from pretrain_oracle import PretrainDataModule
-
     out = {}
     for fn in ("validate", "test", "predict"):
         model = model_factory()
@@ -123,9 +134,6 @@ def _evaluations(trainer, model_factory, ckpt_path: str | None) -> dict:
 
 
 def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from pretrain_oracle import PretrainDataModule
-
     model = make_model(**CHECKPOINT_MODEL)
     trainer = _trainer(
         sgd_strategy(sharding_types=["table_wise"]), world_size, max_epochs=1,
@@ -142,14 +150,8 @@ def _evaluate_resharded(rank: int, world_size: int, ckpt_path: str, layout: str)
     return _evaluations(lambda: _trainer(strategy(), devices, num_nodes), lambda: make_model(**CHECKPOINT_MODEL), ckpt_path)
 
 
-def _brute_force(model) -> dict:
+def _brute_force(model: SequencePretrainer) -> dict:
     """The unsharded model's validation metrics and top-K over the validation users (the test and predict users too)."""
-    from pretrain_oracle import PretrainLogConfig, global_lists, slice_lists
-
-    from lightning_recsys.models.ranking_metrics import RankingMetrics
-    from lightning_recsys.models.pretrainer_ops import last_entries
-    from lightning_recsys.parallel.ranking import UnshardedItemRanking
-
     config = PretrainLogConfig()
     batch = slice_lists(global_lists(config, "val", 0), 0, config.global_batch_size)
     model.eval()
@@ -157,9 +159,11 @@ def _brute_force(model) -> dict:
         queries = model.user_vectors(batch)
     ranking = UnshardedItemRanking(model.state_dict()[ITEM_KEY])
     metrics = RankingMetrics(EVAL_K)
-    metrics.update(ranking.target_ranks(queries, last_entries(batch.sparse["item_id"].lengths(), batch.next_item_ids), batch.seen_ids, batch.seen_lengths))
+    targets = last_entries(batch.sparse["item_id"].lengths(), batch.next_item_ids)
+    metrics.update(ranking.target_ranks(queries, targets, batch.seen_ids, batch.seen_lengths))
     scores, ids = ranking.top_k(queries, TOP_K, batch.seen_ids, batch.seen_lengths)
-    return {"metrics": {k: float(v) for k, v in metrics.compute().items()}, "queries": queries, "top_k_ids": ids, "top_k_scores": scores}
+    metric_values = {k: float(v) for k, v in metrics.compute().items()}
+    return {"metrics": metric_values, "queries": queries, "top_k_ids": ids, "top_k_scores": scores}
 
 
 def _predictions(results: list[dict]) -> dict[str, torch.Tensor]:
@@ -180,8 +184,6 @@ def _check_against(expected: dict, results: list[dict], where: str) -> None:
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
-    from lightning_recsys.models import SequencePretrainer
-
     directory = tmp_path_factory.mktemp("pretrain_checkpoint")
     results = run_ranks(_fit_and_save, 2, str(directory), timeout=300)
     checkpoint = directory / "fitted.ckpt"
@@ -190,7 +192,6 @@ def saved(tmp_path_factory) -> dict:
     return {"results": results, "checkpoint": str(checkpoint), "items": items, "unsharded": unsharded, "dir": directory}
 
 
-@pytest.mark.slow
 def test_evaluate_and_predict_of_the_fitted_sharded_pretrainer_match_brute_force_on_its_weights(saved):
     assert torch.equal(saved["items"], saved["unsharded"].state_dict()[ITEM_KEY])  # what was saved is what was trained
     expected = _brute_force(saved["unsharded"])
@@ -217,36 +218,29 @@ def test_a_table_wise_checkpoint_loads_into_another_layout_bit_identical_and_eva
 
 
 def test_export_safetensors_of_the_sharded_checkpoint_ranks_as_the_sharded_model(saved):
-    from safetensors.torch import load_file
-
-    from lightning_recsys.checkpoint import export_safetensors
-
     rebuilt = make_model(seed=0, predict_top_k=TOP_K, eval_k=EVAL_K)
     rebuilt.load_state_dict(load_file(export_safetensors(saved["checkpoint"], saved["dir"] / "fitted.safetensors")))
     assert torch.equal(rebuilt.state_dict()[ITEM_KEY], saved["items"])
     _check_against(_brute_force(rebuilt), saved["results"], "safetensors export")
 
 
+class _Losses(Callback):
+    def __init__(self) -> None:
+        self.losses: list[tuple[int, float]] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        self.losses.append((trainer.global_step, float(outputs["loss"])))
+
+
 def _fit_epochs(rank: int, world_size: int, ckpt_dir: str, max_epochs: int, ckpt_path: str | None) -> dict:
-    from lightning.pytorch import Callback
-    from lightning.pytorch.callbacks import ModelCheckpoint
-    from pretrain_oracle import PretrainDataModule
-
-    class Losses(Callback):
-        def __init__(self) -> None:
-            self.losses: list[tuple[int, float]] = []
-
-        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-            self.losses.append((trainer.global_step, float(outputs["loss"])))
-
-    losses = Losses()
+    losses = _Losses()
     trainer = _trainer(
         sgd_strategy(sharding_types=["table_wise"]), world_size, max_epochs=max_epochs, limit_val_batches=0,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1), losses],
     )
     model = make_model(embedding_device="meta", seed=None, dense_optimizer="adam")  # Adam: its state must resume too
     trainer.fit(model, datamodule=PretrainDataModule(), ckpt_path=ckpt_path)
-    return {"losses": losses.losses, "tables": table_shards(model), "dense": {k: v.clone() for k, v in model.state_dict().items() if not is_table(k)}}
+    return {"losses": losses.losses, "tables": table_shards(model), "dense": _dense(model)}
 
 
 @pytest.mark.slow
@@ -278,36 +272,28 @@ def _write_sequences(path) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-class _EvaluatedUsers:
-    """Counts the users each validation step ranks on this rank (as a Lightning Callback; built in the rank)."""
+class _EvaluatedUsers(Callback):
+    """Counts the users this rank's validation steps rank."""
 
-    @staticmethod
-    def make():
-        from lightning.pytorch import Callback
+    def __init__(self) -> None:
+        self.users = 0
 
-        class Counter(Callback):
-            def __init__(self) -> None:
-                self.users = 0
-
-            def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
-                self.users += int(batch.seen_lengths.numel())
-
-        return Counter()
+    def on_validation_batch_end(self, trainer, pl_module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.users += int(batch.seen_lengths.numel())
 
 
-def _file_data(path: str, global_batch_size: int):
-    from pretrain_oracle import ITEMS, MAX_LENGTH
-
-    from lightning_recsys.data.sequences import SequenceFileDataModule
-
-    return SequenceFileDataModule(path, max_length=MAX_LENGTH, num_negatives=8, global_batch_size=global_batch_size, shuffle=False, num_items=ITEMS)
+def _file_data(path: str, global_batch_size: int) -> SequenceFileDataModule:
+    return SequenceFileDataModule(
+        path, max_length=MAX_LENGTH, num_negatives=8, global_batch_size=global_batch_size, shuffle=False, num_items=ITEMS
+    )
 
 
 def _fit_validate_file(rank: int, world_size: int, path: str, global_batch_size: int, sharding_type: str, ckpt: str) -> dict:
-    counter = _EvaluatedUsers.make()
+    counter = _EvaluatedUsers()
     data = _file_data(path, global_batch_size)
     model = make_model(eval_k=EVAL_K, num_action_types=0)  # the file has no actions
-    trainer = _trainer(sgd_strategy(sharding_types=[sharding_type]), world_size, max_epochs=1, limit_val_batches=0, enable_checkpointing=False)
+    strategy = sgd_strategy(sharding_types=[sharding_type])
+    trainer = _trainer(strategy, world_size, max_epochs=1, limit_val_batches=0, enable_checkpointing=False)
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(ckpt)
     evaluation = _trainer(sgd_strategy(sharding_types=[sharding_type]), world_size, callbacks=[counter])
@@ -324,14 +310,11 @@ def _fit_validate_file(rank: int, world_size: int, path: str, global_batch_size:
 
 
 def _single_process_metrics(ckpt: str, path: str, global_batch_size: int) -> dict:
-    from lightning_recsys.models import SequencePretrainer
-
     model = SequencePretrainer.load_from_checkpoint(ckpt)
     trainer = _trainer("auto", 1)
     return trainer.validate(model, datamodule=_file_data(path, global_batch_size), verbose=False)[0]
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("sharding_type", ["table_wise", "row_wise"])
 def test_a_sequence_file_whose_last_eval_batch_splits_unevenly_evaluates_every_user(tmp_path, sharding_type):
     """6 per global batch: the 5 validation users split 2 and 3 over the 2 ranks; the full ranking takes both sizes."""
@@ -346,7 +329,6 @@ def test_a_sequence_file_whose_last_eval_batch_splits_unevenly_evaluates_every_u
         assert results[0]["metrics"][name] == pytest.approx(value, abs=1e-6), name
 
 
-@pytest.mark.slow
 def test_an_eval_batch_smaller_than_the_world_size_is_skipped_on_every_rank_and_counted(tmp_path):
     """4 per global batch: the 5th validation user is alone in the last one, so rank 0's slice is empty. The input guard
     skips that step on every rank (TorchRec's lookups cannot take an empty batch); the skip is counted per loader and
@@ -365,30 +347,25 @@ SYNTHETIC = dict(num_users=24, num_items=64, num_clusters=4, min_sequence_length
 
 
 def _fit_validate_synthetic(rank: int, world_size: int, sharding_type: str, ckpt: str) -> dict:
-    from lightning_recsys.data.sequences import SyntheticPretrainDataModule
-
-    counter = _EvaluatedUsers.make()
+    counter = _EvaluatedUsers()
     data = SyntheticPretrainDataModule(**SYNTHETIC)
     model = make_model(eval_k=EVAL_K)
-    trainer = _trainer(
-        sgd_strategy(sharding_types=[sharding_type]), world_size, max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[counter]
-    )
+    strategy = sgd_strategy(sharding_types=[sharding_type])
+    trainer = _trainer(strategy, world_size, max_epochs=1, enable_checkpointing=False, num_sanity_val_steps=0, callbacks=[counter])
     trainer.fit(model, datamodule=data)
     trainer.save_checkpoint(ckpt)
-    return {"metrics": {k: float(v) for k, v in trainer.callback_metrics.items()}, "users": counter.users, "steps": trainer.global_step,
+    metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    return {"metrics": metrics, "users": counter.users, "steps": trainer.global_step,
             "val_users": data.num_examples["val"]}
 
 
-@pytest.mark.slow
 def test_synthetic_pretrain_data_fits_and_validates_on_two_ranks_as_on_one(tmp_path):
-    from lightning_recsys.data.sequences import SyntheticPretrainDataModule
-    from lightning_recsys.models import SequencePretrainer
-
     ckpt = str(tmp_path / "fitted.ckpt")
     results = run_ranks(_fit_validate_synthetic, 2, "column_wise", ckpt, timeout=300)
     assert results[0]["steps"] == 24 // 8  # every user has a training example
     assert results[0]["val_users"] == 24 and sum(r["users"] for r in results) == 24, results  # the epoch's validation saw every user
-    single = _trainer("auto", 1).validate(SequencePretrainer.load_from_checkpoint(ckpt), datamodule=SyntheticPretrainDataModule(**SYNTHETIC), verbose=False)[0]
+    unsharded = SequencePretrainer.load_from_checkpoint(ckpt)
+    single = _trainer("auto", 1).validate(unsharded, datamodule=SyntheticPretrainDataModule(**SYNTHETIC), verbose=False)[0]
     assert set(single) <= set(results[0]["metrics"])
     for name, value in single.items():
         assert results[0]["metrics"][name] == pytest.approx(value, abs=1e-6), name
