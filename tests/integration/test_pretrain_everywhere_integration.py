@@ -134,7 +134,7 @@ def _evaluations(trainer, model_factory, ckpt_path: str | None) -> dict:
 
 
 def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
-    model = make_model(**CHECKPOINT_MODEL)
+    model = make_model(**{**CHECKPOINT_MODEL, "seed": 100 + rank})  # each rank's meta shards drawn from its own seed
     trainer = _trainer(
         sgd_strategy(sharding_types=["table_wise"]), world_size, max_epochs=1,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")],
@@ -195,7 +195,7 @@ def saved(tmp_path_factory) -> dict:
 def test_evaluate_and_predict_of_the_fitted_sharded_pretrainer_match_brute_force_on_its_weights(saved):
     assert torch.equal(saved["items"], saved["unsharded"].state_dict()[ITEM_KEY])  # what was saved is what was trained
     expected = _brute_force(saved["unsharded"])
-    assert 0 < expected["metrics"]["hr@10"] < 1  # neither trivial nor impossible: the comparison can fail
+    assert 0 < expected["metrics"]["mrr"] < 1 and expected["top_k_ids"].unique().numel() > TOP_K  # not one constant answer
     _check_against(expected, saved["results"], "table_wise on 2 (in memory)")
 
 
@@ -238,7 +238,7 @@ def _fit_epochs(rank: int, world_size: int, ckpt_dir: str, max_epochs: int, ckpt
         sgd_strategy(sharding_types=["table_wise"]), world_size, max_epochs=max_epochs, limit_val_batches=0,
         callbacks=[ModelCheckpoint(dirpath=ckpt_dir, save_last=True, save_top_k=-1), losses],
     )
-    model = make_model(embedding_device="meta", seed=None, dense_optimizer="adam")  # Adam: its state must resume too
+    model = make_model(embedding_device="meta", seed=100 + rank, dense_optimizer="adam")  # Adam: its state must resume too
     trainer.fit(model, datamodule=PretrainDataModule(), ckpt_path=ckpt_path)
     return {"losses": losses.losses, "tables": table_shards(model), "dense": _dense(model)}
 
