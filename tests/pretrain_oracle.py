@@ -207,3 +207,73 @@ def fit_sharded(
 
 def table_shards(model: SequencePretrainer) -> dict[str, list[tuple[tuple[int, ...], torch.Tensor]]]:
     return {k: [(o, t.cpu()) for o, t in v] for k, v in local_shards(model).items() if is_table(k)}
+
+
+def train_two_replicas(replica_size: int, steps: int = STEPS, *, overlap: bool, config: PretrainLogConfig | None = None) -> dict[str, torch.Tensor]:
+    """2D with SGD and a replica sync after every step, written out unsharded: two replicas of the tables, one dense part.
+
+    Replica ``a`` (the first sharding group, ranks ``0 .. replica_size - 1``) trains on the first half of each global
+    batch and replica ``b`` on the second. The dense gradient is the mean over all ``2 * replica_size`` slices (DDP over
+    every rank); a replica's table gradient the mean over its own slices. After each step every row is averaged over
+    the replicas (touched-row sync averages the rows either replica looked up; the others are equal already). With
+    ``overlap``, the average of the values sent at the end of step ``t`` lands at the end of step ``t + 1`` and keeps
+    the updates made meanwhile (``row = average(sent) + (row - sent)``); the end of training applies the last one.
+    Returns replica ``a``'s state dict (the replicas are equal at the end)."""
+    config = config or PretrainLogConfig()
+    world = 2 * replica_size
+    models = [make_model(), make_model()]
+    optimizers = []
+    for model in models:
+        params = dict(model.named_parameters())
+        optimizers.append(torch.optim.SGD([
+            {"params": [p for n, p in params.items() if not is_table(n)], "lr": DENSE_LR},
+            {"params": [p for n, p in params.items() if is_table(n)], "lr": EMBEDDING_LR},
+        ]))
+    table_params = [[p for n, p in m.named_parameters() if is_table(n)] for m in models]
+    dense_params = [[p for n, p in m.named_parameters() if not is_table(n)] for m in models]
+
+    def average_tables() -> list[torch.Tensor]:
+        return [(a + b) / 2 for a, b in zip(*([p.detach().clone() for p in params] for params in table_params), strict=True)]
+
+    in_flight: tuple[list[torch.Tensor], list[list[torch.Tensor]]] | None = None
+    for step in range(steps):
+        for model, optimizer, replica in zip(models, optimizers, range(2), strict=True):
+            optimizer.zero_grad()
+            slices = range(replica * replica_size, (replica + 1) * replica_size)
+            (sum(model.training_losses(rank_slice(config, "train", step, r, world))["loss"] for r in slices) / replica_size).backward()
+        with torch.no_grad():
+            for a, b in zip(*dense_params, strict=True):  # DDP: the mean over every rank's slice
+                a.grad = b.grad = (a.grad + b.grad) / 2
+            for optimizer in optimizers:
+                optimizer.step()
+            if not overlap:
+                averages = average_tables()
+                for params in table_params:
+                    for p, average in zip(params, averages, strict=True):
+                        p.copy_(average)
+                continue
+            if in_flight is not None:
+                averages, sent = in_flight
+                for params, sent_values in zip(table_params, sent, strict=True):
+                    for p, average, s in zip(params, averages, sent_values, strict=True):
+                        p.copy_(average + (p - s))
+            in_flight = (average_tables(), [[p.detach().clone() for p in params] for params in table_params])
+    if in_flight is not None:  # the end of training: the sync in flight lands, nothing has moved since it was sent
+        with torch.no_grad():
+            for params in table_params:
+                for p, average in zip(params, in_flight[0], strict=True):
+                    p.copy_(average)
+    return {k: v.detach().clone() for k, v in models[0].state_dict().items()}
+
+
+def fit_two_d(
+    strategy: TwoDRecStrategy, model: SequencePretrainer, *, devices: int, num_nodes: int, steps: int = STEPS,
+    callbacks: list[Callback] | None = None,
+) -> Trainer:
+    """``fit_sharded`` on ``num_nodes`` nodes of ``devices`` processes each (the harness's ``ranks_per_node``)."""
+    trainer = Trainer(
+        accelerator="cpu", devices=devices, num_nodes=num_nodes, strategy=strategy, max_steps=steps, limit_val_batches=0,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+    )
+    trainer.fit(model, datamodule=PretrainDataModule())
+    return trainer

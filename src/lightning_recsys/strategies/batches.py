@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import RunningStage
 from typing_extensions import override
 
 from lightning_recsys.parallel.input import CoordinatedBatches, SparseDistPipeline
@@ -38,7 +38,7 @@ class CoordinatedBatchHooks:
             group=self._coordination_group,
             validator=self._setup.input_validator,
             validate=self.guard.validate_inputs,
-            equal_sizes_required=self._setup.equal_batch_sizes_required and not self._predicting(),
+            equal_sizes_required=self._setup.equal_batch_sizes_required and not self._forward_only(),
             pipeline=self._input_pipeline,
             training=lambda: self.lightning_module is not None and self.lightning_module.training,
             progress=self._epoch_progress,
@@ -47,11 +47,13 @@ class CoordinatedBatchHooks:
             checked_before=batch_hooks_after_the_check(self.lightning_module),
         )
 
-    def _predicting(self) -> bool:
-        # Lightning splits a predict dataset unrepeated, so shares can be unequal; skipping the uneven last
-        # batches lost predictions. Without a backward, TorchRec's reduce-scatter takes unequal sizes.
+    def _forward_only(self) -> bool:
+        # Validation, test and predict run no backward, and without one TorchRec's reduce-scatter takes unequal
+        # sizes (input_splits). Skipping their uneven batches lost examples: a map-style predict dataset's unequal
+        # shares (Lightning's unrepeated predict sampler), or users of a full ranking whose last batch splits 2 and 3.
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        return trainer is not None and trainer.state.fn == TrainerFn.PREDICTING
+        stage = trainer.state.stage if trainer is not None else None
+        return stage is not None and (stage.evaluating or stage == RunningStage.PREDICTING)
 
     def _epoch_progress(self) -> tuple[int, bool]:
         """Training steps run in this epoch (their updates are in the model) and whether the loop counts it complete."""
