@@ -17,7 +17,7 @@ from lightning_recsys import (
     TableConstraints,
     TwoDRecStrategy,
 )
-from lightning_recsys.callbacks import RunSummary
+from lightning_recsys.callbacks import InitFromCheckpoint, RunSummary
 from lightning_recsys.data import (
     CriteoBinaryDataModule,
     CriteoDataModule,
@@ -48,7 +48,7 @@ SECTIONS = {
     "`MovieLens100KSequenceDataModule`": [MovieLens100KSequenceDataModule],
     "`CriteoDataModule`": [CriteoDataModule],
     "`CriteoBinaryDataModule`": [CriteoBinaryDataModule],
-    "Callbacks": [CommunicationMonitor, RunSummary],
+    "Callbacks": [CommunicationMonitor, RunSummary, InitFromCheckpoint],
 }
 
 

@@ -156,3 +156,18 @@ def test_warm_start_names_every_mismatch_with_both_shapes_and_reads_nothing(tmp_
         assert torch.equal(value, before[key]), key
     with pytest.raises(ValueError, match=r"include pattern\(s\) \['over_arch\.\*'\] match no tensor"):
         load_weights_unsharded(checkpoint, ranker(), include=["over_arch.*"])
+
+
+def test_the_cli_form_parses_into_the_callback(tmp_path):
+    from lightning_recsys.cli import build_cli
+
+    config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "synthetic_sequence.yaml"
+    cli = build_cli([
+        "--config", str(config), "--model.init_args.sequence_encoder", "sasrec", "--model.init_args.newest_tokens", "null",
+        "--model.init_args.action_loss_weight", "0", "--model.init_args.positive_actions", "null", "--model.init_args.embedding_dim", "8",
+        "--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint", "--trainer.callbacks.path", str(tmp_path / "last.ckpt"),
+        "--trainer.callbacks.include", "[encoder.*]",
+    ], run=False)  # fmt: skip
+    (warm,) = [c for c in cli.trainer.callbacks if isinstance(c, InitFromCheckpoint)]
+    assert warm.path == str(tmp_path / "last.ckpt") and warm.include == ["encoder.*"] and warm.rename is None
+    assert cli.model.sequence_encoder == "sasrec"
