@@ -242,7 +242,8 @@ class InitFromCheckpoint(Callback):
 
     It loads after Lightning restored a checkpoint, before the sanity check (else before the first
     training batch): a resumed fit (``fit(ckpt_path=...)``, ``trainer.ckpt_path`` set) keeps the
-    resumed state and skips the warm start, with one INFO line saying so.
+    resumed state and skips the warm start, with one INFO line saying so; so does a later ``fit`` of
+    the same model with the same callback (it would overwrite what the earlier fit trained).
 
     On the command line: ``--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint
     --trainer.callbacks.path CKPT`` (add ``--trainer.callbacks.include '[encoder.*]'`` to pick).
@@ -278,6 +279,7 @@ class InitFromCheckpoint(Callback):
         self.rename = None if rename is None else dict(rename)
         self.result: WarmStartResult | None = None
         self._pending = False
+        self._loaded_into: int | None = None  # id() of the module warm-started by an earlier fit
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         # Lightning restores fit(ckpt_path=...) after on_fit_start (TwoDRecStrategy restores after setup), so
@@ -301,6 +303,9 @@ class InitFromCheckpoint(Callback):
                 "whose state wins."
             )
             return
+        if self._loaded_into == id(pl_module):
+            rank_zero_info(f"InitFromCheckpoint: skipped the warm start from {self.path}: an earlier fit already loaded it into this model.")
+            return
         strategy = trainer.strategy
         if isinstance(strategy, TwoDRecStrategy):
             self.result = load_weights(
@@ -309,6 +314,7 @@ class InitFromCheckpoint(Callback):
             strategy.runtime.restart_sync_cadence()  # every replica loaded the same values
         else:
             self.result = load_weights_unsharded(self.path, pl_module, include=self.include, rename=self.rename)
+        self._loaded_into = id(pl_module)
         rank_zero_info(f"InitFromCheckpoint: loaded {len(self.result.loaded)} tensors from {self.result.path}")
 
 

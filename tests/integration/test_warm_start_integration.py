@@ -12,13 +12,13 @@ from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_ranks
 from oracle import assemble
-from pretrain_oracle import ITEMS, MAX_LENGTH, PretrainDataModule
+from pretrain_oracle import ITEMS, MAX_LENGTH, PretrainDataModule, RecordPipeline
 from pretrain_oracle import make_model as make_pretrainer
 from pretrain_oracle import sgd_strategy as pretrain_strategy
 from sequence_oracle import ACTIONS, CONTEXT, NUM_DENSE, SequenceDataModule, SequenceLogConfig, sgd_strategy
 
 from lightning_recsys.callbacks import InitFromCheckpoint
-from lightning_recsys.checkpoint import to_lightning_checkpoint
+from lightning_recsys.checkpoint import export_safetensors, to_lightning_checkpoint
 from lightning_recsys.models import SequenceRanker
 from lightning_recsys.parallel.sharding.sharded_model import local_shards
 
@@ -69,7 +69,8 @@ def pretrained(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
 def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: str | None) -> dict:
     kwargs = {"sharding_group_size": 2} if two_d else {}
     state, warm = _StateAtTrainStart(), InitFromCheckpoint(path, include=INCLUDE)
-    callbacks: list[Callback] = [warm, state]
+    record = RecordPipeline()
+    callbacks: list[Callback] = [warm, state, record]
     if resume_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=resume_dir, filename="tuned"))
     trainer = Trainer(
@@ -79,7 +80,7 @@ def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: s
     )
     model = make_ranker()
     trainer.fit(model, datamodule=SequenceDataModule(SequenceLogConfig()))
-    out = {"shards": state.shards, "dense": state.dense, "loaded": warm.result.loaded}
+    out = {"shards": state.shards, "dense": state.dense, "loaded": warm.result.loaded, "pipeline": (record.disabled_reason, sorted(record.pipelined))}
     if resume_dir is None:
         return out
     # A resumed fit: the warm start is skipped (one INFO line), the checkpoint's state wins.
@@ -111,6 +112,8 @@ def _check_warm_start(results: list[dict], source: dict[str, torch.Tensor]) -> N
             assert torch.equal(result["dense"][key], source[key]), key
         for key in [k for k in fresh if k.startswith("over_arch.")]:  # not in include: as initialized
             assert torch.equal(result["dense"][key], fresh[key]), key
+        # The SASRec path keeps TorchRec's sparse-dist pipeline (its data-dependent ops are fx leaves).
+        assert result["pipeline"] == (None, ["context_embeddings", "item_embeddings"]), result["pipeline"]
     # Row-wise: every rank holds a block of rows of the item table.
     assert all(len(r["shards"][ITEM_KEY]) == 1 and r["shards"][ITEM_KEY][0][1].shape[0] < ITEMS for r in results)
 
@@ -133,7 +136,13 @@ def test_warm_start_1d_table_wise_into_1d_row_wise_on_2_processes_and_a_resumed_
     assert "tuned.ckpt" in results[0]["skip_lines"][0]
 
 
-@pytest.mark.slow
+def test_warm_start_from_a_safetensors_export_into_row_wise_shards(pretrained, tmp_path):
+    path, source = pretrained
+    exported = export_safetensors(path, tmp_path / "pretrained.safetensors")
+    results = run_ranks(_fine_tune, 2, str(exported), False, None, timeout=300)
+    _check_warm_start(results, source)
+
+
 def test_warm_start_1d_table_wise_into_2d_row_wise_on_4_processes(pretrained):
     path, source = pretrained
     results = run_ranks(_fine_tune, 4, path, True, None, timeout=400, ranks_per_node=2)

@@ -171,3 +171,35 @@ def test_the_cli_form_parses_into_the_callback(tmp_path):
     (warm,) = [c for c in cli.trainer.callbacks if isinstance(c, InitFromCheckpoint)]
     assert warm.path == str(tmp_path / "last.ckpt") and warm.include == ["encoder.*"] and warm.rename is None
     assert cli.model.sequence_encoder == "sasrec"
+
+
+def test_callback_under_a_plain_trainer_loads_once_and_a_later_fit_keeps_what_it_trained(tmp_path, caplog):
+    from lightning.pytorch import Callback, Trainer
+
+    checkpoint = write_checkpoint(pretrainer(), tmp_path / "pretrain.ckpt", host_state={})
+    source = pretrainer().state_dict()
+
+    class Seen(Callback):
+        def on_train_start(self, trainer, pl_module) -> None:
+            self.positions = pl_module.encoder.positions.detach().clone()
+
+    model, warm, seen = ranker(), InitFromCheckpoint(str(checkpoint)), Seen()
+    batches = torch.utils.data.DataLoader([ranker_batch([[1, 2, 3], [4], []], [5, 6, 7])], batch_size=None)
+
+    def fit() -> None:
+        trainer = Trainer(
+            accelerator="cpu", devices=1, max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=[warm, seen],
+        )
+        trainer.fit(model, train_dataloaders=batches)
+
+    with caplog.at_level("INFO"):
+        fit()
+    assert torch.equal(seen.positions, source["encoder.positions"]) and warm.result is not None
+    assert set(warm.result.loaded) == set(source)
+    trained = model.encoder.positions.detach().clone()
+    assert not torch.equal(trained, source["encoder.positions"])
+    with caplog.at_level("INFO"):
+        fit()
+    assert torch.equal(seen.positions, trained) and warm.result is None
+    assert "an earlier fit already loaded it into this model" in caplog.text

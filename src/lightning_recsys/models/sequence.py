@@ -429,7 +429,7 @@ class SequenceRanker(RankerModule):
         candidate = looked_up[candidate_name].values()
         padded, valid, slot = ops.candidate_last(history.lengths(), tokens, candidate, self.max_history)
         hidden = self.encoder(padded, valid)
-        features = [hidden[torch.arange(hidden.shape[0], device=hidden.device), slot], candidate]
+        features = [ops.at_slots(hidden, slot), candidate]
         if self.context_embeddings is not None:
             features.append(self.context_embeddings(batch.sparse).values())
         features.append(batch.dense)

@@ -189,3 +189,9 @@ def candidate_last(lengths: torch.Tensor, history: torch.Tensor, candidate: torc
     index = torch.where(from_history, starts[:, None] + slots[None, :] + 1, 0)
     index[torch.arange(batch, device=lengths.device), kept] = 1 + history.shape[0] + torch.arange(batch, device=lengths.device)
     return rows[index], slots[None, :] <= kept[:, None], kept
+
+
+@torch.fx.wrap
+def at_slots(hidden: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``hidden [B, L, D]`` at slot ``slots[b]`` of each example ``b``: ``[B, D]``."""
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), slots]
