@@ -48,10 +48,11 @@ class _StateAtTrainStart(Callback):
         self.dense = {k: v.detach().clone() for k, v in pl_module.state_dict().items() if not k.startswith(("item_embeddings.", "context_"))}
 
 
-def _pretrain(rank: int, world_size: int, directory: str) -> None:
+def _pretrain(rank: int, world_size: int, directory: str, two_d: bool = False) -> None:
     model = make_pretrainer(embedding_device="meta", seed=100 + rank)
+    strategy = pretrain_strategy(sharding_types=["row_wise" if two_d else "table_wise"], **({"sharding_group_size": 2} if two_d else {}))
     trainer = Trainer(
-        accelerator="cpu", devices=world_size, strategy=pretrain_strategy(sharding_types=["table_wise"]), max_steps=2,
+        accelerator="cpu", devices=2 if two_d else world_size, num_nodes=2 if two_d else 1, strategy=strategy, max_steps=2,
         limit_val_batches=0, logger=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[ModelCheckpoint(dirpath=directory, filename="pretrained")],
     )
@@ -66,7 +67,16 @@ def pretrained(tmp_path_factory) -> tuple[str, dict[str, torch.Tensor]]:
     return str(path), to_lightning_checkpoint(path)["state_dict"]  # the weights, read by hand
 
 
-def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: str | None) -> dict:
+def test_warm_start_2d_row_wise_into_1d_table_wise_on_2_processes(tmp_path):
+    """Pre-trained in 2D (2 x 2, row-wise), fine-tuned 1D on 2 processes."""
+    run_ranks(_pretrain, 4, str(tmp_path), True, timeout=300, ranks_per_node=2)
+    path = tmp_path / "pretrained.ckpt"
+    source = to_lightning_checkpoint(path)["state_dict"]
+    results = run_ranks(_fine_tune, 2, str(path), False, None, "table_wise", timeout=300)
+    _check_warm_start(results, source, row_wise=False)
+
+
+def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: str | None, sharding_type: str = "row_wise") -> dict:
     kwargs = {"sharding_group_size": 2} if two_d else {}
     state, warm = _StateAtTrainStart(), InitFromCheckpoint(path, include=INCLUDE)
     record = RecordPipeline()
@@ -75,7 +85,7 @@ def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: s
         callbacks.append(ModelCheckpoint(dirpath=resume_dir, filename="tuned"))
     trainer = Trainer(
         accelerator="cpu", devices=2 if two_d else world_size, num_nodes=2 if two_d else 1, max_steps=1,
-        strategy=sgd_strategy(sharding_types=["row_wise"], **kwargs), limit_val_batches=0, logger=False,
+        strategy=sgd_strategy(sharding_types=[sharding_type], **kwargs), limit_val_batches=0, logger=False,
         enable_checkpointing=resume_dir is not None, enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
     )
     model = make_ranker()
@@ -100,7 +110,7 @@ def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: s
     return out
 
 
-def _check_warm_start(results: list[dict], source: dict[str, torch.Tensor]) -> None:
+def _check_warm_start(results: list[dict], source: dict[str, torch.Tensor], row_wise: bool = True) -> None:
     fresh = make_ranker().state_dict()
     item = assemble([r["shards"] for r in results], ITEM_KEY, source[ITEM_KEY])
     assert torch.equal(item, source[ITEM_KEY])
@@ -114,6 +124,9 @@ def _check_warm_start(results: list[dict], source: dict[str, torch.Tensor]) -> N
             assert torch.equal(result["dense"][key], fresh[key]), key
         # The SASRec path keeps TorchRec's sparse-dist pipeline (its data-dependent ops are fx leaves).
         assert result["pipeline"] == (None, ["context_embeddings", "item_embeddings"]), result["pipeline"]
+    if not row_wise:  # table-wise: one rank holds the whole item table
+        assert sorted(len(r["shards"].get(ITEM_KEY, [])) for r in results) == [0, 1]
+        return
     # Row-wise: every rank holds a block of rows of the item table.
     assert all(len(r["shards"][ITEM_KEY]) == 1 and r["shards"][ITEM_KEY][0][1].shape[0] < ITEMS for r in results)
 
