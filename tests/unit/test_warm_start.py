@@ -72,21 +72,20 @@ def test_sasrec_ranker_has_the_pretrainers_names_and_reads_the_candidate_after_t
     seen: list[torch.Tensor] = []
     target.over_arch.register_forward_hook(lambda module, inputs, output: seen.append(inputs[0]))
     target(ranker_batch(histories, candidates))
-    # The pretrainer over history + [candidate] (the candidate with action 0: the table's row 0 added, see below).
+    # The pretrainer's encoder over history + [candidate], the candidate's token without an action row (the ranker's
+    # candidate has no action); the pretrainer's own forward (with action 0 on the candidate) differs from it.
     newest = [h[-(LENGTH - 1):] + [c] for h, c in zip(histories, candidates)]
     actions = [[i % 3 for i in h[-(LENGTH - 1):]] for h in histories]
     hidden, _, _ = source._encode(make_batch(newest, actions=[a + [0] for a in actions]))
-    action_zero = source.item_embeddings.embeddings["action"].weight[0]
-    # Remove action 0's row from the candidate's token, as the ranker has no action for the candidate.
     for example, tokens in enumerate(newest):
-        alone = source.encoder(*_tokens_without_candidate_action(source, tokens, actions[example], action_zero))
+        alone = source.encoder(*_tokens_without_candidate_action(source, tokens, actions[example]))
         torch.testing.assert_close(seen[0][example, :DIM], alone[0, len(tokens) - 1])
         assert not torch.allclose(hidden[example, len(tokens) - 1], alone[0, len(tokens) - 1])  # the action row mattered
     candidate_rows = source.item_embeddings.embeddings["item"].weight[candidates]
     torch.testing.assert_close(seen[0][:, DIM : 2 * DIM], candidate_rows.detach())
 
 
-def _tokens_without_candidate_action(source: SequencePretrainer, items: list[int], actions: list[int], action_zero: torch.Tensor):
+def _tokens_without_candidate_action(source: SequencePretrainer, items: list[int], actions: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     tables = source.item_embeddings.embeddings
     rows = tables["item"].weight[items].detach().clone()
     rows[: len(actions)] += tables["action"].weight[actions].detach()

@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 # the index and the shards exactly as they do.
 from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_index, _read_shards
 from lightning_recsys.checkpoint.directory import read_meta, resolve
+from lightning_recsys.checkpoint.table_state import table_name
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, CheckpointMismatchError, model_key
 from lightning_recsys.parallel.sharding import find_embedding_modules
 from lightning_recsys.parallel.topology import ParallelTopology
@@ -201,7 +202,7 @@ def _check_shapes(
     for target, key in mapping.items():
         want = tuple(model_state[target].size())  # a ShardedTensor's size() is its global shape
         if saved[key] != want:
-            kind = f"table {target.split('.')[-2]!r}" if target in tables else "parameter"
+            kind = f"table {table_name(target)!r}" if target in tables else "parameter"
             renamed = "" if target == key else f" (loaded into the model's {target!r})"
             problems.append(f"{kind} {key!r}{renamed}: the checkpoint has shape {saved[key]}, the model has {want}.")
     if problems:
