@@ -23,10 +23,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-# The readers every DCP load of this package uses (dcp_io.load_checkpoint, load_unsharded), so a warm start reads
-# the index and the shards exactly as they do.
 from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_index, _read_shards
 from lightning_recsys.checkpoint.directory import read_meta, resolve
 from lightning_recsys.checkpoint.table_state import table_name
@@ -182,7 +180,7 @@ def _plan(
     else:
         source = resolve(path)  # the newest committed copy of this name; refuses uncommitted and foreign directories
         read_meta(source)
-        metadata = _read_index(source)
+        metadata = _dcp_index(source)
         prefix = MODEL_NAMESPACE + "."
         saved = {
             k.removeprefix(prefix): tuple(md.size)
@@ -218,7 +216,7 @@ def _check_shapes(
 def _read_dcp(plan: _Plan, model_state: Mapping[str, Any], **kwargs: Any) -> None:
     """DCP reads the source keys straight into the target tensors (re-cut for this plan)."""
     targets = {model_key(source): model_state[target] for target, source in plan.mapping.items()}
-    _read_shards(targets, plan.path, **kwargs)
+    _dcp_shards(targets, plan.path, **kwargs)
 
 
 def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
@@ -241,3 +239,13 @@ def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
                         "ShardedTensors. Warm-start from the DCP checkpoint directory instead."
                     )
 
+
+
+# The two DCP reads, through the readers every load of this package uses (dcp_io.load_checkpoint, load_unsharded),
+# so a warm start reads the index and the shards exactly as they do, with their checks.
+def _dcp_index(directory: Path) -> Metadata:
+    return _read_index(directory)
+
+
+def _dcp_shards(targets: dict[str, Any], directory: Path, **kwargs: Any) -> None:
+    _read_shards(targets, directory, **kwargs)
