@@ -2,10 +2,10 @@
 
 The source is a DCP checkpoint directory of this package (``save_checkpoint``, a Trainer's
 checkpoint) or a safetensors export of one (``export_safetensors``). Only model tensors are read:
-no embedding optimizer state, no host state (step counters, callbacks, dense optimizers), so
-nothing of the source is unpickled. Keys are the source module's ``state_dict()`` names;
-``include`` (``fnmatch`` patterns) picks them and ``rename`` (key prefixes) maps them onto the
-target's names. Every pick is checked against the target (name and global shape) before any
+no embedding optimizer state and no host state (step counters, callbacks, dense optimizers; its
+``host_state.pt`` is not opened). A DCP index is read as every load of this package reads it.
+Keys are the source module's ``state_dict()`` names; ``include`` (``fnmatch`` patterns) picks them
+and ``rename`` (key prefixes) maps them onto the target's names. Every pick is checked against the target (name and global shape) before any
 tensor is read. A DCP source is read with DCP itself, each sharding group over its own process
 group, so any saving world size and plan loads into any target plan (as ``load_checkpoint``).
 """
