@@ -1,8 +1,9 @@
-"""Lightning callbacks that surface what TwoDRecStrategy measured."""
+"""Lightning callbacks: what TwoDRecStrategy measured (CommunicationMonitor, RunSummary) and a warm start (InitFromCheckpoint)."""
 
 from __future__ import annotations
 
 import json
+import os
 import resource
 import time
 from typing import Any
@@ -10,7 +11,9 @@ from typing import Any
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_recsys.checkpoint.warm_start import WarmStartResult, load_weights, load_weights_unsharded
 from lightning_recsys.parallel.input import CoordinatedBatches
 from lightning_recsys.strategies import TwoDRecStrategy
 
@@ -221,6 +224,98 @@ class RunSummary(Callback):
             elif strategy.runtime.nothing_to_sync:  # 2D, every table data_parallel: no sync ran, none was needed
                 summary["replica_sync"] = None
         return summary
+
+
+class InitFromCheckpoint(Callback):
+    """Warm start: at the start of ``fit``, copy chosen tables and dense submodules from another model's checkpoint.
+
+    The checkpoint is a DCP directory of this package (any LightningModule's, e.g. a
+    ``SequencePretrainer``'s ``last.ckpt``) or a safetensors export of one
+    (``lightning_recsys.checkpoint.export_safetensors``). Only weights are read: no optimizer state,
+    no step counters, no callbacks; the fit starts at step 0 with fresh optimizers. Under
+    ``TwoDRecStrategy`` every rank reads its own shards after sharding, re-cut for this run's world
+    size and plan (1D or 2D); another strategy loads the whole weights in each process. Every rank
+    checks every pick (the name exists in the model, the global shapes agree) before anything is
+    read, and a problem raises on every rank: ``CheckpointMismatchError`` naming each table or
+    parameter with both shapes, ``ValueError`` for an ``include`` pattern that matches nothing or a
+    name the model lacks.
+
+    It loads after Lightning restored a checkpoint, before the sanity check (else before the first
+    training batch): a resumed fit (``fit(ckpt_path=...)``, ``trainer.ckpt_path`` set) keeps the
+    resumed state and skips the warm start, with one INFO line saying so; so does a later ``fit`` of
+    the same model with the same callback (it would overwrite what the earlier fit trained).
+
+    On the command line: ``--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint
+    --trainer.callbacks.path CKPT`` (add ``--trainer.callbacks.include '[encoder.*]'`` to pick).
+
+    Args:
+        path: the checkpoint directory (or its name; the newest committed copy is read) or a ``.safetensors`` file.
+        include: ``fnmatch`` patterns over the checkpoint's state-dict keys (its module's
+            ``state_dict()`` names, e.g. ``"encoder.*"`` or ``"item_embeddings.embeddings.item.weight"``);
+            default every tensor of the checkpoint. Each pattern must match at least one.
+        rename: checkpoint key prefix -> model key prefix, e.g. ``{"item_embeddings.": "sequence_embeddings."}``
+            (the longest matching prefix applies); default none.
+    """
+
+    def __init__(self, path: str, include: list[str] | None = None, rename: dict[str, str] | None = None) -> None:
+        if not isinstance(path, (str, os.PathLike)) or not str(path):
+            raise ValueError(f"InitFromCheckpoint(path={path!r}) must be a checkpoint directory or a .safetensors file.")
+        if include is not None and (
+            isinstance(include, str) or not all(isinstance(p, str) and p for p in include) or not list(include)
+        ):
+            raise ValueError(
+                f"InitFromCheckpoint(include={include!r}) must be a non-empty list of fnmatch patterns (non-empty strings), "
+                "e.g. ['encoder.*'], or None for every tensor of the checkpoint."
+            )
+        if rename is not None and (
+            not isinstance(rename, dict) or not all(isinstance(k, str) and k and isinstance(v, str) for k, v in rename.items())
+        ):
+            raise ValueError(
+                f"InitFromCheckpoint(rename={rename!r}) must map checkpoint key prefixes (non-empty strings) to model key "
+                "prefixes, e.g. {'item_embeddings.': 'sequence_embeddings.'}."
+            )
+        self.path = str(path)
+        self.include = None if include is None else list(include)
+        self.rename = None if rename is None else dict(rename)
+        self.result: WarmStartResult | None = None
+        self._pending = False
+        self._loaded_into: int | None = None  # id() of the module warm-started by an earlier fit
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        # Lightning restores fit(ckpt_path=...) after on_fit_start (TwoDRecStrategy restores after setup), so
+        # whether this fit resumes is known only in the next hooks.
+        self._pending = True
+        self.result = None
+
+    def on_sanity_check_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._warm_start(trainer, pl_module)
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._warm_start(trainer, pl_module)
+
+    def _warm_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self._pending:
+            return
+        self._pending = False
+        if trainer.ckpt_path is not None:
+            rank_zero_info(
+                f"InitFromCheckpoint: skipped the warm start from {self.path}: this fit resumed from {trainer.ckpt_path}, "
+                "whose state wins."
+            )
+            return
+        if self._loaded_into == id(pl_module):
+            rank_zero_info(f"InitFromCheckpoint: skipped the warm start from {self.path}: an earlier fit already loaded it into this model.")
+            return
+        strategy = trainer.strategy
+        if isinstance(strategy, TwoDRecStrategy):
+            self.result = load_weights(
+                self.path, state=strategy.sharded_checkpoint_state(), topology=strategy.topology, include=self.include, rename=self.rename
+            )
+            strategy.runtime.restart_sync_cadence()  # every replica loaded the same values
+        else:
+            self.result = load_weights_unsharded(self.path, pl_module, include=self.include, rename=self.rename)
+        self._loaded_into = id(pl_module)
+        rank_zero_info(f"InitFromCheckpoint: loaded {len(self.result.loaded)} tensors from {self.result.path}")
 
 
 def format_summary(summary: dict[str, Any]) -> str:

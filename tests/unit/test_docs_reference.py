@@ -18,7 +18,7 @@ from lightning_recsys import (
     TableConstraints,
     TwoDRecStrategy,
 )
-from lightning_recsys.callbacks import RunSummary
+from lightning_recsys.callbacks import InitFromCheckpoint, RunSummary
 from lightning_recsys.data import (
     CriteoBinaryDataModule,
     CriteoDataModule,
@@ -57,7 +57,7 @@ SECTIONS = {
     "`MovieLensPretrainDataModule`": [MovieLensPretrainDataModule],
     "`CriteoDataModule`": [CriteoDataModule],
     "`CriteoBinaryDataModule`": [CriteoBinaryDataModule],
-    "Callbacks": [CommunicationMonitor, RunSummary],
+    "Callbacks": [CommunicationMonitor, RunSummary, InitFromCheckpoint],
 }
 
 

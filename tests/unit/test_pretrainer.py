@@ -128,7 +128,7 @@ def test_padding_and_batch_composition_never_change_an_example():
     # More padding (a longer max_length, the same weights for the first positions) changes nothing.
     longer = _model(max_length=9)
     state = model.state_dict()
-    state["positions"] = torch.cat([state["positions"], longer.positions.detach()[5:]])
+    state["encoder.positions"] = torch.cat([state["encoder.positions"], longer.encoder.positions.detach()[5:]])
     longer.load_state_dict(state)
     torch.testing.assert_close(longer(make_batch([[4, 8, 15]]))[0, :3], alone)
     # An example longer than max_length reads its newest max_length items.

@@ -21,6 +21,7 @@ from lightning_recsys.data.readers import MalformedLineError
 from lightning_recsys.data.sequences import (
     MovieLensPretrainDataModule,
     SequenceFileDataModule,
+    SequenceFileRankingDataModule,
     SyntheticPretrainDataModule,
 )
 from lightning_recsys.data.synthetic import (
@@ -57,6 +58,7 @@ __all__ = [
     "RecBatch",
     "SequenceBatch",
     "SequenceFileDataModule",
+    "SequenceFileRankingDataModule",
     "SyntheticClickLog",
     "SyntheticClickLogConfig",
     "SyntheticClickLogDataModule",

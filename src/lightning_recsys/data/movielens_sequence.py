@@ -14,6 +14,14 @@ The protocol (``MovieLens100KSequenceDataModule``; splits, labels and context as
 - With ``split="time"`` every validation and test example comes after the whole training split, so
   its history is the user's newest training ratings; with ``u1``..``u5``/``ua``/``ub`` (ratings held
   out at random) a test example's history stops at its own timestamp, as a training example's does.
+- ``history="all_earlier"`` (``split="time"`` only): a validation or test example's history is every
+  rating of its user strictly earlier in time, from any split (train, val and test): what a served
+  ranker sees. Training examples' histories do not change. The labels of those earlier held-out
+  ratings are what the served ranker would have observed by then; no example sees its own rating
+  or a later one. On the random splits it is refused: their test ratings interleave in time with
+  the training ones, so a training example would have to be told apart from a test one that
+  happened before it, and a test rating's label would be in later training examples' inputs
+  whichever way it went.
 
 KJT keys, in this order: ``history_item_id`` and ``history_action`` (jagged, 0 ..
 ``max_history_length`` per example), ``candidate_item_id`` (the rated movie, one per example), then
@@ -28,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 import torch
@@ -56,6 +65,8 @@ MOVIELENS_CONTEXT_FEATURES: list[str] = [name for name in MOVIELENS_FEATURE_NAME
 MOVIELENS_SEQUENCE_FEATURE_NAMES: list[str] = [
     HISTORY_ITEM_FEATURE, HISTORY_ACTION_FEATURE, CANDIDATE_ITEM_FEATURE, *MOVIELENS_CONTEXT_FEATURES,
 ]  # fmt: skip
+HistorySource = Literal["train", "all_earlier"]
+_HISTORY_SOURCES: tuple[str, ...] = ("train", "all_earlier")
 _TIME_BITS = 40  # (user row << 40) + timestamp orders ratings by user, then time; timestamps are < 2**40
 
 
@@ -71,16 +82,30 @@ class MovieLens100KSequenceConfig(MovieLens100KConfig):
             default all. Leave out ``user_id`` to describe a user by the history (and the
             demographics) alone, as some sequence rankers do (on MovieLens-100k that lowered
             validation AUC, on ``u1`` and on ``split="time"``).
+        history: ``"train"``: every history holds training ratings only. ``"all_earlier"``
+            (``split="time"`` only): a validation or test example's history is every earlier
+            rating of its user from any split, as a served ranker sees it; training histories do
+            not change.
     """
 
     max_history_length: int = 100
     context_features: list[str] | None = None
+    history: HistorySource = "train"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         value = self.max_history_length
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_history_length={value!r} must be an integer >= 1.")
+        if self.history not in _HISTORY_SOURCES:
+            raise ValueError(f"history={self.history!r} is not one of {list(_HISTORY_SOURCES)}.")
+        if self.history == "all_earlier" and self.split != "time":
+            raise ValueError(
+                f"history='all_earlier' needs split='time', not split={self.split!r}: in {self.split!r} the test ratings "
+                "were held out at random, so they interleave in time with the training ones, and earlier held-out "
+                "ratings in a test history would sit among training examples that came after them. Use split='time', "
+                "or history='train'."
+            )
         chosen = self.context_features
         if chosen is not None:
             unknown = [name for name in chosen if name not in MOVIELENS_CONTEXT_FEATURES]
@@ -107,14 +132,16 @@ class MovieLens100KSequenceConfig(MovieLens100KConfig):
 
 
 class TrainingHistories:
-    """Every user's training ratings by time, to look up the ones strictly before a timestamp.
+    """Every user's ratings of ``splits`` (default the training split) by time, to look up the ones strictly before a timestamp.
 
-    ``before(users, timestamps)`` returns, for each example, the newest ``max_length`` training
+    ``before(users, timestamps)`` returns, for each example, the newest ``max_length`` of those
     ratings of its user with a smaller timestamp: jagged item rows, actions (rating - 1) and lengths.
     """
 
-    def __init__(self, data: MovieLens100K, max_length: int) -> None:
-        train, times = data.ratings["train"], data.rating_times["train"]
+    def __init__(self, data: MovieLens100K, max_length: int, splits: tuple[Split, ...] = ("train",)) -> None:
+        # Concatenated in split order; the stable sort below keeps each split's (time, line) order within a second.
+        train = [r for split in splits for r in data.ratings[split]]
+        times = [t for split in splits for t in data.rating_times[split]]
         users = np.array([user for user, _, _ in train], dtype=np.int64).reshape(-1)
         timestamps = np.array([t for _, t in times], dtype=np.int64).reshape(-1)
         if len(timestamps) and timestamps.max() >= 1 << _TIME_BITS:
@@ -172,7 +199,7 @@ class MovieLens100KSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
     """MovieLens-100k for a sequence ranker: ``MovieLens100KDataModule``'s examples with user histories.
 
     The arguments are ``MovieLens100KSequenceConfig``'s (flat, so the CLI takes ``--data.path
-    <dir>``). ``item_table_size``, ``num_action_types`` (5), ``context_feature_names``,
+    <dir>``); ``history="all_earlier"`` gives validation and test examples served-time histories. ``item_table_size``, ``num_action_types`` (5), ``context_feature_names``,
     ``context_table_sizes``, ``num_dense_features`` and ``max_history_length`` describe the batches.
     The files are parsed on the first dataloader call.
     """
@@ -193,16 +220,18 @@ class MovieLens100KSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
         val_holdout: ValHoldout | None = MovieLens100KSequenceConfig.val_holdout,
         max_history_length: int = MovieLens100KSequenceConfig.max_history_length,
         context_features: list[str] | None = None,
+        history: HistorySource = MovieLens100KSequenceConfig.history,
     ) -> None:
         super().__init__()
         self.config = MovieLens100KSequenceConfig(
             path=path, split=split, train_fraction=train_fraction, val_fraction=val_fraction, num_users=num_users,
             num_items=num_items, zip_hash_buckets=zip_hash_buckets, global_batch_size=global_batch_size,
             on_bad_line=on_bad_line, shuffle=shuffle, seed=seed, val_holdout=val_holdout,
-            max_history_length=max_history_length, context_features=context_features,
+            max_history_length=max_history_length, context_features=context_features, history=history,
         )
         self._data: MovieLens100K | None = None
         self._histories: TrainingHistories | None = None
+        self._served_histories: TrainingHistories | None = None  # history="all_earlier": every split's ratings
 
     @classmethod
     def from_config(cls, config: MovieLens100KSequenceConfig) -> MovieLens100KSequenceDataModule:
@@ -213,10 +242,14 @@ class MovieLens100KSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
         if self._data is None or self._histories is None:
             self._data = MovieLens100K(self.config, warn=warn)
             self._histories = TrainingHistories(self._data, self.config.max_history_length)
+            if self.config.history == "all_earlier":
+                self._served_histories = TrainingHistories(self._data, self.config.max_history_length, splits=("train", "val", "test"))
         return self._data, self._histories
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> MovieLens100KSequenceDataset:
         data, histories = self.data(warn=rank == 0)  # every rank skips alike; one logs
+        if split != "train" and self._served_histories is not None:
+            histories = self._served_histories
         dataset = MovieLens100KSequenceDataset(data, histories, split, rank, world_size, self.config.context_feature_names)
         dataset.epoch = getattr(self.trainer, "current_epoch", 0) or 0  # as MovieLens100KDataModule
         return dataset

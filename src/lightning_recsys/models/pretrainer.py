@@ -20,7 +20,9 @@ from lightning_recsys.models.ranking_metrics import RankingMetrics
 from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
 from lightning_recsys.parallel.ranking import ItemRanking, UnshardedItemRanking
 
-__all__ = ["ACTION_FEATURE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SASRecBlock", "SequencePretrainer"]
+__all__ = [
+    "ACTION_FEATURE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SASRecBlock", "SASRecEncoder", "SequencePretrainer",
+]
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
@@ -73,6 +75,42 @@ class SASRecBlock(nn.Module):
         return x + self.feedforward(x)
 
 
+class SASRecEncoder(nn.Module):
+    """SASRec's encoder over padded item tokens: scale, positions, dropout, causal ``SASRecBlock``s, a final LayerNorm.
+
+    ``forward(tokens [B, max_length, dim], valid [B, max_length])`` returns ``[B, max_length, dim]``:
+    each token is ``sqrt(dim) * tokens + positions[slot]`` (slot 0: the oldest), dropped out and
+    zeroed where not ``valid``, then ``num_layers`` blocks under a causal mask. Tokens must be padded
+    on the right (``pretrainer_ops.oldest_first_padded``), so no valid slot attends to padding.
+    ``SequencePretrainer`` and ``SequenceRanker(sequence_encoder="sasrec")`` hold it as their
+    ``encoder`` attribute, so its parameters have the same names in both and a warm start copies them.
+    Parameters start as SASRec+'s: positions and linear weights ``N(0, init_std)``, zero biases.
+    """
+
+    def __init__(self, dim: int, max_length: int, num_layers: int, num_heads: int, feedforward_dim: int, dropout: float, init_std: float) -> None:
+        super().__init__()
+        self.dim = dim
+        self.max_length = max_length
+        self.positions = nn.Parameter(torch.empty(max_length, dim))
+        self.embedding_dropout = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(SASRecBlock(dim, num_heads, feedforward_dim, dropout) for _ in range(num_layers))
+        self.final_norm = nn.LayerNorm(dim, eps=1e-8)
+        self.register_buffer("_causal_mask", ~torch.ones(max_length, max_length, dtype=torch.bool).tril(), persistent=False)
+        nn.init.normal_(self.positions, std=init_std)
+        for module in self.blocks.modules():  # SASRec+'s _init_weights: linear layers N(0, std), zero bias
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=init_std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        x = tokens * math.sqrt(self.dim) + self.positions
+        x = self.embedding_dropout(x) * valid[..., None]
+        for block in self.blocks:
+            x = block(x, self._causal_mask)
+        return self.final_norm(x)
+
+
 class SequencePretrainer(RecsysModule):
     """Next-item pretraining of a SASRec transformer with a tied, sharded item table; evaluated by exact full ranking.
 
@@ -87,7 +125,9 @@ class SequencePretrainer(RecsysModule):
 
     Architecture (SASRec+, Klenitskiy & Vasilev, RecSys 2023): each token is ``sqrt(embedding_dim) *
     (item embedding + action embedding)`` plus a learned position embedding (slot 0: the oldest kept
-    item), dropout, then ``num_layers`` ``SASRecBlock``s under a causal mask and a final LayerNorm.
+    item), dropout, then ``num_layers`` ``SASRecBlock``s under a causal mask and a final LayerNorm:
+    the ``SASRecEncoder`` in attribute ``encoder``, which ``SequenceRanker(sequence_encoder="sasrec")``
+    shares, so a warm start (``lightning_recsys.callbacks.InitFromCheckpoint``) moves it and the item table over.
     Inputs are padded on the right to ``max_length`` (an example longer than that keeps its newest
     ``max_length`` items), so with the causal mask no valid position ever attends to padding. The
     output ``h_t`` at position ``t`` scores item ``j`` as ``h_t · e_j`` with the item table's own rows
@@ -204,17 +244,7 @@ class SequencePretrainer(RecsysModule):
         aligned = (ITEM_FEATURE, NEXT_ITEM_FEATURE) + ((ACTION_FEATURE,) if self.has_actions else ())
         # One target (and one action) per input item: checked here and, sharded, by the strategy's input guard.
         self.sparse_length_rules = FeatureLengthRules(aligned=(aligned,), owner=_OWNER)
-        self.positions = nn.Parameter(torch.empty(max_length, embedding_dim))
-        self.embedding_dropout = nn.Dropout(float(dropout))
-        self.blocks = nn.ModuleList(SASRecBlock(embedding_dim, num_heads, hidden, float(dropout)) for _ in range(num_layers))
-        self.final_norm = nn.LayerNorm(embedding_dim, eps=1e-8)
-        self.register_buffer("_causal_mask", ~torch.ones(max_length, max_length, dtype=torch.bool).tril(), persistent=False)
-        nn.init.normal_(self.positions, std=init_std)
-        for module in self.blocks.modules():  # SASRec+'s _init_weights: linear layers N(0, std), zero bias
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=init_std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        self.encoder = SASRecEncoder(embedding_dim, max_length, num_layers, num_heads, hidden, float(dropout), init_std)
         self.ranking_metrics = nn.ModuleDict({stage: RankingMetrics(ks) for stage in ("val", "test")})
 
     def forward(self, batch: SequenceBatch) -> torch.Tensor:
@@ -231,11 +261,7 @@ class SequencePretrainer(RecsysModule):
         if self.has_actions:
             tokens = tokens + looked_up[ACTION_FEATURE].values()
         padded, valid = ops.oldest_first_padded(items.lengths(), tokens, self.max_length)
-        x = padded * math.sqrt(self.embedding_dim) + self.positions
-        x = self.embedding_dropout(x) * valid[..., None]
-        for block in self.blocks:
-            x = block(x, self._causal_mask)
-        return self.final_norm(x), valid, looked_up
+        return self.encoder(padded, valid), valid, looked_up
 
     def training_losses(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
         """``{"loss": ...}``: the sampled softmax of every valid position's next item, averaged over the batch's positions."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Literal
 
 import torch
@@ -12,14 +13,17 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollec
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models import sequence_ops as ops
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
+from lightning_recsys.models.pretrainer import SASRecEncoder
 from lightning_recsys.models.sequence_ops import newest_padded
 from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
 
-__all__ = ["ACTION_TABLE", "ITEM_TABLE", "SequenceRanker", "context_table_name", "newest_padded"]
+__all__ = ["ACTION_TABLE", "ITEM_TABLE", "SequenceEncoderName", "SequenceRanker", "context_table_name", "newest_padded"]
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
 InteractionName = Literal["concat", "dot", "candidate_dots"]
+SequenceEncoderName = Literal["transact", "sasrec"]
+_SASREC_INIT_STD = 0.02  # SASRec+'s initial std (SequencePretrainer's default init_std)
 
 
 def context_table_name(feature: str) -> str:
@@ -41,6 +45,17 @@ def _mlp(in_features: int, layer_sizes: list[int]) -> nn.Sequential:
 def _positive_int(name: str, value: object, minimum: int = 1) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")
+
+
+def _refuse_transact_options(**given_and_default: tuple[object, object]) -> None:
+    """``ValueError`` naming each TransAct-only option set away from its default under ``sequence_encoder="sasrec"``."""
+    changed = {name: given for name, (given, default) in given_and_default.items() if given != default}
+    if changed:
+        raise ValueError(
+            f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}: TransAct encoder option(s), which "
+            "sequence_encoder='sasrec' (the pretrainer's encoder) does not read; leave them at their defaults or use "
+            "sequence_encoder='transact'."
+        )
 
 
 class SequenceRanker(RankerModule):
@@ -71,10 +86,27 @@ class SequenceRanker(RankerModule):
     the newest ``max_history`` are cut: the lookup reads the batch's own features, which keeps the
     sparse-distribution pipeline on. Histories no longer than ``max_history`` send nothing extra.
 
+    With ``sequence_encoder="sasrec"`` the sequence part is instead ``SequencePretrainer``'s own
+    encoder (``SASRecEncoder``, attribute ``encoder``) over the newest ``max_history - 1`` history
+    items with the candidate appended as the last token (as PinFM); its output at the candidate's
+    token, the candidate embedding, the pooled context embeddings and the dense features feed the
+    MLP. Each history token is ``item embedding + action embedding`` (the candidate's: its item
+    embedding), as the pretrainer's. The item and action tables are then the pretrainer's too:
+    one ``EmbeddingCollection`` in attribute ``item_embeddings`` with tables ``item`` (history and
+    candidate) and ``action`` (none with ``num_action_types=0``), so a warm start from a
+    ``SequencePretrainer`` checkpoint (``lightning_recsys.callbacks.InitFromCheckpoint``) copies the
+    encoder and the tables by their own names. Build it with the pretrainer's ``embedding_dim``,
+    ``num_layers``, ``num_heads``, ``feedforward_dim`` and ``max_length`` (as ``max_history``), and
+    its ``num_items`` (as ``item_table_size``). The TransAct-only options (``model_dim``,
+    ``newest_tokens``, ``position_embedding=False``, ``candidate_product``, ``action_means``,
+    ``history_dropout``, ``action_loss_weight``, ``target_readout``, ``interaction`` other than
+    ``"concat"``) are refused with it.
+
     Args:
         item_table_size: rows of the item table (ids ``0 .. item_table_size - 1``), shared by the
             history and the candidate.
-        num_action_types: rows of the action-type table (ids ``0 .. num_action_types - 1``).
+        num_action_types: rows of the action-type table (ids ``0 .. num_action_types - 1``); 0 only
+            with ``sequence_encoder="sasrec"``: no action table, and no action feature is read.
         context_feature_names: the pooled context features, one table each; default none.
         context_table_sizes: rows of each context table, in the order of ``context_feature_names``.
         num_dense_features: width of ``batch.dense`` (0: no dense features).
@@ -84,11 +116,12 @@ class SequenceRanker(RankerModule):
         max_history: how many of each history's newest actions the encoder reads.
         num_layers: transformer encoder layers.
         num_heads: attention heads; must divide the token width (``model_dim``, or without it
-            ``3 * embedding_dim``, ``4 * embedding_dim`` with ``candidate_product``).
-        feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token width.
+            ``3 * embedding_dim``, ``4 * embedding_dim`` with ``candidate_product``; ``embedding_dim`` with "sasrec").
+        feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token
+            width (``embedding_dim`` with "sasrec", as SASRec).
         dropout: the encoder's dropout probability, in ``[0, 1)``.
         newest_tokens: how many of the newest encoded tokens are kept beside the max-pool
-            (``0 .. max_history``; 0: the max-pool only).
+            (``0 .. max_history``; 0: the max-pool only); default (None) 10. Left unset with "sasrec".
         model_dim: project the fused tokens to this width before the encoder; default no projection.
         position_embedding: add a learned embedding of each slot (its recency) to the tokens.
         candidate_product: also append ``item embedding * candidate embedding`` (elementwise) to each
@@ -143,6 +176,8 @@ class SequenceRanker(RankerModule):
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
+        sequence_encoder: ``"transact"`` (the default): the TransAct encoder above. ``"sasrec"``:
+            ``SequencePretrainer``'s encoder over the history with the candidate appended (see above).
         embedding_device: where the tables are built. ``"meta"`` allocates nothing: the sharding
             strategy materializes only this rank's shards (randomly initialized by TorchRec).
         dense_optimizer, dense_lr: see ``RankerModule``.
@@ -162,7 +197,7 @@ class SequenceRanker(RankerModule):
         num_heads: int = 2,
         feedforward_dim: int | None = None,
         dropout: float = 0.1,
-        newest_tokens: int = 10,
+        newest_tokens: int | None = None,
         model_dim: int | None = None,
         position_embedding: bool = True,
         candidate_product: bool = False,
@@ -176,6 +211,7 @@ class SequenceRanker(RankerModule):
         history_item_feature: str = "history_item_id",
         history_action_feature: str = "history_action",
         candidate_item_feature: str = "candidate_item_id",
+        sequence_encoder: SequenceEncoderName = "transact",
         embedding_device: str | None = None,
         dense_optimizer: DenseOptimizerName = "adagrad",
         dense_lr: float = 0.05,
@@ -186,8 +222,20 @@ class SequenceRanker(RankerModule):
         context_sizes = [] if context_table_sizes is None else list(context_table_sizes)
         context_dim = embedding_dim if context_embedding_dim is None else context_embedding_dim
         over_sizes = [128, 32, 1] if over_arch_layer_sizes is None else list(over_arch_layer_sizes)
+        if sequence_encoder not in ("transact", "sasrec"):
+            raise ValueError(f"sequence_encoder={sequence_encoder!r} is not one of ['transact', 'sasrec'].")
+        sasrec = sequence_encoder == "sasrec"
+        if sasrec:
+            _refuse_transact_options(
+                model_dim=(model_dim, None), newest_tokens=(newest_tokens, None), position_embedding=(position_embedding, True),
+                candidate_product=(candidate_product, False), action_means=(action_means, False), history_dropout=(history_dropout, 0.0),
+                action_loss_weight=(action_loss_weight, 0.0), target_readout=(target_readout, False), interaction=(interaction, "concat"),
+            )
+            newest_tokens = 0
+        elif newest_tokens is None:
+            newest_tokens = 10
         _positive_int("item_table_size", item_table_size)
-        _positive_int("num_action_types", num_action_types)
+        _positive_int("num_action_types", num_action_types, minimum=0 if sasrec else 1)
         _positive_int("num_dense_features", num_dense_features, minimum=0)
         _positive_int("embedding_dim", embedding_dim)
         _positive_int("context_embedding_dim", context_dim)
@@ -209,7 +257,7 @@ class SequenceRanker(RankerModule):
                 f"interaction={interaction!r} takes dot products of the context and candidate embeddings, so "
                 f"context_embedding_dim={context_dim} must equal embedding_dim={embedding_dim}; leave it unset or use 'concat'."
             )
-        fused_width = (4 if candidate_product else 3) * embedding_dim
+        fused_width = embedding_dim if sasrec else (4 if candidate_product else 3) * embedding_dim
         token_width = fused_width if model_dim is None else model_dim
         if feedforward_dim is not None:
             _positive_int("feedforward_dim", feedforward_dim)
@@ -233,6 +281,7 @@ class SequenceRanker(RankerModule):
             )
         if token_width % num_heads:
             source = f"model_dim={model_dim}" if model_dim is not None else f"{fused_width // embedding_dim} * embedding_dim={token_width}"
+            source = f"embedding_dim={embedding_dim} with sequence_encoder='sasrec'" if sasrec else source
             raise ValueError(
                 f"num_heads={num_heads} must divide the token width ({source}): each head attends over an equal "
                 "slice. Change num_heads, embedding_dim or model_dim."
@@ -244,7 +293,8 @@ class SequenceRanker(RankerModule):
             )
         if any(isinstance(rows, bool) or not isinstance(rows, int) or rows < 1 for rows in context_sizes):
             raise ValueError(f"context_table_sizes={context_sizes} must all be integers >= 1 (rows per table).")
-        sequence_names = [history_item_feature, history_action_feature, candidate_item_feature]
+        has_actions = num_action_types > 0
+        sequence_names = [history_item_feature, candidate_item_feature] + ([history_action_feature] if has_actions else [])
         names = sequence_names + context_names
         if any(not isinstance(name, str) or not name for name in names):
             raise ValueError(f"feature names must be non-empty strings; got {names}.")
@@ -266,8 +316,12 @@ class SequenceRanker(RankerModule):
         self._sequence_names = (history_item_feature, history_action_feature, candidate_item_feature)
         # One action per history item, one candidate per example: checked here and, sharded, by the input guard.
         self.sparse_length_rules = FeatureLengthRules(
-            aligned=((history_item_feature, history_action_feature),), one_per_example=(candidate_item_feature,), owner="SequenceRanker"
+            aligned=((history_item_feature, history_action_feature),) if has_actions else (),
+            one_per_example=(candidate_item_feature,),
+            owner="SequenceRanker",
         )
+        self.sequence_encoder = sequence_encoder
+        self.has_actions = has_actions
         self.max_history = max_history
         self.history_dropout = float(history_dropout)
         self.action_loss_weight = float(action_loss_weight)
@@ -275,6 +329,27 @@ class SequenceRanker(RankerModule):
         # The action-prediction score's scale and offset (training only; nothing else reads them).
         self.action_score = nn.Parameter(torch.tensor([1.0, 0.0])) if action_loss_weight > 0 else None
         self.newest_tokens = newest_tokens
+        self.embedding_dim = embedding_dim
+        context_embeddings = (
+            EmbeddingBagCollection(
+                tables=[
+                    EmbeddingBagConfig(name=context_table_name(name), embedding_dim=context_dim, num_embeddings=rows, feature_names=[name])
+                    for name, rows in zip(context_names, context_sizes)
+                ],
+                device=device,
+            )
+            if context_names
+            else None
+        )
+        if sasrec:
+            self._build_sasrec(
+                item_table_size, num_action_types, embedding_dim, max_history, num_layers, num_heads,
+                embedding_dim if feedforward_dim is None else feedforward_dim, float(dropout), device,
+            )
+            self.context_embeddings = context_embeddings
+            over_in = 2 * embedding_dim + len(context_names) * context_dim + num_dense_features
+            self.over_arch = _mlp(over_in, over_sizes)
+            return
         self.sequence_embeddings = EmbeddingCollection(
             tables=[
                 EmbeddingConfig(
@@ -288,17 +363,7 @@ class SequenceRanker(RankerModule):
             ],
             device=device,
         )
-        self.context_embeddings = (
-            EmbeddingBagCollection(
-                tables=[
-                    EmbeddingBagConfig(name=context_table_name(name), embedding_dim=context_dim, num_embeddings=rows, feature_names=[name])
-                    for name, rows in zip(context_names, context_sizes)
-                ],
-                device=device,
-            )
-            if context_names
-            else None
-        )
+        self.context_embeddings = context_embeddings
         self.candidate_product = candidate_product
         self.token_projection = nn.Linear(fused_width, token_width) if model_dim is not None else nn.Identity()
         self.positions = nn.Parameter(torch.zeros(max_history, token_width)) if position_embedding else None
@@ -318,7 +383,6 @@ class SequenceRanker(RankerModule):
         self.action_means = action_means
         self._reads_action_ids = action_means or action_loss_weight > 0
         self.num_action_types = num_action_types
-        self.embedding_dim = embedding_dim
         if action_means:
             over_in += num_action_types * embedding_dim
         self.readout_keys = nn.Linear(token_width, embedding_dim) if target_readout else None
@@ -340,6 +404,37 @@ class SequenceRanker(RankerModule):
             over_in += len(rows)
         self.over_arch = _mlp(over_in, over_sizes)
 
+    def _build_sasrec(
+        self, item_rows: int, action_rows: int, dim: int, max_history: int, num_layers: int, num_heads: int,
+        feedforward_dim: int, dropout: float, device: torch.device | None,
+    ) -> None:
+        """The pretrainer's item table(s) and encoder, under its attribute and table names (``SequencePretrainer``)."""
+        history_name, action_name, candidate_name = self._sequence_names
+        initial = partial(nn.init.normal_, mean=0.0, std=_SASREC_INIT_STD)
+        tables = [EmbeddingConfig(name=ITEM_TABLE, embedding_dim=dim, num_embeddings=item_rows, feature_names=[history_name, candidate_name], init_fn=initial)]
+        if action_rows:
+            tables.append(EmbeddingConfig(name=ACTION_TABLE, embedding_dim=dim, num_embeddings=action_rows, feature_names=[action_name], init_fn=initial))
+        self.item_embeddings = EmbeddingCollection(tables=tables, device=device)
+        self.encoder = SASRecEncoder(dim, max_history, num_layers, num_heads, feedforward_dim, dropout, _SASREC_INIT_STD)
+
+    def _sasrec_logits(self, batch: RecBatch) -> torch.Tensor:
+        """The encoder's output at the appended candidate, with the candidate, context and dense features, through the MLP."""
+        history_name, action_name, candidate_name = self._sequence_names
+        ops.check_lengths(batch.sparse, self.sparse_length_rules)
+        looked_up = self.item_embeddings(batch.sparse)
+        history = looked_up[history_name]
+        tokens = history.values()
+        if self.has_actions:
+            tokens = tokens + looked_up[action_name].values()
+        candidate = looked_up[candidate_name].values()
+        padded, valid, slot = ops.candidate_last(history.lengths(), tokens, candidate, self.max_history)
+        hidden = self.encoder(padded, valid)
+        features = [ops.at_slots(hidden, slot), candidate]
+        if self.context_embeddings is not None:
+            features.append(self.context_embeddings(batch.sparse).values())
+        features.append(batch.dense)
+        return self.over_arch(torch.cat(features, dim=1)).squeeze(-1)
+
     def forward(self, batch: RecBatch) -> torch.Tensor:
         return self._logits_and_action_loss(batch)[0]
 
@@ -353,6 +448,8 @@ class SequenceRanker(RankerModule):
 
     def _logits_and_action_loss(self, batch: RecBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits, and in training with ``action_loss_weight > 0`` the action-prediction loss (else None)."""
+        if self.sequence_encoder == "sasrec":
+            return self._sasrec_logits(batch), None
         history_name, action_name, candidate_name = self._sequence_names
         ops.check_lengths(batch.sparse, self.sparse_length_rules)
         sequences = self.sequence_embeddings(batch.sparse)

@@ -166,3 +166,32 @@ def pairwise_dots(
         vectors.append(dense[:, None])
     stacked = torch.cat(vectors, dim=1)
     return torch.bmm(stacked, stacked.transpose(1, 2))[:, rows, cols]
+
+
+@torch.fx.wrap
+def candidate_last(lengths: torch.Tensor, history: torch.Tensor, candidate: torch.Tensor, max_length: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each example's newest ``max_length - 1`` history rows, oldest first, then its candidate row, padded on the right.
+
+    ``history [sum(lengths), D]`` is jagged (oldest first), ``candidate [B, D]`` one row per example.
+    Slot 0 holds the oldest kept history row; the candidate sits right after the newest one (slot 0
+    for an empty history), the slots after it are zeros: the layout of ``SASRecEncoder``'s input,
+    so under its causal mask the candidate attends to the whole kept history (PinFM's appended candidate).
+    Returns ``(tokens [B, max_length, D], valid [B, max_length], candidate_slot [B])``.
+    """
+    lengths = lengths.long()
+    batch = lengths.shape[0]
+    kept = lengths.clamp(max=max_length - 1)
+    starts = torch.cumsum(lengths, 0) - kept  # the oldest kept row of each example
+    slots = torch.arange(max_length, device=lengths.device)
+    from_history = slots[None, :] < kept[:, None]
+    # Row 0 is zeros (padding), rows 1..: history, then the candidates: one gather builds every slot.
+    rows = torch.cat([history.new_zeros(1, history.shape[1]), history, candidate])
+    index = torch.where(from_history, starts[:, None] + slots[None, :] + 1, 0)
+    index[torch.arange(batch, device=lengths.device), kept] = 1 + history.shape[0] + torch.arange(batch, device=lengths.device)
+    return rows[index], slots[None, :] <= kept[:, None], kept
+
+
+@torch.fx.wrap
+def at_slots(hidden: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``hidden [B, L, D]`` at slot ``slots[b]`` of each example ``b``: ``[B, D]``."""
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), slots]

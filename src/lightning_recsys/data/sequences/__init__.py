@@ -3,6 +3,8 @@
 - ``SequenceFileDataModule``: a BERT4Rec/SASRec ``user item`` file (``reader.py``).
 - ``MovieLensPretrainDataModule``: MovieLens-100k ratings by time, the rating as the action.
 - ``SyntheticPretrainDataModule``: planted successor chains, no file.
+- ``SequenceFileRankingDataModule``: DIN-style implicit-feedback ranking pairs from a sequence file
+  (``RecBatch`` for ``SequenceRanker``, ``ranking.py``).
 
 The split (``split.py``) and the batches, ranks and negatives (``module.py``) are shared.
 """
@@ -10,6 +12,7 @@ The split (``split.py``) and the batches, ranks and negatives (``module.py``) ar
 from lightning_recsys.data.sequences.files import SequenceFileDataModule
 from lightning_recsys.data.sequences.module import SequencePretrainDataModule, SequenceSplitDataset
 from lightning_recsys.data.sequences.movielens import MOVIELENS_ACTION_TYPES, MovieLensPretrainDataModule, movielens_sequences
+from lightning_recsys.data.sequences.ranking import SequenceFileRankingDataModule
 from lightning_recsys.data.sequences.reader import UserSequences, read_sequence_file
 from lightning_recsys.data.sequences.split import (
     ACTION_FEATURE,
@@ -31,6 +34,7 @@ __all__ = [
     "NEXT_ITEM_FEATURE",
     "PlantedChains",
     "SequenceFileDataModule",
+    "SequenceFileRankingDataModule",
     "SequencePretrainDataModule",
     "SequenceSplitDataset",
     "SyntheticPretrainDataModule",

@@ -1,0 +1,251 @@
+"""Warm start: copy chosen weights of another model's checkpoint into a (sharded or unsharded) model, Trainer-free.
+
+The source is a DCP checkpoint directory of this package (``save_checkpoint``, a Trainer's
+checkpoint) or a safetensors export of one (``export_safetensors``). Only model tensors are read:
+no embedding optimizer state and no host state (step counters, callbacks, dense optimizers; its
+``host_state.pt`` is not opened). A DCP index is read as every load of this package reads it.
+Keys are the source module's ``state_dict()`` names; ``include`` (``fnmatch`` patterns) picks them
+and ``rename`` (key prefixes) maps them onto the target's names. Every pick is checked against the target (name and global shape) before any
+tensor is read. A DCP source is read with DCP itself, each sharding group over its own process
+group, so any saving world size and plan loads into any target plan (as ``load_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_index, _read_shards
+from lightning_recsys.checkpoint.directory import read_meta, resolve
+from lightning_recsys.checkpoint.table_state import table_name
+from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, CheckpointMismatchError, model_key
+from lightning_recsys.parallel.sharding import find_embedding_modules
+from lightning_recsys.parallel.topology import ParallelTopology
+
+__all__ = ["WarmStartResult", "load_weights", "load_weights_unsharded", "select_weights"]
+
+SAFETENSORS_SUFFIX = ".safetensors"
+
+
+@dataclass(frozen=True, kw_only=True)
+class WarmStartResult:
+    """What a warm start loaded.
+
+    Args:
+        path: the checkpoint directory (the newest committed copy of its name) or safetensors file.
+        loaded: target state-dict key -> the source key it was read from, in the source's order.
+    """
+
+    path: Path
+    loaded: dict[str, str]
+
+
+def select_weights(
+    source_keys: Sequence[str],
+    target_keys: Collection[str],
+    *,
+    include: Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """Target key -> source key: the source keys ``include`` matches, renamed by ``rename``; raise ``ValueError`` else.
+
+    ``include``: ``fnmatch`` patterns over the source keys (None: every source key); each must match
+    at least one. ``rename``: source key prefix -> target key prefix; the longest matching prefix
+    applies. Every picked key, once renamed, must be a target key, and no two may land on one.
+    """
+    patterns = ["*"] if include is None else list(include)
+    renames = dict(rename or {})
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(k, p) for k in source_keys)]
+    if unmatched:
+        shown = ", ".join(repr(k) for k in list(source_keys)[:8]) + (", ..." if len(source_keys) > 8 else "")
+        raise ValueError(
+            f"include pattern(s) {unmatched} match no tensor of the checkpoint (fnmatch patterns over its state-dict "
+            f"keys, e.g. 'encoder.*'); it holds {len(source_keys)} tensors: {shown or 'none'}."
+        )
+    picked = [k for k in source_keys if any(fnmatch.fnmatchcase(k, p) for p in patterns)]
+    mapping: dict[str, str] = {}
+    missing: list[str] = []
+    for key in picked:
+        prefix = max((p for p in renames if key.startswith(p)), key=len, default=None)
+        target = key if prefix is None else renames[prefix] + key[len(prefix):]
+        if target not in target_keys:
+            missing.append(key if target == key else f"{key} (renamed {target})")
+            continue
+        if target in mapping:
+            raise ValueError(f"rename={renames} maps both {mapping[target]!r} and {key!r} onto the model's {target!r}; map each onto its own key.")
+        mapping[target] = key
+    if missing:
+        raise ValueError(
+            f"the model has no tensor for {len(missing)} checkpoint key(s) picked by include={patterns}: {missing}. Narrow "
+            "include to the tables and submodules the model shares with the checkpoint, or map their names with "
+            "rename={'<checkpoint prefix>': '<model prefix>'}."
+        )
+    return mapping
+
+
+def load_weights(
+    path: str | os.PathLike[str],
+    *,
+    state: ShardedState,
+    topology: ParallelTopology,
+    include: Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+) -> WarmStartResult:
+    """Load the tensors ``include``/``rename`` pick from checkpoint ``path`` into a sharded model, in place; collective.
+
+    Every rank calls it. Every rank checks the picks (``select_weights``) and their global shapes
+    before anything is read; a problem on any rank raises on every rank (the one that found it
+    raises it, the others ``CheckpointError``). Shape mismatches raise ``CheckpointMismatchError``
+    naming each table or parameter with both shapes. Only ``state.model_state_dict`` changes; the
+    embedding optimizer, dense optimizers and any step counter are left as they are.
+    """
+    tables = set(state.table_placements())
+    model_state = state.model_state_dict
+    plan: _Plan | None = None
+    error: Exception | None = None
+    try:
+        plan = _plan(path, model_state, tables, include, rename)
+    except Exception as e:  # noqa: BLE001 - every rank must learn about it
+        error = e
+    _all_ranks_ok(error, action=f"checking warm-start checkpoint {str(path)!r}")
+    assert plan is not None
+    if plan.is_safetensors:
+        error = None
+        try:
+            _copy_from_safetensors(plan, model_state)
+        except Exception as e:  # noqa: BLE001
+            error = e
+        _all_ranks_ok(error, action=f"reading warm-start file {str(plan.path)!r}")
+    else:
+        _read_dcp(plan, model_state, process_group=topology.sharding_process_group())
+    return WarmStartResult(path=plan.path, loaded=dict(plan.mapping))
+
+
+def load_weights_unsharded(
+    path: str | os.PathLike[str],
+    module: nn.Module,
+    *,
+    include: Sequence[str] | None = None,
+    rename: Mapping[str, str] | None = None,
+) -> WarmStartResult:
+    """``load_weights`` for an unsharded ``module`` in this process, with no process group (real, not meta, storage)."""
+    model_state = module.state_dict()
+    on_meta = sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor) and v.is_meta)
+    if on_meta:
+        raise ValueError(f"{type(module).__name__} has tensors on the meta device ({on_meta[:3]}...), which cannot hold loaded values.")
+    tables = {f"{fqn}.{k}" if fqn else k for fqn, sub in find_embedding_modules(module).items() for k in sub.state_dict()}
+    plan = _plan(path, model_state, tables, include, rename)
+    if plan.is_safetensors:
+        _copy_from_safetensors(plan, model_state)
+    else:
+        _read_dcp(plan, model_state, no_dist=True)
+    # In case a module's state_dict() returns copies rather than views of its storage.
+    module.load_state_dict({t: model_state[t] for t in plan.mapping}, strict=False)
+    return WarmStartResult(path=plan.path, loaded=dict(plan.mapping))
+
+
+@dataclass(frozen=True)
+class _Plan:
+    path: Path
+    is_safetensors: bool
+    mapping: dict[str, str]  # target key -> source key
+
+
+def _plan(
+    path: str | os.PathLike[str],
+    model_state: Mapping[str, Any],
+    tables: set[str],
+    include: Sequence[str] | None,
+    rename: Mapping[str, str] | None,
+) -> _Plan:
+    """Read the source's index (no tensor), pick and rename its keys, and check them against the model."""
+    target_keys = {k for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+    if Path(path).suffix == SAFETENSORS_SUFFIX:
+        file = Path(path)
+        if not file.is_file():
+            raise FileNotFoundError(f"warm-start file {str(file)!r} does not exist (a safetensors export, export_safetensors()).")
+        with safe_open(str(file), framework="pt") as reader:
+            saved = {k: tuple(reader.get_slice(k).get_shape()) for k in reader.keys()}  # noqa: SIM118 - safe_open has no __iter__
+        source = file
+    else:
+        source = resolve(path)  # the newest committed copy of this name; refuses uncommitted and foreign directories
+        read_meta(source)
+        metadata = _dcp_index(source)
+        prefix = MODEL_NAMESPACE + "."
+        saved = {
+            k.removeprefix(prefix): tuple(md.size)
+            for k, md in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+        }
+    mapping = select_weights(list(saved), target_keys, include=include, rename=rename)
+    _check_shapes(source, mapping, saved, model_state, tables)
+    return _Plan(path=source, is_safetensors=source.suffix == SAFETENSORS_SUFFIX, mapping=mapping)
+
+
+def _check_shapes(
+    source: Path, mapping: Mapping[str, str], saved: Mapping[str, tuple[int, ...]], model_state: Mapping[str, Any], tables: set[str]
+) -> None:
+    """``CheckpointMismatchError`` naming every picked table/parameter whose saved global shape is not the model's."""
+    problems = []
+    for target, key in mapping.items():
+        want = tuple(model_state[target].size())  # a ShardedTensor's size() is its global shape
+        if saved[key] != want:
+            kind = f"table {table_name(target)!r}" if target in tables else "parameter"
+            renamed = "" if target == key else f" (loaded into the model's {target!r})"
+            problems.append(f"{kind} {key!r}{renamed}: the checkpoint has shape {saved[key]}, the model has {want}.")
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise CheckpointMismatchError(
+            f"warm start from {str(source)!r}: {len(problems)} picked tensor(s) differ in shape from the model's:\n{lines}\n"
+            "Build the model with the checkpoint's sizes (num_embeddings, embedding_dim, layer widths), or leave these "
+            "tensors out of include so they keep their initial values.",
+            ("resized",),
+        )
+
+
+def _read_dcp(plan: _Plan, model_state: Mapping[str, Any], **kwargs: Any) -> None:
+    """DCP reads the source keys straight into the target tensors (re-cut for this plan)."""
+    targets = {model_key(source): model_state[target] for target, source in plan.mapping.items()}
+    _dcp_shards(targets, plan.path, **kwargs)
+
+
+def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
+    """Each target tensor (or this rank's shards of it) gets its slice of the whole saved tensor."""
+    with safe_open(str(plan.path), framework="pt") as reader:
+        for target, source in plan.mapping.items():
+            value = model_state[target]
+            saved = reader.get_slice(source)
+            with torch.no_grad():
+                if isinstance(value, ShardedTensor):
+                    for shard in value.local_shards():
+                        rows, cols = shard.metadata.shard_offsets
+                        height, width = shard.metadata.shard_sizes
+                        shard.tensor.copy_(saved[rows : rows + height, cols : cols + width])
+                elif type(value) in (torch.Tensor, nn.Parameter):  # not a DTensor or other subclass: whole on every rank
+                    value.copy_(reader.get_tensor(source))
+                else:
+                    raise TypeError(
+                        f"the model's {target!r} is a {type(value).__name__}; a safetensors warm start fills tensors and "
+                        "ShardedTensors. Warm-start from the DCP checkpoint directory instead."
+                    )
+
+
+
+# The two DCP reads, through the readers every load of this package uses (dcp_io.load_checkpoint, load_unsharded),
+# so a warm start reads the index and the shards exactly as they do, with their checks.
+def _dcp_index(directory: Path) -> Metadata:
+    return _read_index(directory)
+
+
+def _dcp_shards(targets: dict[str, Any], directory: Path, **kwargs: Any) -> None:
+    _read_shards(targets, directory, **kwargs)

@@ -1,0 +1,60 @@
+"""Pre-train -> fine-tune -> test through the `lightning-recsys` console script (2 CPU processes each): the
+fine-tune warm-starts a SASRec SequenceRanker from the pretrainer's last.ckpt with
+`--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint --trainer.callbacks.path CKPT`."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIGS = ROOT / "examples" / "configs"
+CLI = str(Path(sys.executable).with_name("lightning-recsys"))
+ITEMS, DIM, LENGTH = 64, 8, 8
+PRETRAIN = [
+    "--data.init_args.num_users", "128", "--data.init_args.num_items", str(ITEMS), "--data.init_args.max_length", str(LENGTH),
+    "--data.init_args.num_negatives", "16", "--data.init_args.global_batch_size", "32",
+    "--model.init_args.num_items", str(ITEMS), "--model.init_args.max_length", str(LENGTH),  # the config's ${data...} resolve first
+    "--model.init_args.embedding_dim", str(DIM), "--trainer.max_epochs", "1",
+    # No validation: the full-ranking evaluation needs TwoDRecStrategy.item_ranking, not on this branch yet.
+    "--trainer.limit_val_batches", "0",
+]  # fmt: skip
+# synthetic_sequence.yaml's ranker, switched to the pretrainer's encoder and sizes (its TransAct options back to defaults).
+RANKER = [
+    "--data.init_args.config.num_items", str(ITEMS), "--data.init_args.config.global_batch_size", "64",
+    "--data.init_args.config.train_batches", "3", "--data.init_args.config.val_batches", "1", "--data.init_args.config.test_batches", "2",
+    "--data.init_args.config.max_history_length", "12",
+    "--model.init_args.item_table_size", str(ITEMS), "--model.init_args.sequence_encoder", "sasrec", "--model.init_args.embedding_dim", str(DIM), "--model.init_args.max_history", str(LENGTH),
+    "--model.init_args.num_layers", "2", "--model.init_args.num_heads", "2", "--model.init_args.feedforward_dim", "null",
+    "--model.init_args.newest_tokens", "null", "--model.init_args.action_loss_weight", "0", "--model.init_args.positive_actions", "null",
+]  # fmt: skip
+
+
+def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
+    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
+    return output
+
+
+@pytest.mark.slow
+def test_pretrain_then_fine_tune_with_a_warm_start_then_test(tmp_path):
+    _run([CLI, "fit", "--config", str(CONFIGS / "synthetic_pretrain.yaml"), *PRETRAIN], tmp_path)
+    pretrained = tmp_path / "checkpoints" / "synthetic_pretrain" / "last.ckpt"
+    assert pretrained.exists()
+    ranker = ["--config", str(CONFIGS / "synthetic_sequence.yaml"), *RANKER]
+    warm = ["--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint", "--trainer.callbacks.path", str(pretrained)]
+    fit = _run([CLI, "fit", *ranker, "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *warm], tmp_path)
+    # The item table and the encoder: the pretrainer has no action table (its num_action_types is 0).
+    match = re.search(r"InitFromCheckpoint: loaded (\d+) tensors from (\S+)", fit)
+    assert match, fit[-3000:]
+    assert int(match.group(1)) == 1 + 1 + 2 * 12 + 2  # item table, positions, 12 tensors per SASRec block, final norm
+    (checkpoint,) = sorted(tmp_path.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
+    tested = _run([CLI, "test", *ranker, "--ckpt_path", str(checkpoint)], tmp_path)
+    assert "Loaded model weights from the checkpoint" in tested and "InitFromCheckpoint" not in tested
+    auc = re.search(r"test/auc\s*│\s*([0-9.]+)", tested)
+    assert auc and 0.0 <= float(auc.group(1)) <= 1.0, tested[-3000:]
