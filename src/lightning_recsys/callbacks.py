@@ -255,9 +255,13 @@ class InitFromCheckpoint(Callback):
             default every tensor of the checkpoint. Each pattern must match at least one.
         rename: checkpoint key prefix -> model key prefix, e.g. ``{"item_embeddings.": "sequence_embeddings."}``
             (the longest matching prefix applies); default none.
+        trusted: read the checkpoint's index and byte items without the restricted unpickler, as
+            ``DCPCheckpointIO(trusted=True)`` does (only for a checkpoint you trust as you trust code); default off.
     """
 
-    def __init__(self, path: str, include: list[str] | None = None, rename: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, path: str, include: list[str] | None = None, rename: dict[str, str] | None = None, trusted: bool = False
+    ) -> None:
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"InitFromCheckpoint(path={path!r}) must be a checkpoint directory or a .safetensors file.")
         if include is not None and (
@@ -274,7 +278,10 @@ class InitFromCheckpoint(Callback):
                 f"InitFromCheckpoint(rename={rename!r}) must map checkpoint key prefixes (non-empty strings) to model key "
                 "prefixes, e.g. {'item_embeddings.': 'sequence_embeddings.'}."
             )
+        if not isinstance(trusted, bool):
+            raise ValueError(f"InitFromCheckpoint(trusted={trusted!r}) must be True or False (False: the restricted reader).")
         self.path = str(path)
+        self.trusted = trusted
         self.include = None if include is None else list(include)
         self.rename = None if rename is None else dict(rename)
         self.result: WarmStartResult | None = None
@@ -309,11 +316,12 @@ class InitFromCheckpoint(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, TwoDRecStrategy):
             self.result = load_weights(
-                self.path, state=strategy.sharded_checkpoint_state(), topology=strategy.topology, include=self.include, rename=self.rename
+                self.path, state=strategy.sharded_checkpoint_state(), topology=strategy.topology, include=self.include, rename=self.rename,
+                trusted=self.trusted,
             )
             strategy.runtime.restart_sync_cadence()  # every replica loaded the same values
         else:
-            self.result = load_weights_unsharded(self.path, pl_module, include=self.include, rename=self.rename)
+            self.result = load_weights_unsharded(self.path, pl_module, include=self.include, rename=self.rename, trusted=self.trusted)
         self._loaded_into = id(pl_module)
         rank_zero_info(f"InitFromCheckpoint: loaded {len(self.result.loaded)} tensors from {self.result.path}")
 

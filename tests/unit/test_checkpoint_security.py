@@ -34,6 +34,7 @@ from crafted_checkpoints import (
     write_checkpoint,
 )
 
+from lightning_recsys.checkpoint.warm_start import load_weights_unsharded
 from lightning_recsys.checkpoint import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError, load_unsharded, to_lightning_checkpoint
 from lightning_recsys.checkpoint.safe_reading import INDEX_GLOBALS
 from lightning_recsys.checkpoint.safetensors_export import export_safetensors
@@ -124,10 +125,17 @@ class _Paths:
         return export_safetensors(path, path.parent / "w.safetensors", **kw)
 
 
+    @staticmethod
+    def warm_start(path: Path, model: torch.nn.Module, **kw) -> object:
+        return load_weights_unsharded(path, model, **kw)  # InitFromCheckpoint's load outside TwoDRecStrategy
+
+
 LOAD_PATHS = [pytest.param(getattr(_Paths, name), id=name) for name in ("load_unsharded", "to_lightning_checkpoint", "load_from_checkpoint", "export_safetensors")]
+# A warm start reads tensors only (never a byte item), so it meets a crafted index but no crafted byte item.
+INDEX_LOAD_PATHS = [*LOAD_PATHS, pytest.param(_Paths.warm_start, id="warm_start")]
 
 
-@pytest.mark.parametrize("load", LOAD_PATHS)
+@pytest.mark.parametrize("load", INDEX_LOAD_PATHS)
 def test_a_crafted_index_is_refused_on_every_load_path_and_never_runs(tmp_path: Path, load) -> None:
     marker = tmp_path / "the_payload_ran"
     source = ranker(seed=0)

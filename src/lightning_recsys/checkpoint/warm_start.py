@@ -25,7 +25,8 @@ from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_index, _read_shards
+from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_shards
+from lightning_recsys.checkpoint.safe_reading import INDEX_FILE, check_storage, read_index
 from lightning_recsys.checkpoint.directory import read_meta, resolve
 from lightning_recsys.checkpoint.table_state import table_name
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, CheckpointMismatchError, model_key
@@ -100,6 +101,7 @@ def load_weights(
     topology: ParallelTopology,
     include: Sequence[str] | None = None,
     rename: Mapping[str, str] | None = None,
+    trusted: bool = False,
 ) -> WarmStartResult:
     """Load the tensors ``include``/``rename`` pick from checkpoint ``path`` into a sharded model, in place; collective.
 
@@ -107,14 +109,15 @@ def load_weights(
     before anything is read; a problem on any rank raises on every rank (the one that found it
     raises it, the others ``CheckpointError``). Shape mismatches raise ``CheckpointMismatchError``
     naming each table or parameter with both shapes. Only ``state.model_state_dict`` changes; the
-    embedding optimizer, dense optimizers and any step counter are left as they are.
+    embedding optimizer, dense optimizers and any step counter are left as they are. A DCP source is
+    read as every load of this package reads one (``checkpoint.safe_reading``; ``trusted`` as there).
     """
     tables = set(state.table_placements())
     model_state = state.model_state_dict
     plan: _Plan | None = None
     error: Exception | None = None
     try:
-        plan = _plan(path, model_state, tables, include, rename)
+        plan = _plan(path, model_state, tables, include, rename, trusted)
     except Exception as e:  # noqa: BLE001 - every rank must learn about it
         error = e
     _all_ranks_ok(error, action=f"checking warm-start checkpoint {str(path)!r}")
@@ -127,7 +130,7 @@ def load_weights(
             error = e
         _all_ranks_ok(error, action=f"reading warm-start file {str(plan.path)!r}")
     else:
-        _read_dcp(plan, model_state, process_group=topology.sharding_process_group())
+        _read_dcp(plan, model_state, trusted=trusted, process_group=topology.sharding_process_group())
     return WarmStartResult(path=plan.path, loaded=dict(plan.mapping))
 
 
@@ -137,6 +140,7 @@ def load_weights_unsharded(
     *,
     include: Sequence[str] | None = None,
     rename: Mapping[str, str] | None = None,
+    trusted: bool = False,
 ) -> WarmStartResult:
     """``load_weights`` for an unsharded ``module`` in this process, with no process group (real, not meta, storage)."""
     model_state = module.state_dict()
@@ -144,11 +148,11 @@ def load_weights_unsharded(
     if on_meta:
         raise ValueError(f"{type(module).__name__} has tensors on the meta device ({on_meta[:3]}...), which cannot hold loaded values.")
     tables = {f"{fqn}.{k}" if fqn else k for fqn, sub in find_embedding_modules(module).items() for k in sub.state_dict()}
-    plan = _plan(path, model_state, tables, include, rename)
+    plan = _plan(path, model_state, tables, include, rename, trusted)
     if plan.is_safetensors:
         _copy_from_safetensors(plan, model_state)
     else:
-        _read_dcp(plan, model_state, no_dist=True)
+        _read_dcp(plan, model_state, trusted=trusted, no_dist=True)
     # In case a module's state_dict() returns copies rather than views of its storage.
     module.load_state_dict({t: model_state[t] for t in plan.mapping}, strict=False)
     return WarmStartResult(path=plan.path, loaded=dict(plan.mapping))
@@ -167,6 +171,7 @@ def _plan(
     tables: set[str],
     include: Sequence[str] | None,
     rename: Mapping[str, str] | None,
+    trusted: bool,
 ) -> _Plan:
     """Read the source's index (no tensor), pick and rename its keys, and check them against the model."""
     target_keys = {k for k, v in model_state.items() if isinstance(v, torch.Tensor)}
@@ -180,7 +185,8 @@ def _plan(
     else:
         source = resolve(path)  # the newest committed copy of this name; refuses uncommitted and foreign directories
         read_meta(source)
-        metadata = _dcp_index(source)
+        metadata = read_index(source / INDEX_FILE, trusted=trusted)
+        check_storage(metadata, source)  # every shard file against the index, before anything is read
         prefix = MODEL_NAMESPACE + "."
         saved = {
             k.removeprefix(prefix): tuple(md.size)
@@ -213,10 +219,10 @@ def _check_shapes(
         )
 
 
-def _read_dcp(plan: _Plan, model_state: Mapping[str, Any], **kwargs: Any) -> None:
-    """DCP reads the source keys straight into the target tensors (re-cut for this plan)."""
+def _read_dcp(plan: _Plan, model_state: Mapping[str, Any], *, trusted: bool, **kwargs: Any) -> None:
+    """DCP reads the source keys straight into the target tensors (re-cut for this plan), through the safe reader."""
     targets = {model_key(source): model_state[target] for target, source in plan.mapping.items()}
-    _dcp_shards(targets, plan.path, **kwargs)
+    _read_shards(targets, plan.path, trusted=trusted, **kwargs)
 
 
 def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
@@ -238,14 +244,3 @@ def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
                         f"the model's {target!r} is a {type(value).__name__}; a safetensors warm start fills tensors and "
                         "ShardedTensors. Warm-start from the DCP checkpoint directory instead."
                     )
-
-
-
-# The two DCP reads, through the readers every load of this package uses (dcp_io.load_checkpoint, load_unsharded),
-# so a warm start reads the index and the shards exactly as they do, with their checks.
-def _dcp_index(directory: Path) -> Metadata:
-    return _read_index(directory)
-
-
-def _dcp_shards(targets: dict[str, Any], directory: Path, **kwargs: Any) -> None:
-    _read_shards(targets, directory, **kwargs)
