@@ -154,14 +154,7 @@ class RankerModule(RecsysModule):
     Validation and test log ``{stage}/loss`` (mean of per-batch losses) and, per epoch,
     ``{stage}/auc``, ``{stage}/ne``, ``{stage}/calibration`` and ``{stage}/logloss`` (exact over every
     example on every rank). The metric objects are ``self.metrics[f"{stage}_{name}"]``.
-
-    Single-device code: it holds plain TorchRec modules and never touches a process group.
-    Under TwoDRecStrategy the embedding modules inside it are sharded in place and the
-    optimizer returned here only sees the dense parameters.
-
-    Args:
-        dense_optimizer: ``sgd``, ``adagrad`` or ``adam`` for the dense (non-embedding) parameters.
-        dense_lr: its learning rate.
+    The dense optimizer arguments and the sharding contract are ``RecsysModule``'s.
     """
 
     def __init__(self, dense_optimizer: DenseOptimizerName = "adagrad", dense_lr: float = 0.05) -> None:
