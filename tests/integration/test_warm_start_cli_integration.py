@@ -20,7 +20,7 @@ PRETRAIN = [
     "--data.init_args.num_negatives", "16", "--data.init_args.global_batch_size", "32",
     "--model.init_args.num_items", str(ITEMS), "--model.init_args.max_length", str(LENGTH),  # the config's ${data...} resolve first
     "--model.init_args.embedding_dim", str(DIM), "--trainer.max_epochs", "1",
-    # No validation: the full-ranking evaluation needs TwoDRecStrategy.item_ranking, not on this branch yet.
+    # No validation: this test follows the weights from fit to fit; the full ranking has its own tests (suite time).
     "--trainer.limit_val_batches", "0",
 ]  # fmt: skip
 # synthetic_sequence.yaml's ranker, switched to the pretrainer's encoder and sizes (its TransAct options back to defaults).
