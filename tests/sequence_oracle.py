@@ -96,11 +96,11 @@ def make_model(embedding_device: str | None = None, seed: int | None = 1234, **o
         item_table_size=ITEMS, num_action_types=ACTIONS, context_feature_names=list(CONTEXT), context_table_sizes=list(CONTEXT.values()),
         num_dense_features=NUM_DENSE, embedding_dim=DIM, max_history=MAX_HISTORY, num_layers=1, num_heads=2, feedforward_dim=16,
         dropout=0.0, newest_tokens=2, over_arch_layer_sizes=[8, 1], dense_optimizer="sgd", dense_lr=DENSE_LR, embedding_device=embedding_device,
-        # The superset of the forward paths (the "concat" model plus the action means, the target read-out,
-        # the dots and the action-prediction loss): every sharded test (TW/RW/CW, QComms, 2D, DCP, the
-        # pipeline) then covers them. history_dropout (random per rank) is left out: the CLI test trains
-        # the shipped config with it.
-        interaction="dot", action_means=True, target_readout=True, action_loss_weight=0.5, positive_actions=[2, 3],
+        # The superset of the forward paths (the "concat" model plus the action means, the dots and the
+        # action-prediction loss): every sharded test (TW/RW/CW, QComms, 2D, DCP, the pipeline) then
+        # covers them. history_dropout (random per rank) is left out: the CLI test trains the shipped
+        # config with it.
+        interaction="dot", action_means=True, action_loss_weight=0.5, positive_actions=[2, 3],
     )
     return SequenceRanker(**{**arguments, **overrides})  # type: ignore[arg-type]
 

@@ -103,20 +103,18 @@ def test_forward_gives_one_finite_logit_per_example_and_builds_one_collection_pe
     assert model.encoder.num_layers == 2 and model.encoder.layers[0].self_attn.num_heads == 2
 
 
-def test_candidate_product_appends_the_item_candidate_product_to_each_token():
-    plain, product = small_model(), small_model(candidate_product=True)
-    assert plain.encoder.layers[0].self_attn.embed_dim == 24 and product.encoder.layers[0].self_attn.embed_dim == 32
-    assert product.over_arch[0].in_features == 3 * 32 + 8 + 8 + 2
-    seen = []
-    product.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
-    batch = sequence_batch([[1, 2], [3]], candidates=[4, 5])
-    product.eval()(batch)
-    items = product.sequence_embeddings.embeddings["item"].weight.detach()
-    tokens = seen[0] - product.positions.detach()  # [B, max_history, 4 * 8] before the encoder
-    # Example 1's newest slot: item 3, action 0, candidate 5, and item 3 * candidate 5.
-    torch.testing.assert_close(tokens[1, -1, 24:], items[3] * items[5])
-    torch.testing.assert_close(tokens[1, -1, :8], items[3])
-    assert torch.equal(tokens[1, 0, 24:], torch.zeros(8)) and tokens[1, 0, 16:24].any()  # padding: a candidate, no product
+def test_each_token_is_item_action_and_candidate_plus_its_slots_position_embedding():
+    model = small_model().eval()
+    seen: list[torch.Tensor] = []
+    model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    model(sequence_batch([[1, 2], [3]], actions=[[1, 2], [0]], candidates=[4, 5]))
+    tables = model.sequence_embeddings.embeddings
+    items, actions = tables["item"].weight.detach(), tables["action"].weight.detach()
+    tokens = seen[0] - model.positions.detach()  # [B, max_history, 3 * 8] before the encoder
+    # Example 1's newest (last) slot: item 3, action 0, candidate 5; its earlier slots are padding with the candidate.
+    torch.testing.assert_close(tokens[1, -1], torch.cat([items[3], actions[0], items[5]]))
+    torch.testing.assert_close(tokens[0, -2], torch.cat([items[1], actions[1], items[4]]))
+    torch.testing.assert_close(tokens[1, 0], torch.cat([torch.zeros(16), items[5]]))
 
 
 def _over_arch_input(model: SequenceRanker, batch: RecBatch) -> torch.Tensor:
@@ -164,41 +162,6 @@ def test_dot_interaction_appends_the_pairwise_dots_of_candidate_history_context_
     assert plain.dense_projection is None and plain.over_arch[0].in_features == 3 * 24 + 8 + 8 + 3
 
 
-def test_candidate_dots_give_the_mlp_only_the_dense_features_and_the_candidates_dots():
-    model = small_model(interaction="candidate_dots", action_means=True)
-    others = 1 + 3 + 1 + 1  # projected history, 3 action means, user_id, projected dense
-    assert model.over_arch[0].in_features == 2 + others
-    batch = sequence_batch([[1, 2], [], [3, 4, 5]], actions=[[1, 1], [], [0, 2, 1]], candidates=[9, 10, 11])
-    features = _over_arch_input(model, batch)
-    torch.testing.assert_close(features[:, :2], batch.dense)
-    items = model.sequence_embeddings.embeddings["item"].weight.detach()
-    users = model.context_embeddings.embedding_bags["t_user_id"].weight.detach()
-    candidate = items[[9, 10, 11]]
-    torch.testing.assert_close(features[:, 2 + 4], (candidate * users[[0, 1, 2]]).sum(1))  # candidate . user_id
-    # Example 0's action-1 mean is the mean of items 1 and 2; example 1 (no history) has zero means.
-    torch.testing.assert_close(features[0, 2 + 2], candidate[0] @ (items[1] + items[2]) / 2)
-    assert torch.equal(features[1, 2 + 1 : 2 + 4], torch.zeros(3))
-
-
-def test_target_readout_is_the_candidates_attention_over_the_history_items():
-    model = small_model(target_readout=True)
-    assert model.over_arch[0].in_features == 3 * 24 + 8 + 8 + 8 + 2
-    encoded: list[torch.Tensor] = []
-    model.encoder.register_forward_hook(lambda module, args, out: encoded.append(out))
-    # Example 0 keeps its newest 4 items (3, 4, 5, 6); example 1 has no history.
-    batch = sequence_batch([[1, 3, 4, 5, 6], [], [7]], candidates=[9, 10, 11])
-    readout = _over_arch_input(model, batch)[:, 3 * 24 + 8 : 3 * 24 + 16]
-    items = model.sequence_embeddings.embeddings["item"].weight.detach()
-    with torch.no_grad():
-        keys = model.readout_keys(encoded[0])
-    weights = torch.softmax(keys[0] @ items[9] / 8**0.5, dim=0)
-    torch.testing.assert_close(readout[0], weights @ items[[3, 4, 5, 6]])
-    assert torch.equal(readout[1], torch.zeros(8))  # an empty history reads nothing
-    torch.testing.assert_close(readout[2], items[7])  # one item: all the weight on it
-    dots = small_model(target_readout=True, interaction="candidate_dots")
-    assert dots.over_arch[0].in_features == 2 + 4  # history, readout, user_id, dense
-
-
 def test_history_dropout_hides_whole_histories_in_training_only():
     model = small_model(history_dropout=0.5, action_means=True)  # SMALL has encoder dropout 0: only histories drop
     batch = sequence_batch([[1, 2, 3]] * 64, actions=[[1, 2, 1]] * 64, candidates=[4] * 64)
@@ -226,12 +189,12 @@ def test_action_means_and_dot_interaction_train_with_empty_histories():
     assert model.history_projection.weight.grad.abs().sum() > 0
 
 
-def test_projection_feedforward_and_no_context_are_configurable():
-    model = small_model(context_feature_names=None, context_table_sizes=None, num_dense_features=0, model_dim=12,
-                        num_heads=3, num_layers=1, feedforward_dim=20, newest_tokens=0, position_embedding=False)
-    assert model.context_embeddings is None and model.positions is None
+def test_heads_feedforward_and_no_context_are_configurable():
+    model = small_model(context_feature_names=None, context_table_sizes=None, num_dense_features=0,
+                        num_heads=3, num_layers=1, feedforward_dim=20, newest_tokens=0)
+    assert model.context_embeddings is None and model.encoder.layers[0].self_attn.num_heads == 3
     assert model.encoder.num_layers == 1 and model.encoder.layers[0].linear1.out_features == 20
-    assert model.over_arch[0].in_features == 12 + 8
+    assert model.over_arch[0].in_features == 24 + 8  # the max-pool (3 * 8 wide) and the candidate
     batch = sequence_batch([[1, 2], [3]])
     batch = RecBatch(torch.zeros(2, 0), batch.sparse, batch.labels)
     assert model(batch).shape == (2,)
@@ -308,28 +271,20 @@ _INVALID = [
     ({"num_action_types": 2.5}, r"num_action_types=2.5 must be an integer >= 1"),
     ({"num_dense_features": -1}, r"num_dense_features=-1 must be an integer >= 0"),
     ({"embedding_dim": 0}, r"embedding_dim=0 must be an integer >= 1"),
-    ({"context_embedding_dim": 0}, r"context_embedding_dim=0 must be an integer >= 1"),
     ({"max_history": 0}, r"max_history=0 must be an integer >= 1"),
     ({"num_layers": 0}, r"num_layers=0 must be an integer >= 1"),
     ({"num_heads": True}, r"num_heads=True must be an integer >= 1"),
     ({"feedforward_dim": 0}, r"feedforward_dim=0 must be an integer >= 1"),
-    ({"model_dim": -4}, r"model_dim=-4 must be an integer >= 1"),
     ({"newest_tokens": 5}, r"newest_tokens=5 must be an integer in \[0, max_history=4\]"),
     ({"dropout": 1.0}, r"dropout=1.0 must be a probability in \[0, 1\)"),
     ({"num_heads": 5}, r"num_heads=5 must divide the token width \(3 \* embedding_dim=24\)"),
-    ({"model_dim": 10, "num_heads": 4}, r"num_heads=4 must divide the token width \(model_dim=10\)"),
-    ({"candidate_product": True, "num_heads": 3}, r"num_heads=3 must divide the token width \(4 \* embedding_dim=32\)"),
-    ({"candidate_product": 1}, r"candidate_product=1 must be True or False"),
     ({"action_means": "yes"}, r"action_means='yes' must be True or False"),
-    ({"target_readout": 1}, r"target_readout=1 must be True or False"),
-    ({"interaction": "sum"}, r"interaction='sum' is not one of \['concat', 'dot', 'candidate_dots'\]"),
+    ({"interaction": "candidate_dots"}, r"interaction='candidate_dots' is not one of \['concat', 'dot'\]"),
     ({"history_dropout": 1.0}, r"history_dropout=1.0 must be a probability in \[0, 1\)"),
     ({"action_loss_weight": -1.0}, r"action_loss_weight=-1.0 must be a number >= 0"),
     ({"action_loss_weight": 1.0}, r"action_loss_weight=1.0 needs positive_actions"),
     ({"positive_actions": [3]}, r"positive_actions=\[3\] must be distinct action ids in \[0, num_action_types=3\)"),
     ({"positive_actions": [1, 1]}, r"positive_actions=\[1, 1\] must be distinct action ids"),
-    ({"interaction": "candidate_dots", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
-    ({"interaction": "dot", "context_embedding_dim": 4}, r"context_embedding_dim=4 must equal embedding_dim=8"),
     ({"context_table_sizes": [7, 8]}, r"context_feature_names has 1 entries but context_table_sizes has 2"),
     ({"context_table_sizes": [0]}, r"context_table_sizes=\[0\] must all be integers >= 1"),
     ({"context_feature_names": ["history_action"]}, r"feature name\(s\) \['history_action'\] are used twice"),
@@ -353,7 +308,7 @@ def test_defaults_are_near_transact_and_the_collections_are_torchrecs():
     model = SequenceRanker(item_table_size=100, num_action_types=5)
     assert model.max_history == 100 and model.newest_tokens == 10
     assert model.encoder.num_layers == 2 and model.encoder.layers[0].self_attn.num_heads == 2
-    assert model.encoder.layers[0].self_attn.embed_dim == 3 * 32
+    assert model.encoder.layers[0].self_attn.embed_dim == 3 * 32 and model.positions.shape == (100, 3 * 32)
     assert isinstance(model.sequence_embeddings, EmbeddingCollection) and model.context_embeddings is None
     assert not isinstance(model.sequence_embeddings, EmbeddingBagCollection)
 

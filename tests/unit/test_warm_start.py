@@ -101,8 +101,8 @@ def test_sasrec_ranker_without_actions_and_its_refused_options():
     assert set(model.item_embeddings.embeddings) == {"item"}
     logits = model(ranker_batch([[1, 2], []], [3, 4], with_actions=False))
     assert logits.shape == (2,) and torch.isfinite(logits).all()
-    with pytest.raises(ValueError, match=r"newest_tokens=2, candidate_product=True: TransAct encoder option"):
-        ranker(newest_tokens=2, candidate_product=True)
+    with pytest.raises(ValueError, match=r"newest_tokens=2, action_means=True: TransAct encoder option"):
+        ranker(newest_tokens=2, action_means=True)
     with pytest.raises(ValueError, match=r"num_action_types=0 must be an integer >= 1"):
         SequenceRanker(item_table_size=ITEMS, num_action_types=0)
     with pytest.raises(ValueError, match=r"sequence_encoder='bert' is not one of"):

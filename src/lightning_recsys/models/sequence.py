@@ -21,7 +21,7 @@ __all__ = ["ACTION_TABLE", "ITEM_TABLE", "SequenceEncoderName", "SequenceRanker"
 
 ITEM_TABLE = "item"
 ACTION_TABLE = "action"
-InteractionName = Literal["concat", "dot", "candidate_dots"]
+InteractionName = Literal["concat", "dot"]
 SequenceEncoderName = Literal["transact", "sasrec"]
 _SASREC_INIT_STD = 0.02  # SASRec+'s initial std (SequencePretrainer's default init_std)
 
@@ -74,10 +74,10 @@ class SequenceRanker(RankerModule):
     context tables one ``EmbeddingBagCollection`` (tables ``t_<feature>``). Of each history the
     newest ``max_history`` actions are kept (newest in the last slot, padding before the oldest).
     Each token is ``[item embedding, action embedding, candidate embedding]`` (early fusion, as in
-    Pinterest's TransAct; with ``candidate_product`` also their elementwise product), projected to ``model_dim`` if that is set, plus a learned position
-    embedding if ``position_embedding``, and goes through ``num_layers`` ``nn.TransformerEncoder``
-    layers with the padding masked. The encoder output is max-pooled over the valid tokens and the
-    newest ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
+    Pinterest's TransAct), ``3 * embedding_dim`` wide, plus a learned embedding of its slot (its
+    recency), and goes through ``num_layers`` ``nn.TransformerEncoder`` layers with the padding
+    masked. The encoder output is max-pooled over the valid tokens and the newest
+    ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
     the pooled context embeddings and the dense features feed an MLP that gives one logit
     (``action_means`` adds per-action mean item embeddings, ``interaction="dot"`` DLRM's pairwise dots).
     An empty history gives a zero max-pool and zero tokens, never NaN.
@@ -97,10 +97,8 @@ class SequenceRanker(RankerModule):
     ``SequencePretrainer`` checkpoint (``lightning_recsys.callbacks.InitFromCheckpoint``) copies the
     encoder and the tables by their own names. Build it with the pretrainer's ``embedding_dim``,
     ``num_layers``, ``num_heads``, ``feedforward_dim`` and ``max_length`` (as ``max_history``), and
-    its ``num_items`` (as ``item_table_size``). The TransAct-only options (``model_dim``,
-    ``newest_tokens``, ``position_embedding=False``, ``candidate_product``, ``action_means``,
-    ``history_dropout``, ``action_loss_weight``, ``target_readout``, ``interaction`` other than
-    ``"concat"``) are refused with it.
+    its ``num_items`` (as ``item_table_size``). The TransAct-only options (``newest_tokens``,
+    ``action_means``, ``history_dropout``, ``action_loss_weight``, ``interaction="dot"``) are refused with it.
 
     Args:
         item_table_size: rows of the item table (ids ``0 .. item_table_size - 1``), shared by the
@@ -110,23 +108,17 @@ class SequenceRanker(RankerModule):
         context_feature_names: the pooled context features, one table each; default none.
         context_table_sizes: rows of each context table, in the order of ``context_feature_names``.
         num_dense_features: width of ``batch.dense`` (0: no dense features).
-        embedding_dim: the dimension of the item and action tables (one ``EmbeddingCollection``
+        embedding_dim: the dimension of the item, action and context tables (one ``EmbeddingCollection``
             has one dimension); a multiple of 4 to be sharded (FBGEMM's kernels).
-        context_embedding_dim: the dimension of the context tables; default ``embedding_dim``.
         max_history: how many of each history's newest actions the encoder reads.
         num_layers: transformer encoder layers.
-        num_heads: attention heads; must divide the token width (``model_dim``, or without it
-            ``3 * embedding_dim``, ``4 * embedding_dim`` with ``candidate_product``; ``embedding_dim`` with "sasrec").
+        num_heads: attention heads; must divide the token width (``3 * embedding_dim``; ``embedding_dim``
+            with "sasrec").
         feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token
             width (``embedding_dim`` with "sasrec", as SASRec).
         dropout: the encoder's dropout probability, in ``[0, 1)``.
         newest_tokens: how many of the newest encoded tokens are kept beside the max-pool
             (``0 .. max_history``; 0: the max-pool only); default (None) 10. Left unset with "sasrec".
-        model_dim: project the fused tokens to this width before the encoder; default no projection.
-        position_embedding: add a learned embedding of each slot (its recency) to the tokens.
-        candidate_product: also append ``item embedding * candidate embedding`` (elementwise) to each
-            token, so the item-candidate similarity is a linear read-out (as DIN's interaction
-            features); the token width becomes ``4 * embedding_dim``. Off: TransAct's concatenation.
         action_means: also summarize the kept history by action type: for each action type the
             mean item embedding of the history items with that action (zeros if none), beside the
             encoder; ``num_action_types`` vectors of ``embedding_dim``. They reach the MLP and, with
@@ -149,30 +141,16 @@ class SequenceRanker(RankerModule):
             sharded). Why: one click label per example teaches the item table little about which
             items go together, while every history holds dozens of labelled items; items that the
             same users act on positively are pulled together, so the candidate's dots with the
-            history (``action_means``, ``target_readout``, ``interaction="dot"``) can tell related
-            items apart. Logged as ``train/action_loss`` and ``train/click_loss`` beside ``train/loss``.
+            history (``action_means``, ``interaction="dot"``) can tell related items apart. Logged as ``train/action_loss`` and ``train/click_loss`` beside ``train/loss``.
         positive_actions: the action ids that count as a positive action for ``action_loss_weight``
             (required when it is > 0), e.g. ``[3, 4]`` for MovieLens ratings 4 and 5.
-        target_readout: also read the history as the candidate sees it: the candidate attends over
-            the encoded tokens (keys: a linear map of each encoded token to ``embedding_dim``) and
-            reads the kept history's item embeddings, so the read-out is a weighted mean of the
-            history's items, the weights chosen by the encoder (e.g. recent, positively rated
-            items like the candidate). One vector of ``embedding_dim``; it joins the MLP input and
-            the dots. Why: its dot with the candidate is a similarity to the history's items alone;
-            the pooled encoder output also carries the candidate fused into every token.
         interaction: how the parts meet before the top MLP. ``"concat"``: the MLP reads them
             concatenated. ``"dot"``: as DLRM, also the pairwise dot products among the candidate
             embedding, each context embedding, a linear projection of the pooled history (to
-            ``embedding_dim``) and a linear projection of the dense features (when there are any);
-            needs ``context_embedding_dim == embedding_dim``. Production TransAct rankers feed the
-            encoder output into such an explicit interaction; it makes e.g. user x candidate a
-            single product instead of something the MLP must approximate. ``"candidate_dots"``: the
-            MLP reads only the dense features and the candidate's dot with each of those vectors
-            (the pooled history, each action mean, each context, the dense projection): no raw
-            embedding and no dot between two user-side vectors. Meant to make item embeddings lower the
-            loss only by being like the items the user acted on, rather than fit each item's own
-            click noise; measured, it did not beat "dot" on MovieLens or the synthetic histories
-            (docs/performance.md in the repository).
+            ``embedding_dim``), each action mean and a linear projection of the dense features (when
+            there are any). Production TransAct rankers feed the encoder output into such an explicit
+            interaction; it makes e.g. user x candidate a single product instead of something the MLP
+            must approximate.
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
@@ -191,21 +169,16 @@ class SequenceRanker(RankerModule):
         context_table_sizes: list[int] | None = None,
         num_dense_features: int = 0,
         embedding_dim: int = 32,
-        context_embedding_dim: int | None = None,
         max_history: int = 100,
         num_layers: int = 2,
         num_heads: int = 2,
         feedforward_dim: int | None = None,
         dropout: float = 0.1,
         newest_tokens: int | None = None,
-        model_dim: int | None = None,
-        position_embedding: bool = True,
-        candidate_product: bool = False,
         action_means: bool = False,
         history_dropout: float = 0.0,
         action_loss_weight: float = 0.0,
         positive_actions: list[int] | None = None,
-        target_readout: bool = False,
         interaction: InteractionName = "concat",
         over_arch_layer_sizes: list[int] | None = None,
         history_item_feature: str = "history_item_id",
@@ -220,16 +193,14 @@ class SequenceRanker(RankerModule):
         self.save_hyperparameters()
         context_names = [] if context_feature_names is None else list(context_feature_names)
         context_sizes = [] if context_table_sizes is None else list(context_table_sizes)
-        context_dim = embedding_dim if context_embedding_dim is None else context_embedding_dim
         over_sizes = [128, 32, 1] if over_arch_layer_sizes is None else list(over_arch_layer_sizes)
         if sequence_encoder not in ("transact", "sasrec"):
             raise ValueError(f"sequence_encoder={sequence_encoder!r} is not one of ['transact', 'sasrec'].")
         sasrec = sequence_encoder == "sasrec"
         if sasrec:
             _refuse_transact_options(
-                model_dim=(model_dim, None), newest_tokens=(newest_tokens, None), position_embedding=(position_embedding, True),
-                candidate_product=(candidate_product, False), action_means=(action_means, False), history_dropout=(history_dropout, 0.0),
-                action_loss_weight=(action_loss_weight, 0.0), target_readout=(target_readout, False), interaction=(interaction, "concat"),
+                newest_tokens=(newest_tokens, None), action_means=(action_means, False), history_dropout=(history_dropout, 0.0),
+                action_loss_weight=(action_loss_weight, 0.0), interaction=(interaction, "concat"),
             )
             newest_tokens = 0
         elif newest_tokens is None:
@@ -238,27 +209,14 @@ class SequenceRanker(RankerModule):
         _positive_int("num_action_types", num_action_types, minimum=0 if sasrec else 1)
         _positive_int("num_dense_features", num_dense_features, minimum=0)
         _positive_int("embedding_dim", embedding_dim)
-        _positive_int("context_embedding_dim", context_dim)
         _positive_int("max_history", max_history)
         _positive_int("num_layers", num_layers)
         _positive_int("num_heads", num_heads)
-        if model_dim is not None:
-            _positive_int("model_dim", model_dim)
-        if not isinstance(candidate_product, bool):
-            raise ValueError(f"candidate_product={candidate_product!r} must be True or False.")
-        if not isinstance(target_readout, bool):
-            raise ValueError(f"target_readout={target_readout!r} must be True or False.")
         if not isinstance(action_means, bool):
             raise ValueError(f"action_means={action_means!r} must be True or False.")
-        if interaction not in ("concat", "dot", "candidate_dots"):
-            raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot', 'candidate_dots'].")
-        if interaction != "concat" and context_names and context_dim != embedding_dim:
-            raise ValueError(
-                f"interaction={interaction!r} takes dot products of the context and candidate embeddings, so "
-                f"context_embedding_dim={context_dim} must equal embedding_dim={embedding_dim}; leave it unset or use 'concat'."
-            )
-        fused_width = embedding_dim if sasrec else (4 if candidate_product else 3) * embedding_dim
-        token_width = fused_width if model_dim is None else model_dim
+        if interaction not in ("concat", "dot"):
+            raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot'].")
+        token_width = embedding_dim if sasrec else 3 * embedding_dim
         if feedforward_dim is not None:
             _positive_int("feedforward_dim", feedforward_dim)
         if isinstance(newest_tokens, bool) or not isinstance(newest_tokens, int) or not 0 <= newest_tokens <= max_history:
@@ -280,11 +238,10 @@ class SequenceRanker(RankerModule):
                 "action on a history item (e.g. [3, 4] for MovieLens ratings 4 and 5)."
             )
         if token_width % num_heads:
-            source = f"model_dim={model_dim}" if model_dim is not None else f"{fused_width // embedding_dim} * embedding_dim={token_width}"
-            source = f"embedding_dim={embedding_dim} with sequence_encoder='sasrec'" if sasrec else source
+            source = f"embedding_dim={embedding_dim} with sequence_encoder='sasrec'" if sasrec else f"3 * embedding_dim={token_width}"
             raise ValueError(
                 f"num_heads={num_heads} must divide the token width ({source}): each head attends over an equal "
-                "slice. Change num_heads, embedding_dim or model_dim."
+                "slice. Change num_heads or embedding_dim."
             )
         if len(context_names) != len(context_sizes):
             raise ValueError(
@@ -333,7 +290,7 @@ class SequenceRanker(RankerModule):
         context_embeddings = (
             EmbeddingBagCollection(
                 tables=[
-                    EmbeddingBagConfig(name=context_table_name(name), embedding_dim=context_dim, num_embeddings=rows, feature_names=[name])
+                    EmbeddingBagConfig(name=context_table_name(name), embedding_dim=embedding_dim, num_embeddings=rows, feature_names=[name])
                     for name, rows in zip(context_names, context_sizes)
                 ],
                 device=device,
@@ -347,7 +304,7 @@ class SequenceRanker(RankerModule):
                 embedding_dim if feedforward_dim is None else feedforward_dim, float(dropout), device,
             )
             self.context_embeddings = context_embeddings
-            over_in = 2 * embedding_dim + len(context_names) * context_dim + num_dense_features
+            over_in = (2 + len(context_names)) * embedding_dim + num_dense_features
             self.over_arch = _mlp(over_in, over_sizes)
             return
         self.sequence_embeddings = EmbeddingCollection(
@@ -364,11 +321,8 @@ class SequenceRanker(RankerModule):
             device=device,
         )
         self.context_embeddings = context_embeddings
-        self.candidate_product = candidate_product
-        self.token_projection = nn.Linear(fused_width, token_width) if model_dim is not None else nn.Identity()
-        self.positions = nn.Parameter(torch.zeros(max_history, token_width)) if position_embedding else None
-        if self.positions is not None:
-            nn.init.normal_(self.positions, std=0.02)
+        self.positions = nn.Parameter(torch.zeros(max_history, token_width))  # each slot's (its recency's) embedding
+        nn.init.normal_(self.positions, std=0.02)
         layer = nn.TransformerEncoderLayer(
             d_model=token_width,
             nhead=num_heads,
@@ -378,27 +332,19 @@ class SequenceRanker(RankerModule):
         )
         # No nested tensors: the fast path would turn padding into a nested tensor in evaluation only.
         self.encoder = nn.TransformerEncoder(layer, num_layers=num_layers, enable_nested_tensor=False)
-        over_in = (1 + newest_tokens) * token_width + embedding_dim + len(context_names) * context_dim + num_dense_features
-        self.interaction = interaction
+        over_in = (1 + newest_tokens) * token_width + (1 + len(context_names)) * embedding_dim + num_dense_features
         self.action_means = action_means
         self._reads_action_ids = action_means or action_loss_weight > 0
         self.num_action_types = num_action_types
         if action_means:
             over_in += num_action_types * embedding_dim
-        self.readout_keys = nn.Linear(token_width, embedding_dim) if target_readout else None
-        if target_readout:
-            over_in += embedding_dim
         self.history_projection: nn.Module | None = None
         self.dense_projection: nn.Module | None = None
-        if interaction != "concat":
+        if interaction == "dot":
             self.history_projection = nn.Linear((1 + newest_tokens) * token_width, embedding_dim)
             self.dense_projection = nn.Linear(num_dense_features, embedding_dim) if num_dense_features else None
-            vectors = 2 + int(target_readout) + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
-            if interaction == "dot":
-                rows, cols = torch.triu_indices(vectors, vectors, offset=1)
-            else:  # the candidate (vector 0) with every other vector
-                rows, cols = torch.zeros(vectors - 1, dtype=torch.long), torch.arange(1, vectors)
-                over_in = num_dense_features
+            vectors = 2 + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
+            rows, cols = torch.triu_indices(vectors, vectors, offset=1)
             self.register_buffer("_pair_rows", rows, persistent=False)
             self.register_buffer("_pair_cols", cols, persistent=False)
             over_in += len(rows)
@@ -466,20 +412,10 @@ class SequenceRanker(RankerModule):
             padding = ops.drop_histories(padding, self.history_dropout)
             tokens = tokens.masked_fill(padding[..., None], 0.0)
         candidates = candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)
-        parts = [tokens, candidates]
-        if self.candidate_product:  # item x candidate, elementwise: their similarity is then a linear read-out
-            parts.append(tokens[..., : candidates.shape[-1]] * candidates)
-        fused = torch.cat(parts, dim=2)
-        fused = self.token_projection(fused)
-        if self.positions is not None:
-            fused = fused + self.positions
+        fused = torch.cat([tokens, candidates], dim=2) + self.positions
         encoded = self.encoder(fused, src_key_padding_mask=ops.attendable(padding))
         pooled = ops.pool_tokens(encoded, padding, self.newest_tokens)
         features: list[torch.Tensor] = [pooled, candidate_embedding]
-        readout = None
-        if self.readout_keys is not None:
-            readout = ops.target_readout_vector(self.readout_keys(encoded), candidate_embedding, tokens[..., : self.embedding_dim], padding)
-            features.append(readout)
         means = None
         if self.action_means:
             means = ops.mean_per_action(action_ids, tokens[..., : self.embedding_dim], padding, self.num_action_types)
@@ -491,6 +427,5 @@ class SequenceRanker(RankerModule):
         if self.history_projection is not None:
             dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
             history_vector = self.history_projection(pooled)
-            dots = ops.pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, readout, means, context, dense)
-            features = [batch.dense, dots] if self.interaction == "candidate_dots" else [*features, dots]
+            features.append(ops.pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense))
         return self.over_arch(torch.cat(features, dim=1)).squeeze(-1), action_loss

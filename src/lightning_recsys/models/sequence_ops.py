@@ -135,29 +135,14 @@ def action_prediction_loss(
     return per_example.mean()
 
 
-@torch.fx.wrap
-def target_readout_vector(keys: torch.Tensor, candidate: torch.Tensor, items: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
-    """The candidate's attention over the history: ``sum_i softmax_i(keys_i . candidate) * items_i``, ``[B, dim]``.
-
-    ``keys [B, L, dim]`` come from the encoded tokens, ``items [B, L, dim]`` are the kept history's
-    item embeddings. Padding gets no weight; an empty history reads zeros (never NaN: the mask is a
-    large negative score, not ``-inf``, and the weights are masked after the softmax).
-    """
-    scores = torch.einsum("bld,bd->bl", keys, candidate) / keys.shape[-1] ** 0.5
-    weights = torch.softmax(scores.masked_fill(padding, -1e4), dim=1) * ~padding
-    return torch.einsum("bl,bld->bd", weights, items)
-
-
 @torch.fx.wrap  # a list of a variable number of vectors: fx cannot iterate its proxies
 def pairwise_dots(
-    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor, readout: torch.Tensor | None,
-    means: torch.Tensor | None, context: torch.Tensor | None, dense: torch.Tensor | None,
+    rows: torch.Tensor, cols: torch.Tensor, candidate: torch.Tensor, history: torch.Tensor, means: torch.Tensor | None,
+    context: torch.Tensor | None, dense: torch.Tensor | None,
 ) -> torch.Tensor:
-    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, readout, means.., contexts.., dense]``."""
+    """DLRM's interaction: the dot of each pair ``(rows[k], cols[k])`` of ``[candidate, history, means.., contexts.., dense]``."""
     batch, dim = candidate.shape
     vectors = [candidate[:, None], history[:, None]]
-    if readout is not None:
-        vectors.append(readout[:, None])
     if means is not None:
         vectors.append(means)
     if context is not None:
