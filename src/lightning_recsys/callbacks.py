@@ -323,7 +323,9 @@ class InitFromCheckpoint(Callback):
         else:
             self.result = load_weights_unsharded(self.path, pl_module, include=self.include, rename=self.rename, trusted=self.trusted)
         self._loaded_into = id(pl_module)
-        rank_zero_info(f"InitFromCheckpoint: loaded {len(self.result.loaded)} tensors from {self.result.path}")
+        into = f" into {strategy.topology.describe()}" if isinstance(strategy, TwoDRecStrategy) else ""
+        saved_by = f" (saved by {self.result.saved_by})" if self.result.saved_by else ""
+        rank_zero_info(f"InitFromCheckpoint: loaded {len(self.result.loaded)} tensors from {self.result.path}{saved_by}{into}")
 
 
 def format_summary(summary: dict[str, Any]) -> str:

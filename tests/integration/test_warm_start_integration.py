@@ -74,6 +74,8 @@ def test_warm_start_2d_row_wise_into_1d_table_wise_on_2_processes(tmp_path):
     source = to_lightning_checkpoint(path)["state_dict"]
     results = run_ranks(_fine_tune, 2, str(path), False, None, "table_wise", timeout=300)
     _check_warm_start(results, source, row_wise=False)
+    # What the INFO line reports of the source, read from its meta.json.
+    assert results[0]["saved_by"] == "4 ranks, 2D: 2 replicas x sharding groups of 2; action row_wise, item row_wise", results[0]["saved_by"]
 
 
 def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: str | None, sharding_type: str = "row_wise") -> dict:
@@ -90,7 +92,7 @@ def _fine_tune(rank: int, world_size: int, path: str, two_d: bool, resume_dir: s
     )
     model = make_ranker()
     trainer.fit(model, datamodule=SequenceDataModule(SequenceLogConfig()))
-    out = {"shards": state.shards, "dense": state.dense, "loaded": warm.result.loaded, "pipeline": (record.disabled_reason, sorted(record.pipelined))}
+    out = {"shards": state.shards, "dense": state.dense, "loaded": warm.result.loaded, "saved_by": warm.result.saved_by, "pipeline": (record.disabled_reason, sorted(record.pipelined))}
     if resume_dir is None:
         return out
     # A resumed fit: the warm start is skipped (one INFO line), the checkpoint's state wins.

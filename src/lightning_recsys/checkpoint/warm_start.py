@@ -45,10 +45,13 @@ class WarmStartResult:
     Args:
         path: the checkpoint directory (the newest committed copy of its name) or safetensors file.
         loaded: target state-dict key -> the source key it was read from, in the source's order.
+        saved_by: the layout that wrote a DCP source (world size, 1D or 2D, each table's sharding), as
+            its ``meta.json`` records it; None for a safetensors export, which has none.
     """
 
     path: Path
     loaded: dict[str, str]
+    saved_by: str | None = None
 
 
 def select_weights(
@@ -131,7 +134,7 @@ def load_weights(
         _all_ranks_ok(error, action=f"reading warm-start file {str(plan.path)!r}")
     else:
         _read_dcp(plan, model_state, trusted=trusted, process_group=topology.sharding_process_group())
-    return WarmStartResult(path=plan.path, loaded=dict(plan.mapping))
+    return WarmStartResult(path=plan.path, loaded=dict(plan.mapping), saved_by=plan.saved_by)
 
 
 def load_weights_unsharded(
@@ -155,7 +158,7 @@ def load_weights_unsharded(
         _read_dcp(plan, model_state, trusted=trusted, no_dist=True)
     # In case a module's state_dict() returns copies rather than views of its storage.
     module.load_state_dict({t: model_state[t] for t in plan.mapping}, strict=False)
-    return WarmStartResult(path=plan.path, loaded=dict(plan.mapping))
+    return WarmStartResult(path=plan.path, loaded=dict(plan.mapping), saved_by=plan.saved_by)
 
 
 @dataclass(frozen=True)
@@ -163,6 +166,14 @@ class _Plan:
     path: Path
     is_safetensors: bool
     mapping: dict[str, str]  # target key -> source key
+    saved_by: str | None = None
+
+
+def _saved_by(meta: Any) -> str:
+    """``meta.json``'s topology and table shardings in one phrase, e.g. "4 ranks, 2D: 2 replicas x sharding groups of 2; item row_wise"."""
+    layout = "1D" if meta.num_replicas == 1 else f"2D: {meta.num_replicas} replicas x sharding groups of {meta.sharding_group_size}"
+    tables = ", ".join(f"{entry['table']} {entry['sharding_type']}" for entry in meta.tables.values())
+    return f"{meta.world_size} ranks, {layout}" + (f"; {tables}" if tables else "")
 
 
 def _plan(
@@ -181,10 +192,10 @@ def _plan(
             raise FileNotFoundError(f"warm-start file {str(file)!r} does not exist (a safetensors export, export_safetensors()).")
         with safe_open(str(file), framework="pt") as reader:
             saved = {k: tuple(reader.get_slice(k).get_shape()) for k in reader.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        source = file
+        source, saved_by = file, None
     else:
         source = resolve(path)  # the newest committed copy of this name; refuses uncommitted and foreign directories
-        read_meta(source)
+        saved_by = _saved_by(read_meta(source))
         metadata = read_index(source / INDEX_FILE, trusted=trusted)
         check_storage(metadata, source)  # every shard file against the index, before anything is read
         prefix = MODEL_NAMESPACE + "."
@@ -195,7 +206,7 @@ def _plan(
         }
     mapping = select_weights(list(saved), target_keys, include=include, rename=rename)
     _check_shapes(source, mapping, saved, model_state, tables)
-    return _Plan(path=source, is_safetensors=source.suffix == SAFETENSORS_SUFFIX, mapping=mapping)
+    return _Plan(path=source, is_safetensors=source.suffix == SAFETENSORS_SUFFIX, mapping=mapping, saved_by=saved_by)
 
 
 def _check_shapes(
