@@ -147,3 +147,17 @@ def assert_matches(shards: list[Shards], predictions: list[torch.Tensor], expect
     torch.testing.assert_close(torch.cat(predictions), expected_predictions, **tol)
     # Training must have moved the tables, or the comparison above proves nothing.
     assert not torch.allclose(make_model().state_dict()["dlrm." + TABLE_KEY], expected_state["dlrm." + TABLE_KEY])
+
+
+class RecordPipeline(Callback):
+    """What the sparse-dist pipeline did while training (the strategy drops it at teardown)."""
+
+    def __init__(self) -> None:
+        self.pipelined: set[str] = set()
+        self.disabled_reason: str | None = None
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        pipeline = trainer.strategy._input_pipeline
+        if pipeline is not None:
+            self.pipelined |= set(pipeline.pipelined_modules)
+            self.disabled_reason = pipeline.disabled_reason

@@ -23,6 +23,7 @@ from lightning_recsys.data.batch import SequenceBatch
 from lightning_recsys.data.module import RankSlicedDataModule
 from lightning_recsys.models import SequencePretrainer
 from lightning_recsys.parallel.sharding.sharded_model import local_shards
+from oracle import RecordPipeline  # noqa: F401  (re-exported: the pretraining tests import it from here)
 
 ITEMS, ACTIONS, DIM, MAX_LENGTH = 64, 3, 8, 6
 STEPS, GLOBAL_BATCH, POOL_PER_EXAMPLE = 3, 8, 2
@@ -178,20 +179,6 @@ def sgd_strategy(*, sharding_types: list[str] | None = None, **kwargs: object) -
     kwargs.setdefault("planning", PlanningConfig(sharding_types=sharding_types, table_constraints=constraints))
     kwargs.setdefault("guard", GuardConfig(validate_inputs="error", check_finite=False))
     return TwoDRecStrategy(embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR), **kwargs)
-
-
-class RecordPipeline(Callback):
-    """What the sparse-dist pipeline did while training (the strategy drops it at teardown)."""
-
-    def __init__(self) -> None:
-        self.pipelined: set[str] = set()
-        self.disabled_reason: str | None = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        pipeline = trainer.strategy._input_pipeline
-        if pipeline is not None:
-            self.pipelined |= set(pipeline.pipelined_modules)
-            self.disabled_reason = pipeline.disabled_reason
 
 
 def fit_sharded(

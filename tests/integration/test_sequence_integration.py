@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning.pytorch import Callback, Trainer
+from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from multiprocess import run_ranks
-from oracle import assemble
+from oracle import RecordPipeline, assemble
 from sequence_oracle import (
     ACTION_KEY, ITEM_KEY, STEPS, SequenceDataModule, SequenceLogConfig, global_batch, fit_sharded, local_predictions, make_model, sgd_strategy, table_shards,
     train_unsharded,
@@ -24,23 +24,9 @@ def oracle():
     return train_unsharded()
 
 
-class _RecordPipeline(Callback):
-    """What the sparse-dist pipeline did while training (the strategy drops it at teardown)."""
-
-    def __init__(self) -> None:
-        self.pipelined: set[str] = set()
-        self.disabled_reason: str | None = None
-
-    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        pipeline = trainer.strategy._input_pipeline
-        if pipeline is not None:
-            self.pipelined |= set(pipeline.pipelined_modules)
-            self.disabled_reason = pipeline.disabled_reason
-
-
 def _fit(rank: int, world_size: int, sharding_type: str) -> dict:
     strategy = sgd_strategy(sharding_types=[sharding_type])
-    record = _RecordPipeline()
+    record = RecordPipeline()
     model, trainer, predictions = fit_sharded(rank, world_size, strategy, callbacks=[record])
     assert trainer.global_step == STEPS
     return {
