@@ -30,6 +30,7 @@ stand-in for the real data's numbers.
     python benchmarks/quality.py --make-synthetic /tmp/ml-synth && python benchmarks/quality.py --path /tmp/ml-synth
     python benchmarks/quality.py --path data/ml-100k --override --model.init_args.embedding_dim 32
     python benchmarks/quality.py --path data/ml-100k --split time --sequence --seeds 0 1 2
+    python benchmarks/quality.py --path data/ml-100k --split time --sequence --history all_earlier --seeds 0 1 2
     python benchmarks/quality.py --synthetic-sequence --seeds 0 1 2
     python benchmarks/quality.py --criteo-path npy/ --train-days 0 1 2 --val-days 3 --test-days 4
     python benchmarks/quality.py --pretrain-path beauty.txt --seeds 0 1 2
@@ -190,11 +191,13 @@ def _baselines_criteo(path: str, train_days: list[int], val_days: list[int], tes
 WINDOWS: list[int | None] = [5, 10, 20, 50, None]
 
 
-def _baselines_history(config: MovieLens100KConfig) -> dict:
+def _baselines_history(config: MovieLens100KConfig, history: str = "train") -> dict:
     """The history-aware baselines (``RecentPositiveRateBaseline``) on the sequence DataModule's histories.
 
     A history is the user's strictly earlier training ratings (``MovieLens100KSequenceDataModule``);
-    its positives are the ratings >= 4. The window, the strength and the item term are picked on val.
+    with ``history="all_earlier"`` a validation or test rating's is every earlier rating of its user,
+    from any split, as the DataModule's option. Its positives are the ratings >= 4. The window, the
+    strength and the item term are picked on val.
     """
     from lightning_recsys.data.movielens import POSITIVE_RATING, MovieLens100K
     from lightning_recsys.data.movielens_sequence import TrainingHistories
@@ -202,11 +205,12 @@ def _baselines_history(config: MovieLens100KConfig) -> dict:
 
     data = MovieLens100K(config, warn=False)
     histories = TrainingHistories(data, max_length=10**9)
+    served = TrainingHistories(data, max_length=10**9, splits=("train", "val", "test")) if history == "all_earlier" else histories
     splits = {}
     for name in ("train", "val", "test"):
         users = np.array([u for u, _, _ in data.ratings[name]], dtype=np.int64)
         times = np.array([t for _, t in data.rating_times[name]], dtype=np.int64)
-        _, actions, lengths = histories.before(users, times)
+        _, actions, lengths = (histories if name == "train" else served).before(users, times)
         items = np.array([i for _, i, _ in data.ratings[name]], dtype=np.int64)
         labels = np.array([label for _, _, label in data.ratings[name]])
         splits[name] = {"positive": (actions.numpy() >= POSITIVE_RATING - 1), "lengths": lengths.numpy(), "items": items, "labels": labels}
@@ -340,14 +344,16 @@ def _compare(args: argparse.Namespace, workdir: Path) -> dict:
         data = ["--data.path", args.path, "--data.split", args.split, *shlex.split(args.data_override)]
         models["dlrm"] = (config, [*data, *args.override])
         if args.sequence:
-            models["sequence"] = (args.sequence_config or CONFIGS / "movielens_sequence.yaml", [*data, *shlex.split(args.sequence_override)])
+            history = ["--data.history", args.history]
+            models["sequence"] = (args.sequence_config or CONFIGS / "movielens_sequence.yaml", [*data, *history, *shlex.split(args.sequence_override)])
         data_config = _build(config, models["dlrm"][1], workdir).datamodule.config
         result = {"dataset": "movielens-100k", "path": args.path, "split": args.split, "config": str(config),
                   "val_holdout": data_config.effective_val_holdout}
         start = time.perf_counter()
         result["baselines"] = _baselines_movielens(data_config)
         if args.sequence:
-            result["baselines"].update(_baselines_history(data_config))
+            result["baselines"].update(_baselines_history(data_config, args.history))
+            result["history"] = args.history
         result["baselines"]["seconds"] = round(time.perf_counter() - start, 1)
     result["seeds"] = args.seeds
     result["configs"] = {name: str(config) for name, (config, _) in models.items()}
@@ -375,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=RESULTS / "quality.json")
     parser.add_argument("--sequence", action="store_true", help="also train the sequence config on the same split, with the history-aware baselines")
     parser.add_argument("--synthetic-sequence", action="store_true", help="the sequence config against the DLRM on SyntheticSequenceDataModule")
+    parser.add_argument("--history", choices=("train", "all_earlier"), default="train",
+                        help="the sequence DataModule's history option; all_earlier (split time): served-time histories in val and test")
     parser.add_argument("--sequence-config", type=Path, default=None, help="default: the shipped movielens_sequence.yaml / synthetic_sequence.yaml")
     parser.add_argument("--sequence-override", default="", help="CLI arguments for the sequence config, one quoted string")
     parser.add_argument("--data-override", default="", help="CLI arguments for both configs' data, one quoted string")
@@ -511,7 +519,7 @@ def _print_comparison(result: dict) -> None:
         b = result["baselines"]
         print(f"planted logit AUC {b['planted_logit_auc']:.4f} (the ceiling), its non-history part {b['context_only_auc']:.4f}")
     if "empty_history_share" in result["baselines"]:
-        print("empty histories: " + ", ".join(f"{s} {v:.1%}" for s, v in result["baselines"]["empty_history_share"].items()))
+        print(f"empty histories ({result.get('history', 'train')}): " + ", ".join(f"{s} {v:.1%}" for s, v in result["baselines"]["empty_history_share"].items()))
     if "sequence_auc_gain" in result:
         print(f"sequence - dlrm test AUC: {result['sequence_auc_gain']:+.4f}")
 
