@@ -19,13 +19,18 @@ What is counted, per call on this rank:
 * ``inter_node_bytes``: for all-to-alls, exactly the part addressed to ranks on other nodes; for the
   other collectives, the whole payload when the group spans nodes, else 0 (the backend's algorithm
   decides the real wire bytes; a ring all-reduce sends about 2(n-1)/n of the payload).
+
+Beside the rows, the sequence all-to-all's bytes split by feature (``record_lookup``, ``lookup_split``):
+what this rank's lookups receive (``embeddings``) and send back (``gradients``), counted from its ids
+(``lookup_traffic``). Summed over the ranks the split equals the ``embeddings`` rows of the
+``EmbeddingCollection`` tables, QComms scales and index dedup included.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +143,10 @@ class CommAccountant:
         self.last_step: dict[TrafficKey, Traffic] = {}
         self.total: dict[TrafficKey, Traffic] = {}
         self.steps = 0
+        # (direction, feature) -> bytes of this rank's sequence lookups (lookup_traffic), per step and in total.
+        self._lookup_current: dict[tuple[str, str], Traffic] = {}
+        self.last_step_lookup: dict[tuple[str, str], Traffic] = {}
+        self.total_lookup: dict[tuple[str, str], Traffic] = {}
 
     # ----------------------------------------------------------------- step boundaries
     def begin_step(self) -> None:
@@ -151,6 +160,7 @@ class CommAccountant:
             for key, traffic in self._carried.items():
                 current.setdefault(key, Traffic()).add(traffic)
             self._current, self._carried = current, {}
+            self._lookup_current = {}  # lookups outside a training step (evaluation) are not step traffic
             self._in_step = True
 
     def release(self, token: object) -> None:
@@ -167,6 +177,7 @@ class CommAccountant:
     def end_step(self) -> None:
         with self._lock:
             self.last_step, self._current = self._current, {}
+            self.last_step_lookup, self._lookup_current = self._lookup_current, {}
             self.steps += 1
             self._in_step = False
 
@@ -182,6 +193,32 @@ class CommAccountant:
             if (purpose is None or k.purpose == purpose) and (op is None or k.op == op) and (group is None or k.group == group)
         ]
         return sum(t.payload_bytes for t in rows), sum(t.inter_node_bytes for t in rows)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a training step is running (between ``begin_step`` and ``end_step``)."""
+        return self._in_step
+
+    def record_lookup(self, split: Mapping[tuple[str, str], Any]) -> None:
+        """Add one training lookup's ``(direction, feature) -> LookupBytes`` (``lookup_traffic.lookup_bytes``) to the
+        running step; outside a training step (evaluation: no backward) nothing is recorded."""
+        with self._lock:
+            if not self._in_step:
+                return
+            for key, part in split.items():
+                for table in (self._lookup_current, self.total_lookup):
+                    traffic = table.setdefault(key, Traffic())
+                    traffic.calls += 1
+                    traffic.payload_bytes += part.payload_bytes
+                    traffic.inter_node_bytes += part.inter_node_bytes
+
+    def lookup_split(self, step: str = "last") -> dict[str, dict[str, tuple[int, int]]]:
+        """``feature -> direction -> (payload bytes, inter-node bytes)`` of the last step's (or all) sequence lookups."""
+        table = self.last_step_lookup if step == "last" else self.total_lookup
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for (direction, feature), traffic in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            out.setdefault(feature, {})[direction] = (traffic.payload_bytes, traffic.inter_node_bytes)
+        return out
 
     def as_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last step as flat metrics: bytes per (purpose, operation, group), and intra/inter-node totals."""
