@@ -51,6 +51,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _pretrain_workload as pretrain
 import _sequence_workload as sequence
 from _workload import add_workload_arguments, table_sizes
 from emulated.configs import CONFIGS, DEFAULT_OFF, DEFAULT_WORKLOAD, NODES, RANKS_PER_NODE, WORKLOADS, unavailable_reason
@@ -75,7 +76,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--configs",
         default=None,
         help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS) + f" (default: all but {', '.join(DEFAULT_OFF)}; "
-        "--workload sequence: 1d_fp32, 1d_dedup_fp32, 1d_dedup_fp8 and the 2D configuration the cost model ranks best)",
+        "--workload sequence or pretrain: 1d_fp32, 1d_dedup_fp32, 1d_dedup_fp8 and the 2D configuration the cost model ranks best)",
     )
     parser.add_argument(
         "--skip-unavailable",
@@ -89,9 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser, table_rows="1000000,500000,200000,100000", steps_help="timed steps (a multiple of every config's sync interval)"
     )
     sequence.add_sequence_arguments(parser)
+    pretrain.add_pretrain_arguments(parser)
     parser.add_argument(
         "--predict-compute-ms", type=float, default=150.0,
-        help="--workload sequence: the compute per step the cost model assumes before the run (after it, the measured unshaped steps)",
+        help="--workload sequence or pretrain: the compute per step the cost model assumes before the run (after it, the measured unshaped steps)",
     )
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs of every (config, environment), in alternating order; the fastest is reported"
@@ -120,6 +122,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             parser.error(str(exc))
         args.cost_shape = sequence.model_shape(args, NODES * RANKS_PER_NODE, sequence.dense_param_bytes(args))
+    if args.workload == "pretrain":
+        try:
+            pretrain.check_pretrain_arguments(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.cost_shape = pretrain.model_shape(args, NODES * RANKS_PER_NODE)  # learned from the workload's own batches
     if args.configs is None:
         args.configs = ",".join(_default_configs(args))
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -236,10 +244,11 @@ def main(argv: list[str] | None = None) -> int:
         verdict = print_results(rows, args, elapsed=elapsed, load_before=load_before)
         payload = results_payload(rows, args, shaping=shaping, elapsed=elapsed, load_before=load_before, verdict=verdict, errors=errors)
         if args.cost_shape is not None and before is not None:
-            from emulated.prediction import emulated_link_cluster, print_comparison
+            from emulated.prediction import emulated_link_cluster, print_comparison, print_repeats
 
             link = emulated_link_cluster(shaping.bandwidth_mbit, shaping.latency_ms, shaping.mtu)
             payload["cost_model"] = print_comparison(args.cost_shape, rows, link, before)
+            payload["cost_model"]["repeats"] = print_repeats(args.cost_shape, runs, args.selected, link)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")
