@@ -29,7 +29,10 @@ def add_pretrain_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("pretraining workload (--workload pretrain; also --items, --transformer-layers)")
     group.add_argument("--pretrain-users", type=int, default=40_000, help="users (one sequence each)")
     group.add_argument("--mean-length", type=float, default=8.9, help="mean items per user (Beauty: 8.9), at least 5 each")
-    group.add_argument("--max-length", type=int, default=50, help="SequencePretrainer.max_length (newest input items read)")
+    group.add_argument(
+        "--max-length", type=int, default=20,
+        help="SequencePretrainer.max_length (newest input items read; 20 holds all but the longest 1.3%% of these sequences' inputs)",
+    )
     group.add_argument("--num-negatives", type=int, default=256, help="uniform negatives per rank's batch (one shared pool)")
 
 
