@@ -11,10 +11,12 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch import Callback
 from multiprocess import run_ranks
+from summary_helpers import summary_rows
 from lightning.pytorch import Trainer
 from pretrain_oracle import STEPS, PretrainDataModule, make_model, sgd_strategy
 
 from lightning_recsys import QCommsConfig
+from lightning_recsys.callbacks import RunSummary, format_summary
 
 WORLD_SIZE = 2
 FEATURES = ("item_id", "next_item_id", "negative_item_id", "action")
@@ -32,20 +34,19 @@ class _RecordSplit(Callback):
         })
 
 
-def _fit(rank: int, world_size: int, sharding_type: str, qcomms: str, dedup: bool) -> list[dict]:
-    record = _RecordSplit()
+def _fit(rank: int, world_size: int, sharding_type: str, qcomms: str, dedup: bool) -> dict:
+    record, summary = _RecordSplit(), RunSummary(warmup_steps=1)
     config = QCommsConfig.preset(qcomms)
     qcomms_config = QCommsConfig(forward=config.forward, backward=config.backward, index_dedup=dedup)
     # 1D: the all-to-all spans both "nodes".
     strategy = sgd_strategy(sharding_types=[sharding_type], qcomms=qcomms_config, sharding_group_size=world_size)
     trainer = Trainer(  # one process per "node": every peer is on the other node
         accelerator="cpu", devices=1, num_nodes=world_size, strategy=strategy, max_steps=STEPS, limit_val_batches=0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[record, summary],
     )
     trainer.fit(make_model(), datamodule=PretrainDataModule())
-    summary_rows = trainer.strategy.comm_accounting.lookup_split()
-    assert set(summary_rows) == set(FEATURES), summary_rows
-    return record.steps
+    assert set(record.steps[-1]["split"]) == set(FEATURES), record.steps[-1]
+    return {"steps": record.steps, "summary": summary_rows(format_summary(summary.summary))}
 
 
 @pytest.mark.slow
@@ -54,8 +55,15 @@ def _fit(rank: int, world_size: int, sharding_type: str, qcomms: str, dedup: boo
     [("row_wise", "fp32", False), ("row_wise", "fp8", True), ("column_wise", "bf16", True), ("table_wise", "fp32", True)],
 )
 def test_split_by_feature_sums_to_the_measured_all_to_all(sharding_type: str, qcomms: str, dedup: bool) -> None:
-    results = run_ranks(_fit, WORLD_SIZE, sharding_type, qcomms, dedup, timeout=300, ranks_per_node=1)
+    outputs = run_ranks(_fit, WORLD_SIZE, sharding_type, qcomms, dedup, timeout=300, ranks_per_node=1)
+    results = [output["steps"] for output in outputs]
     assert all(len(steps) == STEPS for steps in results)
+    # The run summary shows the last step's split: embeddings in + gradients out (inter-node) per feature.
+    last = results[0][-1]["split"]
+    for feature in FEATURES:
+        parts = last[feature]
+        expected = f"{parts['embeddings'][0]:,} + {parts['gradients'][0]:,} ({parts['embeddings'][1] + parts['gradients'][1]:,})"
+        assert outputs[0]["summary"][feature] == expected, (feature, outputs[0]["summary"])
     for step in range(STEPS):
         per_rank = [steps[step] for steps in results]
         measured = [sum(r["measured"][i] for r in per_rank) for i in (0, 1)]

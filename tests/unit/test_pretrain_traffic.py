@@ -131,3 +131,39 @@ def test_the_feature_is_validated_and_the_eval_exchange_counts_by_hand():
         PretrainWorkload(items=10, dim=4, batch_per_rank=2, tokens_per_example=1.0, num_negatives=-1)
     rows = {c.op: c.payload_bytes for c in ranking_eval_traffic(batch_per_rank=4, dim=8, seen_per_example=3, group_size=2)}
     assert rows == {"all_gather": 32 + 4 * 16 + 4 * 8 * 4 + 4 * 3 * 8, "all_reduce": 8 * 8 * 4 + 8 * 8}
+
+
+def test_layout_advice_covers_pretraining_and_negatives_per_example_favour_deduped_1d():
+    from lightning_recsys.planner.cost.layout_advice import Hardware, recommend
+
+    def advice(shared: bool):
+        workload = PretrainWorkload(items=100_000_000, dim=128, batch_per_rank=256, tokens_per_example=6.0,
+                                    num_negatives=1024 if shared else 128, shared_negatives=shared, zipf_exponent=1.05)  # fmt: skip
+        return workload, recommend(workload.model_shape(dense_param_bytes=8e7, compute_s=0.002), Hardware(), 8)
+
+    per_example, per_example_advice = advice(shared=False)
+    assert not per_example_advice.best.layout.is_2d and per_example_advice.best.layout.index_dedup
+    assert per_example_advice.best.layout.forward == "fp8" and per_example_advice.confidence == "high"
+    # A 2D sync's union of touched rows holds every replica's negatives: 128 per example over 8 GPUs' batches
+    # touch far more rows than the history alone.
+    feature = per_example.item_feature()
+    union = feature.distinct(8 * 256 * feature.ids_per_example)
+    assert union > 0.9 * 8 * 256 * 128
+    pooled, _ = advice(shared=True)
+    assert pooled.item_feature().distinct(8 * 256 * pooled.item_feature().ids_per_example) < union / 10
+
+
+@pytest.mark.parametrize("dedup", [False, True])
+def test_sync_free_counts_equal_the_attributed_ids_per_shard(dedup):
+    from lightning_recsys.parallel.comms.lookup_traffic import lookup_counts
+
+    gen = torch.Generator().manual_seed(3)
+    kjt = sampled_batch(500, 1.1, _beauty_like_lengths(16, gen, max_length=12), 40, gen)
+    pieces = (ShardPiece(row_start=0, row_end=200, cols=8, owner=0), ShardPiece(row_start=200, row_end=500, cols=4, owner=1),
+              ShardPiece(row_start=200, row_end=500, cols=4, owner=2, col_start=4))  # fmt: skip
+    route = TableRoute(table="item", features=(HISTORY, TARGETS, NEGATIVES), pieces=pieces)
+    counts = lookup_counts(kjt, route, index_dedup=dedup)
+    ids = feature_ids(kjt, route, index_dedup=dedup)
+    expected = [[int(((ids[f] >= p.row_start) & (ids[f] < p.row_end)).sum()) for p in pieces] for f in route.features]
+    assert counts.tolist() == expected
+    assert 0 < counts.sum() and (not dedup or counts[1].sum() < counts[0].sum())

@@ -143,10 +143,11 @@ class CommAccountant:
         self.last_step: dict[TrafficKey, Traffic] = {}
         self.total: dict[TrafficKey, Traffic] = {}
         self.steps = 0
-        # (direction, feature) -> bytes of this rank's sequence lookups (lookup_traffic), per step and in total.
-        self._lookup_current: dict[tuple[str, str], Traffic] = {}
-        self.last_step_lookup: dict[tuple[str, str], Traffic] = {}
-        self.total_lookup: dict[tuple[str, str], Traffic] = {}
+        # Ids per (feature, shard) of this rank's sequence lookups (lookup_traffic), per step and in total, by lookup key.
+        self._lookup_current: dict[object, torch.Tensor] = {}
+        self.last_step_lookup: dict[object, torch.Tensor] = {}
+        self._lookup_total: dict[object, torch.Tensor] = {}
+        self._to_bytes: dict[object, Callable[[torch.Tensor], Mapping[tuple[str, str], Any]]] = {}
 
     # ----------------------------------------------------------------- step boundaries
     def begin_step(self) -> None:
@@ -199,25 +200,33 @@ class CommAccountant:
         """Whether a training step is running (between ``begin_step`` and ``end_step``)."""
         return self._in_step
 
-    def record_lookup(self, split: Mapping[tuple[str, str], Any]) -> None:
-        """Add one training lookup's ``(direction, feature) -> LookupBytes`` (``lookup_traffic.lookup_bytes``) to the
-        running step; outside a training step (evaluation: no backward) nothing is recorded."""
+    def record_lookup(self, key: object, counts: torch.Tensor, to_bytes: Callable[[torch.Tensor], Mapping[tuple[str, str], Any]]) -> None:
+        """Add one training lookup's ids per (feature, shard) (``lookup_traffic.lookup_counts``) to the running step.
+
+        ``to_bytes`` turns such counts into ``(direction, feature) -> LookupBytes`` when they are read
+        (``lookup_split``), so a CUDA step is never stalled to read them. Outside a training step
+        (evaluation: no backward) nothing is recorded.
+        """
         with self._lock:
             if not self._in_step:
                 return
-            for key, part in split.items():
-                for table in (self._lookup_current, self.total_lookup):
-                    traffic = table.setdefault(key, Traffic())
-                    traffic.calls += 1
-                    traffic.payload_bytes += part.payload_bytes
-                    traffic.inter_node_bytes += part.inter_node_bytes
+            self._to_bytes[key] = to_bytes
+            for table in (self._lookup_current, self._lookup_total):
+                table[key] = counts.clone() if key not in table else table[key] + counts
 
     def lookup_split(self, step: str = "last") -> dict[str, dict[str, tuple[int, int]]]:
         """``feature -> direction -> (payload bytes, inter-node bytes)`` of the last step's (or all) sequence lookups."""
-        table = self.last_step_lookup if step == "last" else self.total_lookup
+        with self._lock:
+            table = dict(self.last_step_lookup if step == "last" else self._lookup_total)
+        merged: dict[tuple[str, str], list[int]] = {}
+        for key, counts in table.items():
+            for part, value in self._to_bytes[key](counts).items():
+                cell = merged.setdefault(part, [0, 0])
+                cell[0] += value.payload_bytes
+                cell[1] += value.inter_node_bytes
         out: dict[str, dict[str, tuple[int, int]]] = {}
-        for (direction, feature), traffic in sorted(table.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-            out.setdefault(feature, {})[direction] = (traffic.payload_bytes, traffic.inter_node_bytes)
+        for (direction, feature), (payload, inter) in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            out.setdefault(feature, {})[direction] = (payload, inter)
         return out
 
     def as_metrics(self, prefix: str = "comm") -> dict[str, float]:

@@ -33,12 +33,13 @@ FORWARD, BACKWARD = "embeddings", "gradients"  # the directions of the sequence 
 
 @dataclass(frozen=True)
 class ShardPiece:
-    """One shard of a table: rows ``[row_start, row_end)``, ``cols`` columns, on global rank ``owner``."""
+    """One shard of a table: rows ``[row_start, row_end)``, ``cols`` columns from ``col_start``, on global rank ``owner``."""
 
     row_start: int
     row_end: int
     cols: int
     owner: int
+    col_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,57 @@ def feature_ids(features: KeyedJaggedTensor, route: TableRoute, *, index_dedup: 
     keys = set(features.keys())
     seen = torch.empty(0, dtype=torch.int64)
     for name in route.features:
-        ids = features[name].values().to(torch.int64) if name in keys else torch.empty(0, dtype=torch.int64)
+        ids = features[name].values().to(torch.int64).cpu() if name in keys else torch.empty(0, dtype=torch.int64)
         if index_dedup:
             ids = torch.unique(ids)
             ids = ids[~torch.isin(ids, seen)]
             seen = torch.cat([seen, ids])
         out[name] = ids
+    return out
+
+
+def lookup_counts(features: KeyedJaggedTensor, route: TableRoute, *, index_dedup: bool) -> torch.Tensor:
+    """``[features, pieces]`` int64 on the ids' device: the ids of each feature that go to each shard (as ``feature_ids``).
+
+    No host synchronisation (no ``.item()``, no data-dependent shapes), so counting a CUDA batch does not stall the
+    step: the ids are sorted with their feature index, and under dedup each id counts once, for its first feature.
+    """
+    keys = set(features.keys())
+    device = features.values().device
+    ids, owners = [], []
+    for index, name in enumerate(route.features):
+        if name in keys:
+            values = features[name].values().to(torch.int64)
+            ids.append(values)
+            owners.append(torch.full_like(values, index))
+    counts = torch.zeros(len(route.features), len(route.pieces), dtype=torch.int64, device=device)
+    if not ids:
+        return counts
+    flat, feature = torch.cat(ids), torch.cat(owners)
+    keep = torch.ones_like(flat, dtype=torch.bool)
+    if index_dedup:  # sort by (id, feature): an id's first entry is its first feature's
+        order = torch.argsort(flat * len(route.features) + feature)
+        flat, feature = flat[order], feature[order]
+        keep[1:] = flat[1:] != flat[:-1]
+    for column, piece in enumerate(route.pieces):
+        inside = keep & (flat >= piece.row_start) & (flat < piece.row_end)
+        counts[:, column].index_add_(0, feature, inside.to(torch.int64))
+    return counts
+
+
+def counted_bytes(
+    counts: torch.Tensor, route: TableRoute, *, wire_bytes: tuple[float, float], topology: ParallelTopology, rank: int
+) -> dict[tuple[str, str], LookupBytes]:
+    """``(direction, feature) -> LookupBytes`` from ``lookup_counts`` (``wire_bytes``: bytes per value, forward and backward)."""
+    table = counts.cpu().tolist()
+    my_node = topology.node_of(rank)
+    out: dict[tuple[str, str], LookupBytes] = {}
+    for name, row in zip(route.features, table):
+        values = sum(n * p.cols for n, p in zip(row, route.pieces))
+        remote = sum(n * p.cols for n, p in zip(row, route.pieces) if topology.node_of(p.owner) != my_node)
+        ids = sum(n for n, p in zip(row, route.pieces) if p.col_start == 0)  # each id once, whatever its column slices
+        for direction, per_value in zip((FORWARD, BACKWARD), wire_bytes):
+            out[(direction, name)] = LookupBytes(ids=ids, payload_bytes=round(values * per_value), inter_node_bytes=round(remote * per_value))
     return out
 
 
@@ -87,20 +133,10 @@ def lookup_bytes(
 
     ``wire_bytes``: bytes per value on the wire (forward, backward), scales included (``EffectiveQComms.wire_bytes``).
     """
-    my_node = topology.node_of(rank)
     out: dict[tuple[str, str], LookupBytes] = {}
     for route in routes:
-        for name, ids in feature_ids(features, route, index_dedup=index_dedup).items():
-            values = remote_values = 0
-            for piece in route.pieces:
-                count = int(((ids >= piece.row_start) & (ids < piece.row_end)).sum())
-                values += count * piece.cols
-                if topology.node_of(piece.owner) != my_node:
-                    remote_values += count * piece.cols
-            for direction, per_value in zip((FORWARD, BACKWARD), wire_bytes):
-                out[(direction, name)] = LookupBytes(
-                    ids=int(ids.numel()), payload_bytes=round(values * per_value), inter_node_bytes=round(remote_values * per_value)
-                )
+        counts = lookup_counts(features, route, index_dedup=index_dedup)
+        out.update(counted_bytes(counts, route, wire_bytes=wire_bytes, topology=topology, rank=rank))
     return out
 
 
@@ -122,7 +158,7 @@ def table_routes(
         pieces = tuple(
             ShardPiece(
                 row_start=int(s.shard_offsets[0]), row_end=int(s.shard_offsets[0] + s.shard_sizes[0]), cols=int(s.shard_sizes[1]),
-                owner=group_ranks[s.placement.rank()],
+                owner=group_ranks[s.placement.rank()], col_start=int(s.shard_offsets[1]),
             )
             for s in shards
         )

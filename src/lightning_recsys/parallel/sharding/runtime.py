@@ -21,6 +21,7 @@ periodic averaging to ``PeriodicModelAverager``.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,7 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_recsys.parallel.comms import CommAccountant
-from lightning_recsys.parallel.comms.lookup_traffic import lookup_bytes, table_routes
+from lightning_recsys.parallel.comms.lookup_traffic import counted_bytes, lookup_counts, table_routes
 from lightning_recsys.parallel.sharding.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.step_phases import StepPhaseLabels
 from lightning_recsys.parallel.sharding.embedding_lr import EmbeddingLearningRate
@@ -258,9 +259,14 @@ def install_lookup_accounting(
         if not routes:
             continue
 
-        def count(_module: nn.Module, args: tuple[Any, ...], routes: Any = routes, dedup: bool = dedup) -> None:
+        converters = [
+            (route, partial(counted_bytes, route=route, wire_bytes=wire_bytes, topology=topology, rank=rank)) for route in routes
+        ]
+
+        def count(_module: nn.Module, args: tuple[Any, ...], fqn: str = fqn, converters: Any = converters, dedup: bool = dedup) -> None:
             if args and comm.in_step:  # evaluation lookups have no backward: not counted
-                comm.record_lookup(lookup_bytes(args[0], routes, index_dedup=dedup, wire_bytes=wire_bytes, topology=topology, rank=rank))
+                for route, to_bytes in converters:
+                    comm.record_lookup((fqn, route.table), lookup_counts(args[0], route, index_dedup=dedup), to_bytes)
 
         handles.append(module.register_forward_pre_hook(count))
     return handles
