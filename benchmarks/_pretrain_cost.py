@@ -78,7 +78,8 @@ def pretrain_check(sequence_file: Path | None = None) -> list[dict[str, Any]]:
     if sequence_file is not None and sequence_file.exists():
         from lightning_recsys.data.sequences.reader import read_sequence_file
 
-        rows += _check_source(sequence_file.name, _sequence_file(sequence_file), read_sequence_file(str(sequence_file)).num_items, 128, (128, 512, 2048))
+        items = read_sequence_file(str(sequence_file)).num_items
+        rows += _check_source(sequence_file.name, _sequence_file(sequence_file), items, 128, (128, 512, 2048))
     print("\n## 5. Pretraining traffic against exact counts: ids per rank of each feature, learned from 4 batches per rank "
           "(tokens per example, the pool, a Zipf exponent fitted to the history's distinct ids), beside exact counts of later "
           "batches (4 ranks)\n")  # fmt: skip

@@ -56,7 +56,8 @@ def sequences(args: argparse.Namespace) -> Any:
 
     rng = np.random.default_rng([getattr(args, "seed", 0), 42])
     extra = args.mean_length - MIN_LENGTH
-    lengths = MIN_LENGTH + (rng.geometric(1 / (extra + 1), args.pretrain_users) - 1 if extra > 0 else np.zeros(args.pretrain_users, np.int64))
+    longer = rng.geometric(1 / (extra + 1), args.pretrain_users) - 1 if extra > 0 else np.zeros(args.pretrain_users, np.int64)
+    lengths = MIN_LENGTH + longer
     weights = np.arange(1, args.items + 1, dtype=np.float64) ** -args.zipf_exponent
     cdf = np.cumsum(weights / weights.sum())
     ranks = np.minimum(np.searchsorted(cdf, rng.random(int(lengths.sum()))), args.items - 1)

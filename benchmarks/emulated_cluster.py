@@ -3,8 +3,13 @@
     sudo python benchmarks/emulated_cluster.py --skip-unavailable    # every default configuration the install supports
     sudo python benchmarks/emulated_cluster.py --bandwidth-mbit 100 --latency-ms 2 --skip-unavailable
     sudo python benchmarks/emulated_cluster.py --configs 1d_fp32,2d_touched_sync4 --steps 16
+    sudo python benchmarks/emulated_cluster.py --workload pretrain --repeats 3 --warmup-steps 4 --steps 16
 
-Every configuration trains the same DLRM (synthetic click logs with Zipf ids, 8 tables of 10^5 to
+``--workload sequence`` trains a ``SequenceRanker`` instead (``_sequence_workload.py``) and ``--workload pretrain`` a
+``SequencePretrainer`` on Beauty-like sequences (``_pretrain_workload.py``); both run 1D FP32, 1D with index dedup in
+FP32 and FP8, and the 2D configuration the cost model ranks best, print the cost model's prediction before the runs
+and the measurement beside it after them, and with ``--repeats`` > 1 say in how many repeats each statement held.
+By default every configuration trains the same DLRM (synthetic click logs with Zipf ids, 8 tables of 10^5 to
 10^6 rows built on meta, dim 16, table-wise sharding) with the same global batch on the same 4
 processes: 2 nodes x 2 ranks, two ``torchrun --nnodes 2`` launches. The configurations: 1D (FP32,
 FP8 QComms) and 2D all-to-all optimized with touched-row replica sync every 1 and 4 steps, blocking

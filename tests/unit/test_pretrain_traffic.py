@@ -31,7 +31,9 @@ def _zipf(rows: int, exponent: float, count: int, gen: torch.Generator) -> torch
     return torch.searchsorted(cdf, torch.rand(count, generator=gen, dtype=torch.float64)).clamp_(max=rows - 1)
 
 
-def sampled_batch(rows: int, exponent: float, lengths: torch.Tensor, pool: int, gen: torch.Generator, popular_pool: bool = False) -> KeyedJaggedTensor:
+def sampled_batch(
+    rows: int, exponent: float, lengths: torch.Tensor, pool: int, gen: torch.Generator, popular_pool: bool = False
+) -> KeyedJaggedTensor:
     """One rank's pretraining batch: per example ``length + 1`` i.i.d. Zipf items (inputs, then targets shifted by one)
     and a shared pool of ``pool`` negatives (uniform, or by the same Zipf law), spread over the examples."""
     items = _zipf(rows, exponent, int(lengths.sum()) + lengths.numel(), gen)
@@ -113,9 +115,10 @@ def test_workload_bytes_are_the_parts_times_the_wire_bytes_and_match_the_account
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=[HISTORY, TARGETS, NEGATIVES], values=torch.tensor([1, 60, 1, 60, 61, 61, 99, 2]), lengths=torch.tensor([2, 1, 2, 1, 1, 1])
     )
-    route = TableRoute(table="item", features=(HISTORY, TARGETS, NEGATIVES),
-                       pieces=(ShardPiece(row_start=0, row_end=50, cols=16, owner=0), ShardPiece(row_start=50, row_end=100, cols=16, owner=2)))  # fmt: skip
-    split = lookup_bytes(kjt, [route], index_dedup=True, wire_bytes=(1.25, 2.0), topology=ParallelTopology(world_size=4, sharding_group_size=4, ranks_per_node=2), rank=1)
+    pieces = (ShardPiece(row_start=0, row_end=50, cols=16, owner=0), ShardPiece(row_start=50, row_end=100, cols=16, owner=2))
+    route = TableRoute(table="item", features=(HISTORY, TARGETS, NEGATIVES), pieces=pieces)
+    topology = ParallelTopology(world_size=4, sharding_group_size=4, ranks_per_node=2)
+    split = lookup_bytes(kjt, [route], index_dedup=True, wire_bytes=(1.25, 2.0), topology=topology, rank=1)
     assert {k: (v.ids, v.payload_bytes, v.inter_node_bytes) for k, v in split.items()} == {
         ("embeddings", HISTORY): (2, 40, 20), ("gradients", HISTORY): (2, 64, 32),  # 1, 60
         ("embeddings", TARGETS): (1, 20, 20), ("gradients", TARGETS): (1, 32, 32),  # 61 (60 is an input)

@@ -116,7 +116,9 @@ def counted_bytes(
         remote = sum(n * p.cols for n, p in zip(row, route.pieces) if topology.node_of(p.owner) != my_node)
         ids = sum(n for n, p in zip(row, route.pieces) if p.col_start == 0)  # each id once, whatever its column slices
         for direction, per_value in zip((FORWARD, BACKWARD), wire_bytes):
-            out[(direction, name)] = LookupBytes(ids=ids, payload_bytes=round(values * per_value), inter_node_bytes=round(remote * per_value))
+            out[(direction, name)] = LookupBytes(
+                ids=ids, payload_bytes=round(values * per_value), inter_node_bytes=round(remote * per_value)
+            )
     return out
 
 

@@ -69,7 +69,8 @@ class PretrainItemFeature(Feature):
             return {HISTORY: tokens, TARGETS: tokens, NEGATIVES: negatives}
         history = self._distinct(tokens)
         with_targets = self._distinct(tokens + batch_per_rank)
-        return {HISTORY: history, TARGETS: with_targets - history, NEGATIVES: self._new_negatives(with_targets, tokens + batch_per_rank, negatives)}
+        new_negatives = self._new_negatives(with_targets, tokens + batch_per_rank, negatives)
+        return {HISTORY: history, TARGETS: with_targets - history, NEGATIVES: new_negatives}
 
     def sent_ids(self, batch_per_rank: int, *, index_dedup: bool) -> float:
         return sum(self.parts_per_rank(batch_per_rank, index_dedup=index_dedup).values())
