@@ -79,3 +79,30 @@ def test_split_by_feature_sums_to_the_measured_all_to_all(sharding_type: str, qc
         for r in per_rank:
             forward, backward = r["split"]["item_id"]["embeddings"][0], r["split"]["item_id"]["gradients"][0]
             assert forward == backward  # one precision both ways here (fp8's e4m3 and e5m2 are both one byte)
+
+
+def _validate(rank: int, world_size: int) -> dict:
+    from pretrain_oracle import DIM
+
+    strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=world_size)
+    trainer = Trainer(accelerator="cpu", devices=1, num_nodes=world_size, strategy=strategy, logger=False, enable_progress_bar=False,
+                      enable_model_summary=False, enable_checkpointing=False)  # fmt: skip
+    data = PretrainDataModule()
+    trainer.validate(make_model(), datamodule=data)
+    (batch,) = list(data._dataset("val", rank, world_size))
+    measured = {op: trainer.strategy.comm_accounting.bytes_by(purpose="ranking", op=op, step="total")[0] for op in ("all_gather", "all_reduce")}
+    return {"measured": measured, "batch": int(batch.seen_lengths.numel()), "seen": int(batch.seen_ids.numel()), "dim": DIM}
+
+
+@pytest.mark.slow
+def test_the_full_ranking_exchange_is_filed_under_ranking_and_matches_the_cost_model():
+    from lightning_recsys.planner.cost import ranking_eval_traffic
+
+    results = run_ranks(_validate, WORLD_SIZE, timeout=300, ranks_per_node=1)
+    # The exchange pads every rank's tensors to the group's largest batch and seen count.
+    batch, seen = max(r["batch"] for r in results), max(r["seen"] for r in results)
+    assert all(r["batch"] == batch for r in results)
+    expected = {c.op: c.payload_bytes for c in ranking_eval_traffic(batch_per_rank=batch, dim=results[0]["dim"], seen_per_example=seen / batch,
+                                                                     group_size=WORLD_SIZE)}  # fmt: skip
+    for r in results:
+        assert r["measured"] == pytest.approx(expected), (r["measured"], expected)
