@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import _pretrain_workload as pretrain
 import _sequence_workload as sequence
 from _workload import add_workload_arguments, table_sizes
 
@@ -40,9 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", required=True, help="JSON result path (written by global rank 0)")
     parser.add_argument("--devices", type=int, default=2, help="ranks per node")
     parser.add_argument("--num-nodes", type=int, default=2)
-    parser.add_argument("--workload", default="dlrm", choices=["dlrm", "sequence"])
+    parser.add_argument("--workload", default="dlrm", choices=["dlrm", "sequence", "pretrain"])
     add_workload_arguments(parser, table_rows="256", steps_help="timed steps after warm-up")
     sequence.add_sequence_arguments(parser)
+    pretrain.add_pretrain_arguments(parser)
     parser.add_argument("--sharding-type", default="table_wise")
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")
     parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
@@ -163,6 +165,15 @@ def _sequence_job(args: argparse.Namespace, total_steps: int) -> tuple[Any, Any,
     return data, sequence.model(args, config), sequence.planning(config)
 
 
+def _pretrain_job(args: argparse.Namespace, total_steps: int) -> tuple[Any, Any, Any]:
+    """The pretraining workload's data module, model and planning config (``_pretrain_workload.py``)."""
+    pretrain.check_pretrain_arguments(args)
+    return pretrain.datamodule(args), pretrain.model(args), pretrain.planning()
+
+
+_JOBS = {"dlrm": _dlrm_job, "sequence": _sequence_job, "pretrain": _pretrain_job}
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     args = parse_args(argv)
     # 4 ranks share few cores: one intra-op thread each keeps them from fighting over them.
@@ -181,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         )
     total_steps = args.warmup_steps + args.steps
     pl.seed_everything(args.seed, verbose=False)
-    data, model, planning = (_sequence_job if args.workload == "sequence" else _dlrm_job)(args, total_steps)
+    data, model, planning = _JOBS[args.workload](args, total_steps)
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.05),
         planning=planning,
@@ -215,6 +226,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.workload == "sequence":  # what index dedup keeps of rank 0's ids, over the timed steps' batches
         timed = [data.log.global_batch("train", i) for i in range(args.warmup_steps, total_steps)]
         result["unique_id_fraction_rank0"] = sequence.unique_fraction(timed, 0, world)
+    if args.workload == "pretrain":  # the same for the pretrainer's item table (history, targets, negatives)
+        result["unique_id_fraction_rank0"] = pretrain.unique_fraction(pretrain.training_batches(args, world, total_steps, data)[0][args.warmup_steps:])
+        result["sequence_all_to_all_by_feature_rank0"] = timer.lookup_split()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     print(f"[bench_job] step {result['step_time_s'] * 1e3:.1f} ms, {result['examples_per_s']:.0f} examples/s -> {args.out}")
@@ -241,6 +255,7 @@ class _StepTimer(pl.Callback):
         self.starts: list[float] = []
         self.wall_starts: list[float] = []  # time.time() of each start, to match other processes' samples
         self.traffic: list[dict[Any, Any]] = []
+        self.lookups: list[dict[str, dict[str, tuple[int, int]]]] = []  # the sequence all-to-all by feature, per step
         self.syncs: list[tuple[int, Any]] = []  # (step index, SyncStats) of every replica sync after a step
         self._last_stats: Any = None
 
@@ -261,6 +276,7 @@ class _StepTimer(pl.Callback):
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         # The strategy closes the step's accounting in optimizer_step, before this hook.
         self.traffic.append(dict(self.strategy.comm_accounting.last_step))
+        self.lookups.append(self.strategy.comm_accounting.lookup_split())
         stats = self.strategy.replica_sync_stats  # a new object per sync
         if stats is not None and stats is not self._last_stats:
             self.syncs.append((len(self.traffic) - 1, stats))
@@ -310,6 +326,18 @@ class _StepTimer(pl.Callback):
             **({"phase_ms_per_step": self.phases.summary(w, n),
                 "phase_ms_by_step_in_interval": self.phases.by_step_in_interval(w, n, k)} if self.phases is not None else {}),
         }
+
+    def lookup_split(self) -> dict[str, dict[str, dict[str, float]]]:
+        """Rank 0's sequence all-to-all bytes by feature and direction (payload, inter-node), mean over the timed steps."""
+        timed = self.lookups[self.warmup : self.warmup + self.steps]
+        out: dict[str, dict[str, dict[str, float]]] = {}
+        for step in timed:
+            for feature, parts in step.items():
+                for direction, (payload, inter) in parts.items():
+                    cell = out.setdefault(feature, {}).setdefault(direction, {"payload": 0.0, "inter_node": 0.0})
+                    cell["payload"] += payload / len(timed)
+                    cell["inter_node"] += inter / len(timed)
+        return out
 
     def _sync_summary(self) -> dict[str, Any] | None:
         """Rank 0's replica syncs that ran after timed steps: rows per sync, touched fraction, bytes."""

@@ -23,6 +23,9 @@ shaped step times, the tc settings). The model is ``lightning_recsys.planner.cos
    best 1D is the deduped one wherever dedup helps, and 2D is compared against it.
 4. **Regime map**: the best configuration and its 8-node scaling per workload, and as a function of
    pooling / sequence length, Zipf skew (touched fraction) and sync interval.
+5. **Pretraining traffic** (``_pretrain_cost.py``): ``SequencePretrainer``'s ids per feature (history, targets,
+   negatives), learned from sampled batches, against exact counts, with and without index dedup.
+6. **Pretraining regime map**: ``layout_advice.recommend`` over tokens per example, skew and negatives.
 
 Prints Markdown tables, writes JSON (default ``benchmarks/results/cost_model.json``) and, with
 matplotlib, ``benchmarks/results/cost_model_projection.png``.
@@ -380,6 +383,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zipf-exponent", type=float, default=1.05, help="Zipf exponent of every projected table's ids")
     parser.add_argument("--sweep-compute-ms", type=float, default=20.0, help="compute per step of the regime map's workloads")
     parser.add_argument("--max-interval", type=int, default=4, help="largest 2D sync interval the headline projections may use")
+    parser.add_argument("--pretrain-compute-ms-per-1k-tokens", type=float, default=0.5,
+                        help="the pretraining regime map's compute per 1000 input tokens of a GPU's batch")  # fmt: skip
+    parser.add_argument("--skip-pretrain", action="store_true", help="leave out parts 5-6 (pretraining)")
+    parser.add_argument("--sequence-file", type=Path, default=Path("data/beauty.txt"),
+                        help="part 5 also checks this sequence file's batches where it exists (Amazon Beauty: docs/pretraining.md)")  # fmt: skip
     parser.add_argument("--json", type=Path, default=RESULTS / "cost_model.json")
     parser.add_argument("--png", type=Path, default=RESULTS / "cost_model_projection.png")
     parser.add_argument("--no-png", action="store_true")
@@ -450,6 +458,12 @@ def main(argv: list[str] | None = None) -> int:
     print("| interval | " + " | ".join(keys) + " |\n|---|" + "---|" * len(keys))
     for row in intervals:
         print(f"| {row['every_n_steps']} | " + " | ".join(f"{row[k]:.2f}x" for k in keys) + " |")
+
+    if not args.skip_pretrain:
+        import _pretrain_cost
+
+        out["pretrain_check"] = _pretrain_cost.pretrain_check(args.sequence_file)
+        out["pretrain_regime"] = _pretrain_cost.pretrain_regime(hardware, args.pretrain_compute_ms_per_1k_tokens)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=2, default=str))

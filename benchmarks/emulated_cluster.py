@@ -3,8 +3,13 @@
     sudo python benchmarks/emulated_cluster.py --skip-unavailable    # every default configuration the install supports
     sudo python benchmarks/emulated_cluster.py --bandwidth-mbit 100 --latency-ms 2 --skip-unavailable
     sudo python benchmarks/emulated_cluster.py --configs 1d_fp32,2d_touched_sync4 --steps 16
+    sudo python benchmarks/emulated_cluster.py --workload pretrain --repeats 3 --warmup-steps 4 --steps 16
 
-Every configuration trains the same DLRM (synthetic click logs with Zipf ids, 8 tables of 10^5 to
+``--workload sequence`` trains a ``SequenceRanker`` instead (``_sequence_workload.py``) and ``--workload pretrain`` a
+``SequencePretrainer`` on Beauty-like sequences (``_pretrain_workload.py``); both run 1D FP32, 1D with index dedup in
+FP32 and FP8, and the 2D configuration the cost model ranks best, print the cost model's prediction before the runs
+and the measurement beside it after them, and with ``--repeats`` > 1 say in how many repeats each statement held.
+By default every configuration trains the same DLRM (synthetic click logs with Zipf ids, 8 tables of 10^5 to
 10^6 rows built on meta, dim 16, table-wise sharding) with the same global batch on the same 4
 processes: 2 nodes x 2 ranks, two ``torchrun --nnodes 2`` launches. The configurations: 1D (FP32,
 FP8 QComms) and 2D all-to-all optimized with touched-row replica sync every 1 and 4 steps, blocking
@@ -51,6 +56,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import _pretrain_workload as pretrain
 import _sequence_workload as sequence
 from _workload import add_workload_arguments, table_sizes
 from emulated.configs import CONFIGS, DEFAULT_OFF, DEFAULT_WORKLOAD, NODES, RANKS_PER_NODE, WORKLOADS, unavailable_reason
@@ -75,7 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--configs",
         default=None,
         help="comma-separated subset of: " + ", ".join(c.name for c in CONFIGS) + f" (default: all but {', '.join(DEFAULT_OFF)}; "
-        "--workload sequence: 1d_fp32, 1d_dedup_fp32, 1d_dedup_fp8 and the 2D configuration the cost model ranks best)",
+        "--workload sequence or pretrain: 1d_fp32, 1d_dedup_fp32, 1d_dedup_fp8 and the 2D configuration the cost model ranks best)",
     )
     parser.add_argument(
         "--skip-unavailable",
@@ -89,9 +95,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser, table_rows="1000000,500000,200000,100000", steps_help="timed steps (a multiple of every config's sync interval)"
     )
     sequence.add_sequence_arguments(parser)
+    pretrain.add_pretrain_arguments(parser)
     parser.add_argument(
         "--predict-compute-ms", type=float, default=150.0,
-        help="--workload sequence: the compute per step the cost model assumes before the run (after it, the measured unshaped steps)",
+        help="--workload sequence or pretrain: the compute per step the cost model assumes before the run (after it, the measured unshaped steps)",
     )
     parser.add_argument(
         "--repeats", type=int, default=2, help="runs of every (config, environment), in alternating order; the fastest is reported"
@@ -120,6 +127,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         except ValueError as exc:
             parser.error(str(exc))
         args.cost_shape = sequence.model_shape(args, NODES * RANKS_PER_NODE, sequence.dense_param_bytes(args))
+    if args.workload == "pretrain":
+        try:
+            pretrain.check_pretrain_arguments(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        args.cost_shape = pretrain.model_shape(args, NODES * RANKS_PER_NODE)  # learned from the workload's own batches
     if args.configs is None:
         args.configs = ",".join(_default_configs(args))
     names = [n.strip() for n in args.configs.split(",") if n.strip()]
@@ -236,10 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         verdict = print_results(rows, args, elapsed=elapsed, load_before=load_before)
         payload = results_payload(rows, args, shaping=shaping, elapsed=elapsed, load_before=load_before, verdict=verdict, errors=errors)
         if args.cost_shape is not None and before is not None:
-            from emulated.prediction import emulated_link_cluster, print_comparison
+            from emulated.prediction import emulated_link_cluster, print_comparison, print_repeats
 
             link = emulated_link_cluster(shaping.bandwidth_mbit, shaping.latency_ms, shaping.mtu)
             payload["cost_model"] = print_comparison(args.cost_shape, rows, link, before)
+            payload["cost_model"]["repeats"] = print_repeats(args.cost_shape, runs, args.selected, link)
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2))
         print(f"wrote {args.json}")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import _pretrain_workload as pretrain
 import _sequence_workload as sequence
 from _workload import table_sizes, workload_argv
 
@@ -132,14 +133,27 @@ def _sequence_argv(args: argparse.Namespace) -> list[str]:
     return [*workload_argv(args), "--workload", "sequence", *sequence.sequence_argv(args)]
 
 
+def _pretrain_argv(args: argparse.Namespace) -> list[str]:
+    return [*workload_argv(args), "--workload", "pretrain", *pretrain.pretrain_argv(args)]
+
+
+_TWO_D_CANDIDATES = ("2d_touched_overlap", "2d_touched_overlap_sync4", "2d_touched_overlap_bf16", "2d_touched_overlap_bf16_sync4",
+                     "2d_gather_overlap_bf16_sync4", "2d_gather_overlap_fp8_sync4")  # fmt: skip
+
+
 WORKLOADS: dict[str, Workload] = {
     "dlrm": Workload("dlrm", job_argv=workload_argv, describe=_dlrm_description, model_json=_dlrm_json),
     # Global batch 256 of 64-item histories: one CPU step near the DLRM run's (docs/performance.md says why).
     "sequence": Workload(
         "sequence", job_argv=_sequence_argv, describe=sequence.describe, model_json=sequence.model_json,
         defaults={"global_batch_size": 256}, default_configs=("1d_fp32", "1d_dedup_fp32", "1d_dedup_fp8"),
-        two_d_candidates=("2d_touched_overlap", "2d_touched_overlap_sync4", "2d_touched_overlap_bf16", "2d_touched_overlap_bf16_sync4",
-                          "2d_gather_overlap_bf16_sync4", "2d_gather_overlap_fp8_sync4"),
+        two_d_candidates=_TWO_D_CANDIDATES,
+    ),
+    # SequencePretrainer on Beauty-like sequences (_pretrain_workload.py): short histories, a shared pool of uniform negatives.
+    "pretrain": Workload(
+        "pretrain", job_argv=_pretrain_argv, describe=pretrain.describe, model_json=pretrain.model_json,
+        defaults={"global_batch_size": 1024, "embedding_dim": 64, "items": 1_000_000, "transformer_layers": 1, "zipf_exponent": 1.05},
+        default_configs=("1d_fp32", "1d_dedup_fp32", "1d_dedup_fp8"), two_d_candidates=_TWO_D_CANDIDATES,
     ),
 }
 DEFAULT_WORKLOAD = "dlrm"

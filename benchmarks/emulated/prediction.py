@@ -134,3 +134,54 @@ def print_comparison(shape: ModelShape, rows: list[Any], cluster: Cluster, befor
                         "error": c.error} for c in comparisons],
         "two_d_target_met": bool(measured) and measured["two_d_vs_one_d"] <= TWO_D_TARGET,
     }  # fmt: skip
+
+
+def print_repeats(shape: ModelShape, runs: dict[tuple[str, str], list[dict[str, Any]]], configs: list[BenchConfig],
+                  cluster: Cluster) -> dict[str, Any]:  # fmt: skip
+    """Each repeat on its own (its cluster run against its own unshaped run): the prediction beside the measurement,
+    inter-node MB per step per node, best 2D / best 1D, and in how many repeats each statement held."""
+    done = [c for c in configs if runs.get((c.name, "cluster")) and runs.get((c.name, "reference"))]
+    repeats = min((min(len(runs[(c.name, "cluster")]), len(runs[(c.name, "reference")])) for c in done), default=0)
+    if not repeats:
+        return {}
+    print(f"\nPer repeat ({repeats}): predicted with that repeat's own unshaped step as the compute; inter-node MB per step and "
+          f"node (measured: rank 0's x {RANKS_PER_NODE}, ranks are symmetric)\n")  # fmt: skip
+    print("| repeat | configuration | unshaped ms | measured ms | predicted ms | error | inter-node MB measured | predicted |")
+    print("|---|---|---|---|---|---|---|---|")
+    per_repeat = []
+    for i in range(repeats):
+        measured_steps, predicted_steps, errors, inter = {}, {}, {}, {}
+        for c in done:
+            cl, ref = runs[(c.name, "cluster")][i], runs[(c.name, "reference")][i]
+            estimate = predict(shape, c, cluster, ref["step_time_s"])
+            measured_steps[c.name], predicted_steps[c.name] = cl["step_time_s"], estimate.step_s
+            errors[c.name] = estimate.step_s / cl["step_time_s"] - 1
+            inter[c.name] = (cl["bytes_per_step_rank0"]["inter_node"] * RANKS_PER_NODE, estimate.inter_node_bytes)
+            print(f"| {i + 1} | {c.label} | {ref['step_time_s'] * 1e3:.0f} | {cl['step_time_s'] * 1e3:.0f} | {estimate.step_s * 1e3:.0f} | "
+                  f"{errors[c.name]:+.0%} | {inter[c.name][0] / 1e6:.2f} | {inter[c.name][1] / 1e6:.2f} |")  # fmt: skip
+        measured, predicted = _ratios(measured_steps, done), _ratios(predicted_steps, done)
+        per_repeat.append({
+            "errors": errors, "inter_node_bytes_per_node": inter, "measured_ratios": measured, "predicted_ratios": predicted,
+            "model_within_tolerance": all(abs(e) <= TOLERANCE for e in errors.values()),
+            "bytes_within_tolerance": all(abs(p / m - 1) <= TOLERANCE for m, p in inter.values() if m),
+            "two_d_faster": bool(measured) and measured["two_d_vs_one_d"] < 1.0,
+            "two_d_target_met": bool(measured) and measured["two_d_vs_one_d"] <= TWO_D_TARGET,
+            "same_winner": bool(measured) and (measured["two_d_vs_one_d"] < 1.0) == (predicted["two_d_vs_one_d"] < 1.0),
+        })  # fmt: skip
+    print()
+    for i, r in enumerate(per_repeat):
+        if r["measured_ratios"]:
+            m, p = r["measured_ratios"], r["predicted_ratios"]
+            print(f"Repeat {i + 1}: best 2D / best 1D = {m['two_d_vs_one_d']:.2f} measured ({m['best_2d']} / {m['best_1d']}), "
+                  f"{p['two_d_vs_one_d']:.2f} predicted.")  # fmt: skip
+    statements = {
+        "model_within_tolerance": f"the cost model's step within {TOLERANCE:.0%} on every configuration",
+        "bytes_within_tolerance": f"the predicted inter-node bytes within {TOLERANCE:.0%} of the measured on every configuration",
+        "two_d_faster": "the best 2D faster than the best 1D",
+        "two_d_target_met": f"best 2D / best 1D <= {TWO_D_TARGET}",
+        "same_winner": "the cost model picks the measured winner (1D or 2D)",
+    }
+    held = {key: sum(r[key] for r in per_repeat) for key in statements}
+    for key, text in statements.items():
+        print(f"- {text}: held in {held[key]} of {repeats} repeats")
+    return {"repeats": repeats, "per_repeat": per_repeat, "held": held}

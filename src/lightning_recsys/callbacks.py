@@ -211,6 +211,12 @@ class RunSummary(Callback):
                 purpose: accounting.bytes_by(purpose=purpose)[0]
                 for purpose in sorted({key.purpose for key in accounting.last_step})
             }
+            lookup = accounting.lookup_split()
+            if lookup:  # the sequence all-to-all by feature: this rank's lookups' embeddings and gradients
+                summary["sequence_all_to_all_by_feature"] = {
+                    feature: {direction: {"payload": p, "inter_node": i} for direction, (p, i) in parts.items()}
+                    for feature, parts in lookup.items()
+                }
             summary["qcomms"] = {c: list(p) for c, p in strategy.effective_qcomms.precisions.items()}
             totals = strategy.runtime.sync_totals
             if totals is not None:  # 2D: this rank's replica syncs
@@ -351,6 +357,13 @@ def format_summary(summary: dict[str, Any]) -> str:
     if "bytes_per_step" in summary:
         rows.append(("bytes/step (inter-node)", f"{summary['bytes_per_step']['payload']:,} ({summary['bytes_per_step']['inter_node']:,})"))
         rows += [(f"  {purpose}", f"{value:,}") for purpose, value in summary["bytes_per_step_by_purpose"].items()]
+    if "sequence_all_to_all_by_feature" in summary:
+        rows.append(("sequence all-to-all by feature", "embeddings in + gradients out (inter-node)"))
+        rows += [
+            (f"  {feature}", " + ".join(f"{parts[d]['payload']:,}" for d in ("embeddings", "gradients") if d in parts)
+             + f" ({sum(p['inter_node'] for p in parts.values()):,})")
+            for feature, parts in summary["sequence_all_to_all_by_feature"].items()
+        ]  # fmt: skip
     if "replica_sync" in summary and summary["replica_sync"] is None:
         rows.append(("replica syncs", "none (every table is data_parallel: nothing to sync)"))
     elif "replica_sync" in summary:

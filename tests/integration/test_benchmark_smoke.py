@@ -36,3 +36,8 @@ def test_cost_model_projections_compare_2d_against_the_best_1d_deduped_where_it_
     for row in result["regime_sweep"]:
         assert row["best_1d_scaling"] >= row["best_1d_without_dedup_scaling"] - 1e-9
     assert "Best 1D at 8 nodes" in proc.stdout
+    # Parts 5-6: the pretraining traffic model against exact counts of the emulated workload's batches, and its regime map.
+    checks = result["pretrain_check"]
+    assert {r["feature"] for r in checks} == {"item_id", "next_item_id", "negative_item_id"}
+    assert all(abs(r["ratio"] - 1) <= 0.25 for r in checks), checks
+    assert len(result["pretrain_regime"]) == 18 and "Pretraining regime map" in proc.stdout

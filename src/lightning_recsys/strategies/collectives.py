@@ -38,7 +38,8 @@ class ProcessGroupCollectives:
         An unsharded module is ranked over its own weight.
         """
         group = self.topology.sharding_process_group() if isinstance(module, ShardedModule) else None
-        return make_item_ranking(module, table_name, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize_rows)
+        ranking = make_item_ranking(module, table_name, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize_rows)
+        return ranking if group is None else file_under_ranking(ranking)
 
     @override
     def barrier(self, name: Optional[str] = None) -> None:
@@ -65,3 +66,19 @@ class ProcessGroupCollectives:
             with comm_purpose("metrics"):
                 return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
+
+
+def file_under_ranking(ranking: ItemRanking) -> ItemRanking:
+    """``ranking`` (sharded) with its collectives filed under ``ranking`` by the communication accounting.
+
+    Its ``target_ranks`` and ``top_k`` are wrapped on the instance, so it stays a ``ShardedItemRanking``.
+    """
+    for name in ("target_ranks", "top_k"):
+        method = getattr(ranking, name)
+
+        def labelled(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+            with comm_purpose("ranking"):
+                return _method(*args, **kwargs)
+
+        setattr(ranking, name, labelled)
+    return ranking

@@ -306,7 +306,7 @@ class TwoDRecStrategy(
         self._shard(self.lightning_module)
         self.model = self.sharded_model.dmp
         self._coordinate_sigterm(trainer)
-        self.runtime.start()
+        self.runtime.start(sequence_wire_bytes=self.effective_qcomms.wire_bytes("sequence_all_to_all"))
         scaler = getattr(self.precision_plugin, "scaler", None)  # fp16 loss scaling (16-mixed)
         self.runtime.install_output_hooks(
             check_finite=self.guard.check_finite or getattr(trainer, "_detect_anomaly", False),

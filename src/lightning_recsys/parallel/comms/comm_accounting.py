@@ -19,13 +19,18 @@ What is counted, per call on this rank:
 * ``inter_node_bytes``: for all-to-alls, exactly the part addressed to ranks on other nodes; for the
   other collectives, the whole payload when the group spans nodes, else 0 (the backend's algorithm
   decides the real wire bytes; a ring all-reduce sends about 2(n-1)/n of the payload).
+
+Beside the rows, the sequence all-to-all's bytes split by feature (``record_lookup``, ``lookup_split``):
+what this rank's lookups receive (``embeddings``) and send back (``gradients``), counted from its ids
+(``lookup_traffic``). Summed over the ranks the split equals the ``embeddings`` rows of the
+``EmbeddingCollection`` tables, QComms scales and index dedup included.
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -138,6 +143,11 @@ class CommAccountant:
         self.last_step: dict[TrafficKey, Traffic] = {}
         self.total: dict[TrafficKey, Traffic] = {}
         self.steps = 0
+        # Ids per (feature, shard) of this rank's sequence lookups (lookup_traffic), per step and in total, by lookup key.
+        self._lookup_current: dict[object, torch.Tensor] = {}
+        self.last_step_lookup: dict[object, torch.Tensor] = {}
+        self._lookup_total: dict[object, torch.Tensor] = {}
+        self._to_bytes: dict[object, Callable[[torch.Tensor], Mapping[tuple[str, str], Any]]] = {}
 
     # ----------------------------------------------------------------- step boundaries
     def begin_step(self) -> None:
@@ -151,6 +161,7 @@ class CommAccountant:
             for key, traffic in self._carried.items():
                 current.setdefault(key, Traffic()).add(traffic)
             self._current, self._carried = current, {}
+            self._lookup_current = {}  # lookups outside a training step (evaluation) are not step traffic
             self._in_step = True
 
     def release(self, token: object) -> None:
@@ -167,6 +178,7 @@ class CommAccountant:
     def end_step(self) -> None:
         with self._lock:
             self.last_step, self._current = self._current, {}
+            self.last_step_lookup, self._lookup_current = self._lookup_current, {}
             self.steps += 1
             self._in_step = False
 
@@ -182,6 +194,40 @@ class CommAccountant:
             if (purpose is None or k.purpose == purpose) and (op is None or k.op == op) and (group is None or k.group == group)
         ]
         return sum(t.payload_bytes for t in rows), sum(t.inter_node_bytes for t in rows)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether a training step is running (between ``begin_step`` and ``end_step``)."""
+        return self._in_step
+
+    def record_lookup(self, key: object, counts: torch.Tensor, to_bytes: Callable[[torch.Tensor], Mapping[tuple[str, str], Any]]) -> None:
+        """Add one training lookup's ids per (feature, shard) (``lookup_traffic.lookup_counts``) to the running step.
+
+        ``to_bytes`` turns such counts into ``(direction, feature) -> LookupBytes`` when they are read
+        (``lookup_split``), so a CUDA step is never stalled to read them. Outside a training step
+        (evaluation: no backward) nothing is recorded.
+        """
+        with self._lock:
+            if not self._in_step:
+                return
+            self._to_bytes[key] = to_bytes
+            for table in (self._lookup_current, self._lookup_total):
+                table[key] = counts.clone() if key not in table else table[key] + counts
+
+    def lookup_split(self, step: str = "last") -> dict[str, dict[str, tuple[int, int]]]:
+        """``feature -> direction -> (payload bytes, inter-node bytes)`` of the last step's (or all) sequence lookups."""
+        with self._lock:
+            table = dict(self.last_step_lookup if step == "last" else self._lookup_total)
+        merged: dict[tuple[str, str], list[int]] = {}
+        for key, counts in table.items():
+            for part, value in self._to_bytes[key](counts).items():
+                cell = merged.setdefault(part, [0, 0])
+                cell[0] += value.payload_bytes
+                cell[1] += value.inter_node_bytes
+        out: dict[str, dict[str, tuple[int, int]]] = {}
+        for (direction, feature), (payload, inter) in sorted(merged.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+            out.setdefault(feature, {})[direction] = (payload, inter)
+        return out
 
     def as_metrics(self, prefix: str = "comm") -> dict[str, float]:
         """The last step as flat metrics: bytes per (purpose, operation, group), and intra/inter-node totals."""

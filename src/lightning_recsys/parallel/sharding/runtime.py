@@ -21,6 +21,7 @@ periodic averaging to ``PeriodicModelAverager``.
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -29,6 +30,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_recsys.parallel.comms import CommAccountant
+from lightning_recsys.parallel.comms.lookup_traffic import counted_bytes, lookup_counts, table_routes
 from lightning_recsys.parallel.sharding.embedding_hooks import EmbeddingOutputHooks
 from lightning_recsys.parallel.step_phases import StepPhaseLabels
 from lightning_recsys.parallel.sharding.embedding_lr import EmbeddingLearningRate
@@ -81,6 +83,7 @@ class ShardedRuntime:
             # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
             self.replica_sync.broadcast_from_first_replica()
         self.comm = CommAccountant(topology, topology.sharding_process_group(), replica_group)
+        self._lookup_hooks: list[Any] = []  # forward pre-hooks that count each sequence lookup's bytes by feature
         self.data_parallel_table_optimizer: Optional[Optimizer] = None
         self.embedding_lr: Optional[EmbeddingLearningRate] = None
         self.output_hooks: Optional[EmbeddingOutputHooks] = None
@@ -95,9 +98,15 @@ class ShardedRuntime:
         self.phase_labels = StepPhaseLabels([owner for owner, _ in self._lookups])
 
     # ----------------------------------------------------------------- set-up
-    def start(self) -> None:
-        """Start accounting this process's collectives."""
+    def start(self, sequence_wire_bytes: tuple[float, float] = (4.0, 4.0)) -> None:
+        """Start accounting this process's collectives, and the sequence all-to-all's bytes by feature.
+
+        ``sequence_wire_bytes``: bytes per value (forward, backward) of the sequence all-to-all
+        (``EffectiveQComms.wire_bytes("sequence_all_to_all")``).
+        """
         self.comm.start()
+        if not self._lookup_hooks:
+            self._lookup_hooks = install_lookup_accounting(self.sharded, self.topology, self.comm, sequence_wire_bytes)
 
     def install_output_hooks(self, *, check_finite: bool, grad_scale: Optional[Callable[[], Tensor]]) -> None:
         """Hooks on the looked-up embeddings, once per model, if the finite guard or loss scaling needs them."""
@@ -219,9 +228,46 @@ class ShardedRuntime:
     def close(self) -> None:
         """Stop accounting and remove this runtime's hooks from the model (a later runtime may reuse it)."""
         self.comm.stop()
+        for handle in self._lookup_hooks:
+            handle.remove()
+        self._lookup_hooks = []
         if self.replica_sync is not None:
             self.replica_sync.close()
         if self.output_hooks is not None:
             self.output_hooks.remove()
             self.output_hooks = None
         self.phase_labels.remove()
+
+
+def install_lookup_accounting(
+    sharded: ShardedModel, topology: ParallelTopology, comm: CommAccountant, wire_bytes: tuple[float, float]
+) -> list[Any]:
+    """A forward pre-hook on each sharded ``EmbeddingCollection`` that files its lookup's bytes by feature with ``comm``."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+
+    rank = dist.get_rank()
+    group = topology.sharding_group_of(rank)
+    handles = []
+    for fqn in sharded.embedding_module_fqns:
+        module = sharded.dmp.module.get_submodule(fqn)
+        if not isinstance(module, ShardedEmbeddingCollection):
+            continue
+        # The table configs and the dedup flag as ShardedEmbeddingCollection.__init__ keeps them (torchrec/distributed/embedding.py).
+        features = {config.name: tuple(config.feature_names) for config in module._embedding_configs}
+        routes = table_routes(features, sharded.plan.plan.get(fqn, {}), group)
+        dedup = bool(module._use_index_dedup)
+        if not routes:
+            continue
+
+        converters = [
+            (route, partial(counted_bytes, route=route, wire_bytes=wire_bytes, topology=topology, rank=rank)) for route in routes
+        ]
+
+        def count(_module: nn.Module, args: tuple[Any, ...], fqn: str = fqn, converters: Any = converters, dedup: bool = dedup) -> None:
+            if args and comm.in_step:  # evaluation lookups have no backward: not counted
+                for route, to_bytes in converters:
+                    comm.record_lookup((fqn, route.table), lookup_counts(args[0], route, index_dedup=dedup), to_bytes)
+
+        handles.append(module.register_forward_pre_hook(count))
+    return handles
+

@@ -1,4 +1,4 @@
-"""Cost models: bytes per collective to step time (``cost_model``), a workload's bytes (``traffic_model``)
+"""Cost models: bytes per collective to step time (``cost_model``), a workload's bytes (``traffic_model``; a pretrainer's in ``pretrain_traffic``)
 and a ranking of candidate layouts (``layout_advice``). They run no collective; ``lightning-recsys plan``
 and the benchmarks ask them for advice. No Lightning imports."""
 
@@ -13,6 +13,7 @@ from lightning_recsys.planner.cost.cost_model import (
     topology_for,
 )
 from lightning_recsys.planner.cost.layout_advice import Advice, Hardware, advise_from_report, parse_cluster, recommend
+from lightning_recsys.planner.cost.pretrain_traffic import PretrainItemFeature, PretrainWorkload, ranking_eval_traffic
 from lightning_recsys.planner.cost.traffic_model import Feature, ModelShape, StrategyChoice, workload_traffic
 
 __all__ = [
@@ -24,11 +25,14 @@ __all__ = [
     "Link",
     "ModelShape",
     "Parallelism",
+    "PretrainItemFeature",
+    "PretrainWorkload",
     "StepEstimate",
     "StrategyChoice",
     "Workload",
     "advise_from_report",
     "parse_cluster",
+    "ranking_eval_traffic",
     "recommend",
     "step_time",
     "topology_for",

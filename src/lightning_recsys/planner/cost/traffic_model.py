@@ -267,10 +267,18 @@ def ids_sent_per_rank(feature: Feature, batch_per_rank: int, *, index_dedup: boo
     ``D(N, s, b L)`` (module docstring); else every id, ``b L``. A stated ``touched_fraction``
     describes a sync interval's union, not one rank's batch, so the Zipf estimate is used here.
     """
+    sent_ids = getattr(feature, "sent_ids", None)  # a feature of several parts (pretrain_traffic.PretrainItemFeature)
+    if sent_ids is not None:
+        return sent_ids(batch_per_rank, index_dedup=index_dedup)
     draws = batch_per_rank * feature.ids_per_example
     if not index_dedup or feature.pooled:
         return draws
     return expected_distinct(feature.rows, draws, feature.zipf_exponent)
+
+
+def kjt_features(feature: Feature) -> int:
+    """KJT features (one length per example each) that look ``feature``'s table up: 3 for a pretrainer's item table."""
+    return 3 if hasattr(feature, "sent_ids") else 1
 
 
 def sync_rows_per_rank(shape: ModelShape, topology: ParallelTopology, every_n_steps: int) -> float:
@@ -290,7 +298,7 @@ def workload_traffic(
         raise ValueError(f"layout {layout.describe()!r} does not match the topology (1D: {topology.is_1d}).")
     b = shape.batch_per_rank
     sent = [(f, ids_sent_per_rank(f, b, index_dedup=layout.index_dedup)) for f in shape.features]
-    ids = sum(f.tables * (n * shape.id_bytes + b * shape.length_bytes) for f, n in sent)
+    ids = sum(f.tables * (n * shape.id_bytes + b * kjt_features(f) * shape.length_bytes) for f, n in sent)
     vectors = sum(f.tables * (b if f.pooled else n) * (row_bytes(f.dim, layout.forward) + row_bytes(f.dim, layout.backward))
                   for f, n in sent)  # fmt: skip
     out = [
