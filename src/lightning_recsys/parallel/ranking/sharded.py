@@ -15,8 +15,8 @@ Every rank of the group calls ``target_ranks`` (or ``top_k``) with its own users
    are summed over the group. Top-K: each rank's top-K of every query goes to the query's owner, which
    merges them (``merge_top_k``: higher score, then lower id).
 
-No rank gathers the table. Memory per rank: about twice one chunk's score block (at most ``block_bytes``),
-plus the chunk's rows, plus ``[Q, 2k]`` candidates.
+No rank gathers the table. Memory per rank: one chunk's score block (at most ``block_bytes``) and a boolean
+mask of its shape, reused by every chunk, plus the chunk's rows, plus ``[Q, 2k]`` candidates.
 A table this rank holds whole (data-parallel, or not sharded) is ranked locally, with no collective.
 """
 
@@ -37,21 +37,20 @@ from lightning_recsys.parallel.ranking.exchange import (
     top_k_to_owners,
 )
 from lightning_recsys.parallel.ranking.table_shards import ColumnSlicedRows, ShardedTableLayout, read_table
-from lightning_recsys.parallel.ranking.unsharded import (
-    DEFAULT_CHUNK_ROWS,
-    ItemRanking,
-    SeenItems,
-    UnshardedItemRanking,
+from lightning_recsys.parallel.ranking.chunks import (
     DEFAULT_BLOCK_BYTES,
+    DEFAULT_CHUNK_ROWS,
     RunningTopK,
+    ScoreBlock,
+    SeenItems,
     check_chunking,
-    check_k,
     count_at_least,
     merge_top_k,
     rows_per_chunk,
     scored_rows,
     target_scores,
 )
+from lightning_recsys.parallel.ranking.unsharded import ItemRanking, UnshardedItemRanking, check_k
 
 
 class ShardedItemRanking:
@@ -103,8 +102,9 @@ class ShardedItemRanking:
         scores_of_targets = target_scores(group_queries.queries, target_rows)
         seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         counts = torch.zeros(group_queries.total, dtype=torch.long, device=device)
+        block = ScoreBlock()
         for row_start, rows in self._row_chunks(table, group_queries.total, device, group):
-            counts += count_at_least(group_queries.queries, rows, row_start, scores_of_targets, targets, seen)
+            counts += count_at_least(block, group_queries.queries, rows, row_start, scores_of_targets, targets, seen)
         return sum_to_owners(counts, group_queries, group).to(queries.device)
 
     @torch.no_grad()
