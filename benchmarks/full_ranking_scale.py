@@ -14,8 +14,10 @@ machine's load falls on all of them. Prints a Markdown table and writes JSON to 
     python benchmarks/full_ranking_scale.py --sharding column_wise --items 1000000
     python benchmarks/full_ranking_scale.py --items 10000 --users 40 --check   # ranks checked against the brute force
 
-Time: per call, from a barrier to the call's return, the slowest rank's; the median over ``--repeats`` calls
-after ``--warmup`` calls. Users per second: the group's users over that time.
+Time: per call, from a barrier to the call's return, the slowest rank's; the median over ``--repeats`` calls,
+after ``--warmup`` calls of ``--warmup-users`` users (the same code, chunks and collectives, in less time).
+Users per second: the group's users over that time. The JSON also has each call's CPU time (the busiest
+rank's ``time.process_time()``), which other jobs on a shared machine change far less than the wall time.
 
 Memory: the peak resident memory (RSS) of each rank above a baseline taken after the table is filled and the
 rankings built, the allocator's free memory handed back (``malloc_trim``), so the baseline is what the
@@ -114,6 +116,15 @@ def users(seed: int, num_items: int, num_users: int, dim: int, max_seen: int, ra
         "target_ids": targets[first:last],
         "seen_ids": seen_ids[seen_start:seen_end],
         "seen_lengths": seen_lengths[first:last],
+    }
+
+
+def first_users(inputs: dict[str, torch.Tensor], count: int) -> dict[str, torch.Tensor]:
+    """The first ``count`` users of ``inputs`` (a warm-up's: the same code, chunks and collectives, for less time)."""
+    seen = int(inputs["seen_lengths"][:count].sum())
+    return {
+        "queries": inputs["queries"][:count], "target_ids": inputs["target_ids"][:count],
+        "seen_ids": inputs["seen_ids"][:seen], "seen_lengths": inputs["seen_lengths"][:count],
     }
 
 
@@ -225,14 +236,14 @@ def fill_tables(collection: nn.Module, args: argparse.Namespace, dim: int) -> di
     return held
 
 
-def timed_call(call: Callable[[], Any], memory: PeakMemory, baseline: int) -> tuple[Any, float, int]:
-    """``(result, seconds, peak bytes above baseline)`` of one call on this rank, from a barrier."""
+def timed_call(call: Callable[[], Any], memory: PeakMemory, baseline: int) -> tuple[Any, float, float, int]:
+    """``(result, seconds, CPU seconds, peak bytes above baseline)`` of one call on this rank, from a barrier."""
     dist.barrier()
     memory.reset()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     result = call()
-    seconds = time.perf_counter() - start
-    return result, seconds, memory.peak() - baseline
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
+    return result, seconds, cpu_seconds, memory.peak() - baseline
 
 
 def _run(rank: int, args: argparse.Namespace, out_path: str) -> None:
@@ -257,27 +268,36 @@ def _run(rank: int, args: argparse.Namespace, out_path: str) -> None:
     memory = PeakMemory()
     release_free_memory()
     baseline = PeakMemory.status("VmRSS")
-    calls = {
-        "target_ranks": lambda n: rankings[n].target_ranks(**inputs[n]),
-        "top_k": lambda n: rankings[n].top_k(inputs[n]["queries"], k, inputs[n]["seen_ids"], inputs[n]["seen_lengths"]),
-    }
+    warmup_inputs = {n: first_users(inputs[n], args.warmup_users // WORLD) for n in args.items}
+
+    def target_ranks(n: int, warmup: bool) -> torch.Tensor:
+        return rankings[n].target_ranks(**(warmup_inputs if warmup else inputs)[n])
+
+    def top_k(n: int, warmup: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        users_now = (warmup_inputs if warmup else inputs)[n]
+        return rankings[n].top_k(users_now["queries"], k, users_now["seen_ids"], users_now["seen_lengths"])
+
+    calls = {"target_ranks": target_ranks, "top_k": top_k}
     seconds: dict[tuple[int, str], list[float]] = {(n, op): [] for n in args.items for op in calls}
+    cpu_seconds: dict[tuple[int, str], list[float]] = {(n, op): [] for n in args.items for op in calls}
     extra: dict[tuple[int, str], int] = {(n, op): 0 for n in args.items for op in calls}
     results: dict[tuple[int, str], Any] = {}
     for repeat in range(args.warmup + args.repeats):
         for n in args.items:  # the sizes take turns: a change of load falls on every size
             for op, call in calls.items():
-                result, elapsed, rise = timed_call(lambda: call(n), memory, baseline)
+                warmup = repeat < args.warmup
+                result, elapsed, cpu, rise = timed_call(lambda: call(n, warmup), memory, baseline)
                 extra[(n, op)] = max(extra[(n, op)], rise)
-                results[(n, op)] = result
-                if repeat >= args.warmup:
+                if not warmup:
+                    results[(n, op)] = result
                     seconds[(n, op)].append(elapsed)
+                    cpu_seconds[(n, op)].append(cpu)
                 if rank == 0:
                     print(f"  repeat {repeat}{' (warm-up)' if repeat < args.warmup else ''}: {n:,} items, {op}: {elapsed:.2f} s, "
                           f"+{rise / MIB:.0f} MiB", flush=True)
     retained = PeakMemory.status("VmRSS") - baseline
     mine = {
-        "seconds": seconds, "extra": extra, "held": held, "baseline": baseline, "retained": retained,
+        "seconds": seconds, "cpu_seconds": cpu_seconds, "extra": extra, "held": held, "baseline": baseline, "retained": retained,
         "setup_s": {"build": built - started, "fill": filled - built},
     }
     if args.check:
@@ -304,9 +324,11 @@ def summarise(args: argparse.Namespace, ranks: list[dict[str, Any]], memory_meth
         for op in ("target_ranks", "top_k"):
             per_call = [max(r["seconds"][(n, op)][i] for r in ranks) for i in range(args.repeats)]  # the slowest rank
             median = statistics.median(per_call)
+            cpu = statistics.median(max(r["cpu_seconds"][(n, op)][i] for r in ranks) for i in range(args.repeats))
             row[op] = {
                 "seconds": per_call,
                 "median_s": median,
+                "median_cpu_s": cpu,
                 "users_per_s": args.users / median,
                 "ns_per_user_item": 1e9 * median / (args.users * n),
                 "extra_peak_mib_per_rank": [r["extra"][(n, op)] / MIB for r in ranks],
@@ -339,7 +361,11 @@ def markdown(summary: dict[str, Any], k: int) -> str:
     for previous, row in zip(rows, rows[1:]):
         for op in ("target_ranks", "top_k"):
             growth = row[op]["median_s"] / previous[op]["median_s"]
-            lines.append(f"\n{op}: {row['items'] / previous['items']:.0f}x the items took {growth:.1f}x the time.")
+            cpu_growth = row[op]["median_cpu_s"] / previous[op]["median_cpu_s"]
+            lines.append(
+                f"\n{op}: {row['items'] / previous['items']:.1f}x the items took {growth:.1f}x the time "
+                f"({cpu_growth:.1f}x the CPU time of the busiest rank)."
+            )
     return "\n".join(lines)
 
 
@@ -372,7 +398,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--dim", type=int, default=dim, help=f"table width (default {dim}: beauty_pretrain.yaml's embedding_dim)")
     parser.add_argument("--k", type=int, default=k, help=f"top-K (default {k}: beauty_pretrain.yaml's largest eval_k)")
     parser.add_argument("--max-seen", type=int, default=50, help="seen items per user, drawn in 0..N (default 50)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per size and call (default 1)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls per size and call, before the timed ones (default 1)")
+    parser.add_argument("--warmup-users", type=int, default=16, help="users of a warm-up call, half per rank (default 16)")
     parser.add_argument("--repeats", type=int, default=2, help="timed calls per size and call (default 2)")
     parser.add_argument("--block-bytes", type=int, default=DEFAULT_BLOCK_BYTES, help="make_item_ranking's block_bytes")
     parser.add_argument("--chunk-rows", type=int, default=DEFAULT_CHUNK_ROWS, help="make_item_ranking's chunk_rows")
@@ -382,8 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=29563)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "full_ranking_scale.json")
     args = parser.parse_args(argv)
-    if args.users < 1 or args.repeats < 1 or args.warmup < 0 or args.k < 1 or any(n < 1 for n in args.items):
-        parser.error("--users, --repeats, --k and --items must be >= 1 and --warmup >= 0")
+    if args.users < 1 or args.repeats < 1 or args.warmup < 0 or args.warmup_users < 0 or args.k < 1 or any(n < 1 for n in args.items):
+        parser.error("--users, --repeats, --k and --items must be >= 1, --warmup and --warmup-users >= 0")
     return args
 
 

@@ -96,8 +96,10 @@ class ScoreBlock:
         return self._mask[: like.numel()].view(like.shape)
 
     def row_sums(self, block: torch.Tensor) -> torch.Tensor:
-        """``[B]``: each row's sum of a float block, as a matrix-vector product (exact for 0/1 values: ``rows_per_chunk``
-        keeps a chunk under 2**24 rows)."""
+        """``[B]``: each row's sum of a 0/1 float block, as a matrix-vector product; exact: float32 or wider counts
+        to 2**24, which ``rows_per_chunk`` keeps a chunk under (a half-precision block is widened first)."""
+        if torch.finfo(block.dtype).bits < 32:
+            block = block.float()
         if self._ones is None or self._ones.numel() < block.shape[1] or self._ones.dtype != block.dtype:
             self._ones = torch.ones(block.shape[1], dtype=block.dtype, device=block.device)
         return torch.mv(block, self._ones[: block.shape[1]])
