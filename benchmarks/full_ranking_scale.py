@@ -205,7 +205,8 @@ def build_tables(args: argparse.Namespace, dim: int) -> tuple[nn.Module, Paralle
         world_size=WORLD,
         device_type="cpu",
     )
-    sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=ShardingPlan({"item_embeddings": module_plan}))
+    plan = ShardingPlan({"item_embeddings": module_plan})
+    sharded = shard_model(model, topology=topology, device=torch.device("cpu"), sharders=sharders, plan=plan)
     return sharded.dmp.module.item_embeddings, topology
 
 
@@ -428,7 +429,8 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(summary, args.k))
     print(f"\nPeak memory: {summary['memory_method']}; load average before {load['load_before']}, after {load['load_after']}.")
     if args.check:
-        print("check: " + ("every rank and top-K id equals the brute force" if not summary["check_problems"] else "; ".join(summary["check_problems"])))
+        problems = summary["check_problems"]
+        print("check: " + ("; ".join(problems) if problems else "every rank and top-K id equals the brute force"))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2))
     print(f"wrote {args.out}")
