@@ -30,10 +30,26 @@ ranking's. Where ``clear_refs`` cannot be written, a thread samples ``VmRSS`` ev
 JSON says which; a sampler can miss a shorter peak). The reported extra is the largest over a table's calls
 and ranks. The table's own bytes per rank are listed beside it.
 
-Measured (2 processes on this project's 2-core CPU machine, shared with other jobs; row-wise; 1,000 users,
-dim 64, K = 100; see the JSON for the load)::
+Measured with the defaults (``python benchmarks/full_ranking_scale.py``: row-wise, 1,000 users, dim 64,
+K = 100, one warm-up call, the median of 2 calls) on this project's 2-core CPU machine while other jobs ran
+on it (load average 6 to 10), torch 2.13 CPU, one thread per process; 10 minutes in all::
 
-    (filled in from benchmarks/results/full_ranking_scale.json by the run reported with this change)
+    | items      | table MiB/rank | target_ranks s | users/s | top_k (K=100) s | users/s | extra peak MiB/rank (ranks, top-K) |
+    |-----------:|---------------:|---------------:|--------:|----------------:|--------:|-----------------------------------:|
+    |  1,000,000 |            122 |           5.82 |     172 |           13.22 |      76 |                             57, 57 |
+    | 10,000,000 |          1,221 |          76.45 |      13 |          125.19 |       8 |                             57, 57 |
+
+    CPU time of the busiest rank per call: 2.05 s and 3.01 s at 10^6 items, 21.2 s and 29.1 s at 10^7:
+    10x the items took 10.3x (target_ranks) and 9.7x (top_k) the CPU time; the wall time, which the other
+    jobs' load changes, 13.1x and 9.5x.
+
+The extra memory does not depend on the table's size: one chunk's 16 MiB score block and its mask (4,194 rows
+for 1,000 queries), the candidates, and what the C allocator keeps of them between calls. Before the
+chunks were bounded in bytes, the same ranking of 1,000 users held a 250 MiB block of 65,536 rows, and
+reduced its boolean blocks along rows (which torch does through an int64 copy): measured in one process on
+a rank's share of 10^6 items, +572 to +613 MiB (target_ranks) and +959 to +988 MiB (top_k) above the
+table, against +34 to +55 MiB after, with the same ranks and top-K ids, in 38% (target_ranks) and 27%
+(top_k) of the CPU time.
 """
 
 from __future__ import annotations
