@@ -133,7 +133,7 @@ class _ScoreColumns(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         result = func(*args, **(kwargs or {}))
-        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+        if func in (torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.__matmul__):
             self.widest = max(self.widest, result.shape[-1])
         return result
 

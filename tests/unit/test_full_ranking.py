@@ -98,7 +98,7 @@ class _ScoreShapes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         result = func(*args, **(kwargs or {}))
-        if func in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__):
+        if func in (torch.mm, torch.matmul, torch.Tensor.mm, torch.Tensor.matmul, torch.Tensor.__matmul__):
             self.shapes.append(tuple(result.shape))
         return result
 

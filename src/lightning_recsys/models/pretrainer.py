@@ -303,6 +303,15 @@ class SequencePretrainer(RecsysModule):
         weight = self.item_embeddings.embeddings[ITEM_TABLE].weight.detach()
         return UnshardedItemRanking(weight, normalize_rows=self.l2_normalize)
 
+    # The ranking of an evaluation loop: built at its start (the table does not change until it ends), dropped at its end.
+    _evaluation_ranking: ItemRanking | None = None
+
+    def on_validation_epoch_start(self) -> None:
+        self._evaluation_ranking = self.item_ranking()
+
+    def on_test_epoch_start(self) -> None:
+        self._evaluation_ranking = self.item_ranking()
+
     def validation_step(self, batch: SequenceBatch, batch_idx: int) -> None:
         self._evaluate(batch, "val")
 
@@ -312,13 +321,17 @@ class SequencePretrainer(RecsysModule):
     def _evaluate(self, batch: SequenceBatch, stage: str) -> None:
         queries = self.user_vectors(batch)
         target_ids = ops.last_entries(batch.sparse[ITEM_FEATURE].lengths(), batch.next_item_ids)
-        ranks = self.item_ranking().target_ranks(queries, target_ids, batch.seen_ids, batch.seen_lengths)
+        # A step called outside a loop (no epoch-start hook) ranks the table as it is now.
+        ranking = self._evaluation_ranking if self._evaluation_ranking is not None else self.item_ranking()
+        ranks = ranking.target_ranks(queries, target_ids, batch.seen_ids, batch.seen_lengths)
         self.ranking_metrics[stage].update(ranks)
 
     def on_validation_epoch_end(self) -> None:
+        self._evaluation_ranking = None
         self._log_ranking("val")
 
     def on_test_epoch_end(self) -> None:
+        self._evaluation_ranking = None
         self._log_ranking("test")
 
     def _log_ranking(self, stage: str) -> None:

@@ -15,7 +15,7 @@ from torchrec.distributed.types import ShardedModule
 from typing_extensions import override
 
 from lightning_recsys.parallel.comms import comm_purpose
-from lightning_recsys.parallel.ranking import DEFAULT_CHUNK_ROWS, ItemRanking, make_item_ranking
+from lightning_recsys.parallel.ranking import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_ROWS, ItemRanking, make_item_ranking
 from lightning_recsys.parallel.topology import ParallelTopology
 
 
@@ -29,16 +29,25 @@ class ProcessGroupCollectives:
     topology: ParallelTopology
 
     def item_ranking(
-        self, module: nn.Module, table_name: str, normalize_rows: bool = False, chunk_rows: int = DEFAULT_CHUNK_ROWS
+        self,
+        module: nn.Module,
+        table_name: str,
+        normalize_rows: bool = False,
+        chunk_rows: int = DEFAULT_CHUNK_ROWS,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
     ) -> ItemRanking:
         """The exact full ranking of ``table_name`` in ``module`` (``lightning_recsys.parallel.ranking``).
 
         ``module``: the model's ``EmbeddingCollection`` attribute; once sharded, the ``ShardedEmbeddingCollection``
         in its place, ranked inside this rank's sharding group, where every rank calls it with its own users.
-        An unsharded module is ranked over its own weight.
+        An unsharded module is ranked over its own weight. A chunk of rows is scored at a time: at most
+        ``chunk_rows`` rows and ``block_bytes`` of scores. The table is read when this is called: call it again
+        after the weights change (once per evaluation loop).
         """
         group = self.topology.sharding_process_group() if isinstance(module, ShardedModule) else None
-        ranking = make_item_ranking(module, table_name, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize_rows)
+        ranking = make_item_ranking(
+            module, table_name, process_group=group, chunk_rows=chunk_rows, normalize_rows=normalize_rows, block_bytes=block_bytes
+        )
         return ranking if group is None else file_under_ranking(ranking)
 
     @override

@@ -7,6 +7,7 @@ the same results; ``make_item_ranking`` picks the one a module needs.
 
 from lightning_recsys.parallel.ranking.sharded import ShardedItemRanking, make_item_ranking
 from lightning_recsys.parallel.ranking.unsharded import (
+    DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_ROWS,
     ItemRanking,
     UnshardedItemRanking,
@@ -15,6 +16,7 @@ from lightning_recsys.parallel.ranking.unsharded import (
 )
 
 __all__ = [
+    "DEFAULT_BLOCK_BYTES",
     "DEFAULT_CHUNK_ROWS",
     "ItemRanking",
     "ShardedItemRanking",

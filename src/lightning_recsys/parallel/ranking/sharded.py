@@ -3,19 +3,20 @@
 Every rank of the group calls ``target_ranks`` (or ``top_k``) with its own users, at the same point. Then:
 
 1. The group all-gathers its queries, targets and seen ids (any batch sizes, 0 included).
-2. Every rank scores the rows it holds against every query of the group, ``chunk_rows`` rows at a time,
-   with the reference's arithmetic (``unsharded.count_at_least``, ``unsharded.chunk_candidates``).
-   Rows cut into column slices (column-wise, table-wise-column-wise) are put together first: each chunk
-   of ``chunk_rows x group size`` rows is split among the ranks, and one all-to-all sends each rank the
-   other ranks' columns of its part, so it scores full rows, never partial dot products.
+2. Every rank scores the rows it holds against every query of the group, chunk by chunk (at most
+   ``chunk_rows`` rows and ``block_bytes`` of scores for the group's ``Q`` queries: ``unsharded.rows_per_chunk``,
+   the same on every rank), with the reference's arithmetic (``unsharded.count_at_least``,
+   ``unsharded.RunningTopK``). Rows cut into column slices (column-wise, table-wise-column-wise) are put
+   together first: each chunk of ``rows x group size`` rows is split among the ranks, and one all-to-all sends
+   each rank the other ranks' columns of its part, so it scores full rows, never partial dot products.
 3. Target scores: the target rows' pieces are summed into full rows on every rank (one holder per value,
    so exact), and scored as the reference does (``(query * row).sum()``).
 4. Ranks: each rank counts, for every query, its unseen non-target rows scoring >= the target; the counts
    are summed over the group. Top-K: each rank's top-K of every query goes to the query's owner, which
    merges them (``merge_top_k``: higher score, then lower id).
 
-No rank gathers the table. Memory per rank: the ``[Q, chunk_rows]`` scores of one chunk for the ``Q``
-queries of the group, plus the chunk's rows, plus ``[Q, k]`` candidates.
+No rank gathers the table. Memory per rank: one chunk's score block (at most ``block_bytes``) and a boolean
+mask of its shape, reused by every chunk, plus the chunk's rows, plus ``[Q, 2k]`` candidates.
 A table this rank holds whole (data-parallel, or not sharded) is ranked locally, with no collective.
 """
 
@@ -35,21 +36,21 @@ from lightning_recsys.parallel.ranking.exchange import (
     sum_to_owners,
     top_k_to_owners,
 )
-from lightning_recsys.parallel.ranking.table_shards import ColumnSlicedRows, ShardedTableLayout, read_table, table_state_key
-from lightning_recsys.parallel.ranking.unsharded import (
+from lightning_recsys.parallel.ranking.table_shards import ColumnSlicedRows, ShardedTableLayout, read_table
+from lightning_recsys.parallel.ranking.chunks import (
+    DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_ROWS,
-    ItemRanking,
+    RunningTopK,
+    ScoreBlock,
     SeenItems,
-    UnshardedItemRanking,
-    check_chunk_rows,
-    check_k,
-    chunk_candidates,
+    check_chunking,
     count_at_least,
     merge_top_k,
-    no_candidates,
+    rows_per_chunk,
     scored_rows,
     target_scores,
 )
+from lightning_recsys.parallel.ranking.unsharded import ItemRanking, UnshardedItemRanking, check_k
 
 
 class ShardedItemRanking:
@@ -59,7 +60,9 @@ class ShardedItemRanking:
     model's ``EmbeddingCollection``. ``process_group``: the group the table is sharded over (1D: the world;
     2D: this rank's sharding group, ``ParallelTopology.sharding_process_group()``; None only for a table every
     rank holds whole, which is ranked locally). Every rank of that group must make the same calls in the same
-    order. The table is read at each call, so one instance follows training.
+    order. The table is read once, when this is built (one ``state_dict()``: where this rank's shards are, and
+    the shards themselves, not copies): build it again after the table is re-sharded or reloaded; build it once
+    per evaluation loop, since the weights do not change during one.
     """
 
     def __init__(
@@ -69,27 +72,25 @@ class ShardedItemRanking:
         process_group: dist.ProcessGroup | None,
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         normalize_rows: bool = False,
+        block_bytes: int = DEFAULT_BLOCK_BYTES,
     ) -> None:
-        check_chunk_rows(chunk_rows)
-        self.module = module
-        self.key = table_state_key(module, table_name)
+        check_chunking(chunk_rows, block_bytes)
         self.group = process_group
         self.chunk_rows = chunk_rows
+        self.block_bytes = block_bytes
         self.normalize_rows = normalize_rows
-
-    def _read(self) -> torch.Tensor | ShardedTableLayout:
-        return read_table(self.module, self.key, self.group)
-
-    def _reference(self, table: torch.Tensor) -> UnshardedItemRanking:
-        return UnshardedItemRanking(table, self.chunk_rows, self.normalize_rows)
+        table = read_table(module, table_name, process_group)
+        # A table held whole here (data-parallel, or not sharded) is ranked locally, with no exchange.
+        self._whole = UnshardedItemRanking(table, chunk_rows, normalize_rows, block_bytes) if isinstance(table, torch.Tensor) else None
+        self._layout = table if isinstance(table, ShardedTableLayout) else None
 
     @torch.no_grad()
     def target_ranks(
         self, queries: torch.Tensor, target_ids: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
     ) -> torch.Tensor:
-        table = self._read()
-        if isinstance(table, torch.Tensor):  # held whole here: no exchange
-            return self._reference(table).target_ranks(queries, target_ids, seen_ids, seen_lengths)
+        if self._whole is not None:
+            return self._whole.target_ranks(queries, target_ids, seen_ids, seen_lengths)
+        table = self._sharded_layout()
         device = table.device or queries.device
         group = self._sharding_group()
         group_queries = gather_group_queries(queries, seen_ids, seen_lengths, target_ids, layout=table, device=device, group=group)
@@ -101,8 +102,9 @@ class ShardedItemRanking:
         scores_of_targets = target_scores(group_queries.queries, target_rows)
         seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
         counts = torch.zeros(group_queries.total, dtype=torch.long, device=device)
-        for row_start, rows in self._row_chunks(table, device, group):
-            counts += count_at_least(group_queries.queries, rows, row_start, scores_of_targets, targets, seen)
+        block = ScoreBlock()
+        for row_start, rows in self._row_chunks(table, group_queries.total, device, group):
+            counts += count_at_least(block, group_queries.queries, rows, row_start, scores_of_targets, targets, seen)
         return sum_to_owners(counts, group_queries, group).to(queries.device)
 
     @torch.no_grad()
@@ -110,9 +112,9 @@ class ShardedItemRanking:
         self, queries: torch.Tensor, k: int, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         check_k(k)
-        table = self._read()
-        if isinstance(table, torch.Tensor):
-            return self._reference(table).top_k(queries, k, seen_ids, seen_lengths)
+        if self._whole is not None:
+            return self._whole.top_k(queries, k, seen_ids, seen_lengths)
+        table = self._sharded_layout()
         device = table.device or queries.device
         group = self._sharding_group()
         group_queries = gather_group_queries(queries, seen_ids, seen_lengths, None, layout=table, device=device, group=group)
@@ -122,10 +124,10 @@ class ShardedItemRanking:
             empty = torch.empty(0, width, device=queries.device)
             return empty.to(table.dtype), empty.to(torch.long)
         seen = SeenItems.from_jagged(group_queries.seen_ids, group_queries.seen_lengths)
-        best_scores, best_ids = no_candidates(group_queries.total, table.dtype, device)
-        for row_start, rows in self._row_chunks(table, device, group):
-            scores, ids = chunk_candidates(group_queries.queries, rows, row_start, seen, width)
-            best_scores, best_ids = merge_top_k(torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1), width)
+        best = RunningTopK(group_queries.total, width, table.dtype, device)
+        for row_start, rows in self._row_chunks(table, group_queries.total, device, group):
+            best.add(group_queries.queries, rows, row_start, seen)
+        best_scores, best_ids = best.result()
         # Pad to one width for the exchange: -inf and an id past the table sort after every real item.
         missing = width - best_scores.shape[1]
         best_scores = torch.cat([best_scores, best_scores.new_full((group_queries.total, missing), -torch.inf)], 1)
@@ -135,19 +137,25 @@ class ShardedItemRanking:
         assert scores.shape == (own, width)
         return scores.to(queries.device), ids.to(queries.device)
 
+    def _sharded_layout(self) -> ShardedTableLayout:
+        assert self._layout is not None
+        return self._layout
+
     def _sharding_group(self) -> dist.ProcessGroup:
         assert self.group is not None  # read_table refused a sharded table without one
         return self.group
 
     def _row_chunks(
-        self, table: ShardedTableLayout, device: torch.device, group: dist.ProcessGroup
+        self, table: ShardedTableLayout, num_queries: int, device: torch.device, group: dist.ProcessGroup
     ) -> Iterator[tuple[int, torch.Tensor]]:
-        """``(first row id, full rows as scored)`` of every chunk this rank scores; the same collectives on every rank."""
+        """``(first row id, full rows as scored)`` of every chunk this rank scores for the group's ``num_queries``;
+        the same chunks, so the same collectives, on every rank (``num_queries`` is the group's)."""
+        step = rows_per_chunk(num_queries, table.dtype.itemsize, self.chunk_rows, self.block_bytes)
         for shard in table.full_rows:
-            for start in range(0, shard.num_rows, self.chunk_rows):
-                yield shard.row_start + start, scored_rows(shard.values[start : start + self.chunk_rows], self.normalize_rows)
+            for start in range(0, shard.num_rows, step):
+                yield shard.row_start + start, scored_rows(shard.values[start : start + step], self.normalize_rows)
         for sliced in table.column_sliced:
-            for row_start, rows in _assembled_rows(sliced, table, self.chunk_rows, device, group):
+            for row_start, rows in _assembled_rows(sliced, table, step, device, group):
                 yield row_start, scored_rows(rows, self.normalize_rows)
 
 
@@ -187,12 +195,14 @@ def make_item_ranking(
     process_group: dist.ProcessGroup | None = None,
     chunk_rows: int = DEFAULT_CHUNK_ROWS,
     normalize_rows: bool = False,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> ItemRanking:
     """The ranking of ``table_name`` in ``module``: ``ShardedItemRanking`` over ``process_group`` for a
     TorchRec-sharded module, ``UnshardedItemRanking`` over the table's weight for a plain ``EmbeddingCollection``."""
     if isinstance(module, ShardedModule):
         if process_group is None:
             raise ValueError(f"{type(module).__name__} is sharded: pass process_group, the sharding group of its tables.")
-        return ShardedItemRanking(module, table_name, process_group, chunk_rows, normalize_rows)
-    table = module.state_dict()[table_state_key(module, table_name)]
-    return UnshardedItemRanking(table.detach(), chunk_rows, normalize_rows)
+        return ShardedItemRanking(module, table_name, process_group, chunk_rows, normalize_rows, block_bytes)
+    table = read_table(module, table_name, None)
+    assert isinstance(table, torch.Tensor)  # a plain module's state holds plain tensors
+    return UnshardedItemRanking(table, chunk_rows, normalize_rows, block_bytes)

@@ -63,10 +63,25 @@ class ShardedTableLayout:
     signature: int  # of the global shard metadata: equal on the ranks of the right group, different across replicas
 
 
-def table_state_key(module: nn.Module, table_name: str) -> str:
-    """The state-dict key of ``table_name``'s weight in an ``EmbeddingCollection`` (sharded or not)."""
+def read_table(
+    module: nn.Module, table_name: str, group: dist.ProcessGroup | None
+) -> torch.Tensor | ShardedTableLayout:
+    """``table_name``'s weight in an ``EmbeddingCollection`` (sharded or not), from one ``state_dict()``: the
+    whole tensor when this rank holds it whole (unsharded or data-parallel), else its layout over ``group``,
+    the table's sharding group. Either holds this rank's tensors as the module holds them, not copies."""
+    state = module.state_dict()
+    key = _table_key(module, list(state), table_name)
+    value = state[key]
+    if not isinstance(value, ShardedTensor):
+        return value.detach()
+    if group is None:
+        raise ValueError(f"{key!r} is sharded: pass process_group, the sharding group the table is sharded over.")
+    return _layout(key, value, group)
+
+
+def _table_key(module: nn.Module, keys: list[str], table_name: str) -> str:
+    """The state-dict key of ``table_name``'s weight among ``keys``."""
     suffix = f"embeddings.{table_name}.weight"
-    keys = list(module.state_dict().keys())
     matches = [k for k in keys if k == suffix or k.endswith("." + suffix)]
     if len(matches) != 1:
         tables = sorted({k.split(".")[-2] for k in keys if k.endswith(".weight") and "embeddings." in k})
@@ -77,17 +92,6 @@ def table_state_key(module: nn.Module, table_name: str) -> str:
             "ShardedEmbeddingCollection in its place) and one of its table names."
         )
     return matches[0]
-
-
-def read_table(module: nn.Module, key: str, group: dist.ProcessGroup | None) -> torch.Tensor | ShardedTableLayout:
-    """The table under ``key`` now: the whole tensor when this rank holds it whole (unsharded or
-    data-parallel), else its layout over ``group``, the table's sharding group."""
-    value = module.state_dict()[key]
-    if not isinstance(value, ShardedTensor):
-        return value.detach()
-    if group is None:
-        raise ValueError(f"{key!r} is sharded: pass process_group, the sharding group the table is sharded over.")
-    return _layout(key, value, group)
 
 
 def _layout(name: str, table: ShardedTensor, group: dist.ProcessGroup) -> ShardedTableLayout:
