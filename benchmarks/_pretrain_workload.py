@@ -146,6 +146,12 @@ class TrainingLoss(nn.Module):
         self.model = model
 
     def forward(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.fx._symbolic_trace.is_fx_tracing():
+            # TrainPipelineSparseDist fx-traces forward only to find the sharded modules' inputs
+            # (torchrec/distributed/train_pipeline/utils.py, _rewrite_model); the loss's data-dependent
+            # shapes cannot be traced, the pretrainer's forward (the lookup and the encoder) can.
+            hidden = self.model(batch)
+            return hidden, hidden
         loss = self.model.training_losses(batch)["loss"]
         return loss, loss
 
@@ -173,7 +179,7 @@ def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int,
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
         pipeline = TrainPipelineSparseDist(dmp, optimizer, torch.device("cpu"))
-        iterator = iter([_Pipelineable(b) for b in batches])
+        iterator = iter([_pipelineable(b) for b in batches])
         while True:
             try:
                 pipeline.progress(iterator)
@@ -192,24 +198,30 @@ def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int,
     return stamps
 
 
-class _Pipelineable:
-    """A ``SequenceBatch`` with ``record_stream``, which ``TrainPipelineSparseDist`` calls on every batch."""
+def _pipelineable(batch: Any) -> Any:
+    """A ``SequenceBatch`` as TorchRec's ``Pipelineable`` (``to``, ``record_stream``), which ``TrainPipelineSparseDist`` requires."""
+    from torchrec.streamable import Pipelineable
 
-    def __init__(self, batch: Any) -> None:
-        self.batch = batch
+    class PipelineableBatch(Pipelineable):
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+            self.sparse = inner.sparse  # what the model reads of a training batch
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.batch, name)
+        def to(self, device: torch.device, non_blocking: bool = False) -> "PipelineableBatch":
+            return PipelineableBatch(self.inner.to(device, non_blocking=non_blocking))
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "_Pipelineable":
-        return _Pipelineable(self.batch.to(device, non_blocking=non_blocking))
+        def record_stream(self, stream: Any) -> None:
+            self.sparse.record_stream(stream)
 
-    def record_stream(self, stream: Any) -> None:
-        self.batch.sparse.record_stream(stream)
+    return PipelineableBatch(batch)
 
 
-def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps: int, pipeline: str, callbacks: list[Any] = ()) -> list[float]:
-    """``Trainer.fit`` under ``TwoDRecStrategy`` on the prepared batches; step end stamps."""
+def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps: int, pipeline: str, profile: Any = None) -> list[float]:
+    """``Trainer.fit`` under ``TwoDRecStrategy`` on the prepared batches; step end stamps.
+
+    ``profile(step_index)`` (a ``ProfileWindow``) is called as each step starts, and the closure
+    that Lightning runs inside ``optimizer.step`` is labelled ``CLOSURE``.
+    """
     from lightning.pytorch import Callback, LightningDataModule, Trainer
     from torch.utils.data import DataLoader
 
@@ -221,6 +233,10 @@ def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps:
 
         def on_train_batch_end(self, *args: Any) -> None:
             self.stamps.append(time.perf_counter())
+
+        def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            if profile is not None:
+                profile(batch_idx)
 
     batches = pretrain_batches(workload, rank, world_size, steps)
 
@@ -236,11 +252,28 @@ def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps:
     )
     trainer = Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[stamps, *callbacks],
+        enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0, callbacks=[stamps],
         use_distributed_sampler=False,  # each rank's batches are its own already, as in the raw loops
     )
-    trainer.fit(pretrainer(workload), datamodule=Prepared())
+    model = pretrainer(workload)
+    if profile is not None:
+        _label_closure(model)
+    trainer.fit(model, datamodule=Prepared())
     return stamps.stamps
+
+
+def _label_closure(model: Any) -> None:
+    """Label the training step's closure, which Lightning's ``optimizer_step`` runs inside ``optimizer.step``."""
+    original = model.optimizer_step
+
+    def optimizer_step(epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> Any:
+        def closure() -> Any:
+            with torch.autograd.profiler.record_function(CLOSURE):
+                return optimizer_closure()
+
+        return original(epoch, batch_idx, optimizer, closure)
+
+    model.optimizer_step = optimizer_step
 
 
 def plain_loop(workload: PretrainWorkload, steps: int, table_optimizer: str, profile: Any = None) -> list[float]:
@@ -285,3 +318,100 @@ def mean_tokens(step_tokens: list[int]) -> float:
 
 __all__ = ["PRETRAIN_VARIANTS", "PretrainWorkload", "beauty_like_lengths", "lightning_fit", "plain_loop", "pretrain_batches",
            "raw_loop", "step_tokens", "tokens", "tokens_per_second"]
+
+
+# ----------------------------------------------------------------------------- profiler breakdown
+# Rows of the breakdown: each collects the ranges named here, forward, and the backward of every
+# autograd node created inside them (matched by the profiler's sequence numbers).
+BREAKDOWN_ROWS: dict[str, tuple[str, ...]] = {
+    "lookup (fwd + bwd; TorchRec: the table's fused update too)": ("recsys:lookup", "plain:lookup"),
+    "all-to-all (input dist, embeddings fwd + bwd)": ("recsys:input_dist", "recsys:embedding_all_to_all_fwd"),
+    "encoder (padding, transformer; fwd + bwd)": ("pretrain:encoder", "plain:encoder"),
+    "loss (scores against targets and negatives, softmax; fwd + bwd)": ("pretrain:loss", "plain:loss"),
+    "dense all-reduce (DDP)": ("recsys:dense_all_reduce",),
+    "batch handshake": ("recsys:batch_handshake",),
+}
+OPTIMIZER_ROW = "optimizer (torch optimizers' step and zero_grad)"
+OTHER_ROW = "other (unlabelled: framework, autograd engine, data)"
+CLOSURE = "bench:closure"  # Lightning runs forward and backward inside optimizer.step(closure): excluded from the optimizer row
+_BACKWARD_PREFIX = "autograd::engine::evaluate_function: "
+
+
+def _descendants(event: Any) -> Any:
+    for child in event.cpu_children:
+        yield child
+        yield from _descendants(child)
+
+
+def step_breakdown(events: Any, steps: int, wall_s: float) -> dict[str, float]:
+    """Milliseconds per step by ``BREAKDOWN_ROWS`` from a profiler's ``events()`` over ``steps`` steps of ``wall_s`` seconds.
+
+    A label's forward time is its ranges' own span; its backward time is the span of each
+    ``autograd::engine::evaluate_function`` event whose sequence number belongs to an op run inside
+    the label's forward ranges, less any labelled range nested in it (DDP's all-reduce hook).
+    ``other`` is the step's wall time less every row.
+    """
+    labels = {label: row for row, names in BREAKDOWN_ROWS.items() for label in names}
+    totals = dict.fromkeys([*BREAKDOWN_ROWS, OPTIMIZER_ROW], 0.0)
+    owner: dict[tuple[int, int], str] = {}  # (thread, sequence number) of a forward op -> its row
+    outermost = [e for e in events if e.name in labels and not _inside_label(e, labels)]
+    for event in outermost:
+        row = labels[event.name]
+        totals[row] += event.cpu_time_total
+        for inner in _descendants(event):
+            if inner.sequence_nr >= 0:
+                owner[(inner.thread, inner.sequence_nr)] = row
+    for event in events:
+        if event.name.startswith(_BACKWARD_PREFIX) and event.sequence_nr >= 0:
+            forward_thread = getattr(event, "fwd_thread", None)
+            row = owner.get((event.thread if forward_thread is None else forward_thread, event.sequence_nr))
+            if row is not None:
+                nested = sum(d.cpu_time_total for d in _descendants(event) if d.name in labels and not _inside_label(d, labels, stop=event))
+                totals[row] += event.cpu_time_total - nested
+        elif event.name.startswith(("Optimizer.step#", "Optimizer.zero_grad#")) and not _inside(event, "Optimizer."):
+            closure = sum(d.cpu_time_total for d in _descendants(event) if d.name == CLOSURE)
+            totals[OPTIMIZER_ROW] += event.cpu_time_total - closure
+    per_step = {row: value / 1e3 / steps for row, value in totals.items()}  # profiler times are in microseconds
+    step_ms = wall_s * 1e3 / steps
+    per_step[OTHER_ROW] = step_ms - sum(per_step.values())
+    per_step["step (wall)"] = step_ms
+    return per_step
+
+
+def _inside(event: Any, prefix: str) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith(prefix):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _inside_label(event: Any, labels: dict[str, str], stop: Any = None) -> bool:
+    parent = event.cpu_parent
+    while parent is not None and parent is not stop:
+        if parent.name in labels:
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+class ProfileWindow:
+    """Starts ``torch.profiler`` before step ``start`` and stops it before step ``start + steps``: ``__call__(step_index)``."""
+
+    def __init__(self, start: int, steps: int) -> None:
+        self.start, self.steps = start, steps
+        self.profiler: Any = None
+        self.result: dict[str, float] | None = None
+        self._began = 0.0
+
+    def __call__(self, index: int) -> None:
+        if index == self.start:
+            self.profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+            self.profiler.__enter__()
+            self._began = time.perf_counter()
+        elif index == self.start + self.steps and self.profiler is not None:
+            wall = time.perf_counter() - self._began
+            self.profiler.__exit__(None, None, None)
+            self.result = step_breakdown(self.profiler.events(), self.steps, wall)
+            self.profiler = None
