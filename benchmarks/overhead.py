@@ -245,6 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pretrain_args.add_argument("--num-negatives", type=int, default=16_384)
     pretrain_args.add_argument("--num-items", type=int, default=pretrain.BEAUTY_ITEMS)
     pretrain_args.add_argument("--num-users", type=int, default=pretrain.BEAUTY_USERS, help="synthetic data only")
+    pretrain_args.add_argument("--json", default=None, help="write every batch's results here (default: results/overhead_pretrain_batch<B>.json)")
     args = parser.parse_args(argv)
     if args.workload == "pretrain":
         return pretrain_main(args)
@@ -297,8 +298,11 @@ def pretrain_main(args: argparse.Namespace) -> dict[str, Any]:
         summaries[str(batch)] = summary = measure_pretrain(workload, steps, args.warmup, args.repeats, args.variants)
         if args.profile_steps > 0:
             summary["profile"] = profile_pretrain(workload, args.warmup, args.profile_steps)
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        (RESULTS / f"overhead_pretrain_batch{batch}.json").write_text(json.dumps(summary, indent=2))
+        if args.json is None:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"overhead_pretrain_batch{batch}.json").write_text(json.dumps(summary, indent=2))
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(summaries, indent=2))
     for batch, summary in summaries.items():
         setup = summary["setup"]
         print(f"\nPretraining step against raw TorchRec and plain PyTorch: {setup['workload']}.\n"

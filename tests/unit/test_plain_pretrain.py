@@ -89,3 +89,37 @@ def test_beauty_like_lengths_follow_beautys_counts(bench):
     assert lengths.min() == 5 and lengths.max() <= 293
     assert 8.0 < lengths.mean() < 9.6  # Beauty: 8.8 items per user
     assert np.percentile(lengths, 50) == 6  # Beauty's median
+
+
+def test_the_profiler_breakdown_attributes_forward_and_backward_to_the_labels(bench):
+    plain_module, workload_module = bench
+    _, plain, _, padded = _pair(bench)
+    optimizers = plain_module.plain_optimizers(plain, "adagrad", table_lr=0.05, dense_lr=1e-3)
+    window = workload_module.ProfileWindow(start=1, steps=2)
+    for index in range(4):
+        window(index)
+        for optimizer in optimizers:
+            optimizer.zero_grad()
+        plain.loss(padded).backward()
+        for optimizer in optimizers:
+            optimizer.step()
+    rows = window.result
+    assert rows is not None and window.profiler is None
+    named = {row.split(" ")[0]: value for row, value in rows.items()}
+    assert named["lookup"] > 0 and named["encoder"] > 0 and named["loss"] > 0 and named["optimizer"] > 0
+    assert named["all-to-all"] == 0 and named["dense"] == 0
+    # Every labelled row plus "other" adds up to the step's wall time.
+    assert abs(sum(v for r, v in rows.items() if r != "step (wall)") - rows["step (wall)"]) < 1e-6
+
+
+def test_the_encoder_row_counts_the_backward_of_its_ops(bench):
+    """Without the backward attribution the encoder row would hold only its forward: compare with the forward ranges alone."""
+    plain_module, workload_module = bench
+    _, plain, _, padded = _pair(bench)
+    with torch.profiler.profile() as profiler:
+        plain.loss(padded).backward()
+    events = profiler.events()
+    forward_only = sum(e.cpu_time_total for e in events if e.name == plain_module.ENCODER) / 1e3
+    rows = workload_module.step_breakdown(events, steps=1, wall_s=10.0)
+    encoder = next(v for r, v in rows.items() if r.startswith("encoder"))
+    assert encoder > forward_only * 1.2
