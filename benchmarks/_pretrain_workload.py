@@ -156,8 +156,8 @@ class TrainingLoss(nn.Module):
         return loss, loss
 
 
-def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int, pipelined: bool, profile: Any = None) -> list[float]:
-    """The hand-written ``DistributedModelParallel`` loop (process group already initialised); step end stamps."""
+def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int, pipelined: bool, profile: Any = None) -> list[tuple[float, float]]:
+    """The hand-written ``DistributedModelParallel`` loop (process group already initialised); step end stamps (``step_stamp``)."""
     import torch.distributed as dist
     from torchrec.distributed import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -174,7 +174,7 @@ def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int,
     dense = [p for n, p in dmp.named_parameters() if "item_embeddings" not in n]
     optimizer = torch.optim.Adam(dense, lr=workload.dense_lr)
     batches = pretrain_batches(workload, rank, world_size, steps)
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     if pipelined:
         from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
@@ -185,7 +185,7 @@ def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int,
                 pipeline.progress(iterator)
             except StopIteration:
                 break
-            stamps.append(time.perf_counter())
+            stamps.append(step_stamp())
     else:
         for index, batch in enumerate(batches):
             if profile is not None:
@@ -194,7 +194,7 @@ def raw_loop(workload: PretrainWorkload, rank: int, world_size: int, steps: int,
             loss, _ = dmp(batch)
             loss.backward()
             optimizer.step()
-            stamps.append(time.perf_counter())
+            stamps.append(step_stamp())
     return stamps
 
 
@@ -216,8 +216,8 @@ def _pipelineable(batch: Any) -> Any:
     return PipelineableBatch(batch)
 
 
-def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps: int, pipeline: str, profile: Any = None) -> list[float]:
-    """``Trainer.fit`` under ``TwoDRecStrategy`` on the prepared batches; step end stamps.
+def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps: int, pipeline: str, profile: Any = None) -> list[tuple[float, float]]:
+    """``Trainer.fit`` under ``TwoDRecStrategy`` on the prepared batches; step end stamps (``step_stamp``).
 
     ``profile(step_index)`` (a ``ProfileWindow``) is called as each step starts, and the closure
     that Lightning runs inside ``optimizer.step`` is labelled ``CLOSURE``.
@@ -229,10 +229,10 @@ def lightning_fit(workload: PretrainWorkload, rank: int, world_size: int, steps:
 
     class Stamps(Callback):
         def __init__(self) -> None:
-            self.stamps: list[float] = []
+            self.stamps: list[tuple[float, float]] = []
 
         def on_train_batch_end(self, *args: Any) -> None:
-            self.stamps.append(time.perf_counter())
+            self.stamps.append(step_stamp())
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
             if profile is not None:
@@ -276,8 +276,8 @@ def _label_closure(model: Any) -> None:
     model.optimizer_step = optimizer_step
 
 
-def plain_loop(workload: PretrainWorkload, steps: int, table_optimizer: str, profile: Any = None) -> list[float]:
-    """``PlainSASRec`` in this one process on the global batches (world size 1); step end stamps."""
+def plain_loop(workload: PretrainWorkload, steps: int, table_optimizer: str, profile: Any = None) -> list[tuple[float, float]]:
+    """``PlainSASRec`` in this one process on the global batches (world size 1); step end stamps (``step_stamp``)."""
     from _plain_pretrain import PlainSASRec, plain_batch, plain_optimizers
 
     torch.set_num_threads(PLAIN_THREADS)
@@ -286,7 +286,7 @@ def plain_loop(workload: PretrainWorkload, steps: int, table_optimizer: str, pro
                         workload.num_heads, dropout=workload.dropout, sparse=table_optimizer == "adagrad")
     optimizers = plain_optimizers(model, table_optimizer, table_lr=workload.table_lr, dense_lr=workload.dense_lr)
     batches = [plain_batch(b, workload.max_length) for b in pretrain_batches(workload, 0, 1, min(steps, workload.unique_batches))]
-    stamps: list[float] = []
+    stamps: list[tuple[float, float]] = []
     for index in range(steps):
         if profile is not None:
             profile(index)
@@ -295,7 +295,7 @@ def plain_loop(workload: PretrainWorkload, steps: int, table_optimizer: str, pro
         model.loss(batches[index % len(batches)]).backward()
         for optimizer in optimizers:
             optimizer.step()
-        stamps.append(time.perf_counter())
+        stamps.append(step_stamp())
     return stamps
 
 
@@ -305,11 +305,27 @@ def step_tokens(workload: PretrainWorkload, world_size: int, steps: int) -> list
     return [sum(column) for column in zip(*per_rank)]
 
 
-def tokens_per_second(stamps: list[float], step_tokens: list[int], warmup: int) -> float:
+def step_stamp() -> tuple[float, float]:
+    """``(wall clock, this process's CPU time of all its threads)`` at a step's end, in seconds."""
+    return time.perf_counter(), time.process_time()
+
+
+def tokens_per_second(stamps: list[tuple[float, float]], step_tokens: list[int], warmup: int) -> float:
     """Tokens of the steps after ``warmup`` over their wall time (from the end of step ``warmup - 1``)."""
     if len(stamps) <= warmup or warmup < 1:
         raise ValueError(f"{len(stamps)} steps recorded; need more than warmup={warmup} (>= 1).")
-    return sum(step_tokens[warmup:len(stamps)]) / (stamps[-1] - stamps[warmup - 1])
+    return sum(step_tokens[warmup:len(stamps)]) / (stamps[-1][0] - stamps[warmup - 1][0])
+
+
+def tokens_per_cpu_second(rank_stamps: list[list[tuple[float, float]]], step_tokens: list[int], warmup: int) -> float:
+    """Tokens of the steps after ``warmup`` over the CPU time every process of the run spent on them.
+
+    On a machine shared with other jobs the wall time measures the load as much as the code; the
+    CPU time a run consumes is steadier. It leaves out waiting (a rank blocked in a collective uses
+    none), which on an idle machine costs wall time.
+    """
+    spent = sum(stamps[-1][1] - stamps[warmup - 1][1] for stamps in rank_stamps)
+    return sum(step_tokens[warmup:len(rank_stamps[0])]) / spent
 
 
 def mean_tokens(step_tokens: list[int]) -> float:
@@ -317,7 +333,7 @@ def mean_tokens(step_tokens: list[int]) -> float:
 
 
 __all__ = ["PRETRAIN_VARIANTS", "PretrainWorkload", "beauty_like_lengths", "lightning_fit", "plain_loop", "pretrain_batches",
-           "raw_loop", "step_tokens", "tokens", "tokens_per_second"]
+           "raw_loop", "step_stamp", "step_tokens", "tokens", "tokens_per_cpu_second", "tokens_per_second"]
 
 
 # ----------------------------------------------------------------------------- profiler breakdown

@@ -193,8 +193,8 @@ def _entry(variant: str, rank: int, port: int, steps: int, results: Any, workloa
 VARIANTS = ("raw", "raw_pipeline", "lightning", "lightning_off")
 
 
-def _spawn(variant: str, steps: int, timeout: float, workload: Any = None, profile_window: Any = None) -> Any:
-    """Rank 0's result (stamps, or a profile breakdown) of one run of ``variant``."""
+def _spawn(variant: str, steps: int, timeout: float, workload: Any = None, profile_window: Any = None) -> dict[int, Any]:
+    """Each rank's result (stamps, or a profile breakdown) of one run of ``variant``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
@@ -221,12 +221,12 @@ def _spawn(variant: str, steps: int, timeout: float, workload: Any = None, profi
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    return stamps[0]
+    return stamps
 
 
 def run_variant(variant: str, steps: int, timeout: float = 300) -> float:
     """Steps per second after warm-up, on rank 0."""
-    rank0 = _spawn(variant, steps, timeout)
+    rank0 = _spawn(variant, steps, timeout)[0]
     return (len(rank0) - WARMUP) / (rank0[-1] - rank0[WARMUP - 1])
 
 
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pretrain_args.add_argument("--num-negatives", type=int, default=16_384)
     pretrain_args.add_argument("--num-items", type=int, default=pretrain.BEAUTY_ITEMS)
     pretrain_args.add_argument("--num-users", type=int, default=pretrain.BEAUTY_USERS, help="synthetic data only")
+    pretrain_args.add_argument("--omp-wait-policy", choices=["passive", "active", "default"], default="passive",
+                               help="OMP_WAIT_POLICY of every run (only the 2-thread plain process has OpenMP regions)")
     pretrain_args.add_argument("--json", default=None, help="write every batch's results here (default: results/overhead_pretrain_batch<B>.json)")
     args = parser.parse_args(argv)
     if args.workload == "pretrain":
@@ -289,6 +291,9 @@ def measure(global_batch: int, steps: int, repeats: int) -> dict[str, Any]:
 def pretrain_main(args: argparse.Namespace) -> dict[str, Any]:
     """``--workload pretrain``: tokens per second of each variant, interleaved; optionally the profiled breakdown."""
     steps = args.steps or 60
+    if args.omp_wait_policy != "default":
+        # libgomp's spinning wait ("active") makes 2 threads slower than 1 on a loaded 2-core machine; the spawned runs inherit it.
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
     if steps <= args.warmup or args.warmup < 1:
         raise ValueError(f"--steps={steps} must exceed --warmup={args.warmup} (>= 1): the first --warmup steps are not timed.")
     summaries = {}
@@ -309,13 +314,16 @@ def pretrain_main(args: argparse.Namespace) -> dict[str, Any]:
               f"TorchRec variants: {WORLD_SIZE} processes x 1 thread, the item table row-wise, gloo on CPU; plain: 1 process x "
               f"{pretrain.PLAIN_THREADS} threads. {args.repeats} interleaved runs of {steps} steps, first {args.warmup} not timed.\n"
               f"Tokens = input positions with a next-item target (non-padding positions); {setup['mean_tokens_per_step']:.0f} "
-              f"per global batch of {batch} users on average.\n")
+              f"per global batch of {batch} users on average. Tokens per CPU-second: over the CPU time of every process "
+              f"of the run (all threads), steadier than wall time on a shared machine.\n")
         base = "raw" if "raw" in summary["variants"] else next(iter(summary["variants"]))
-        print(f"| variant | median tokens/s | min-max | / {base} | / plain |")
-        print("|---|---|---|---|---|")
+        print(f"| variant | median tokens/s | min-max | / {base} | / plain | median tokens per CPU-s | / {base} | / plain |")
+        print("|---|---|---|---|---|---|---|---|")
         for v, row in summary["variants"].items():
             over_plain = f"{row['ratio_to_plain']:.3f}" if row.get("ratio_to_plain") is not None else "-"
-            print(f"| {v} | {row['median_tokens_per_s']:.0f} | {row['min']:.0f}-{row['max']:.0f} | {row['ratio_to_baseline']:.3f} | {over_plain} |")
+            cpu_over_plain = f"{row['cpu_ratio_to_plain']:.3f}" if row.get("cpu_ratio_to_plain") is not None else "-"
+            print(f"| {v} | {row['median_tokens_per_s']:.0f} | {row['min']:.0f}-{row['max']:.0f} | {row['ratio_to_baseline']:.3f} | "
+                  f"{over_plain} | {row['median_tokens_per_cpu_s']:.0f} | {row['cpu_ratio_to_baseline']:.3f} | {cpu_over_plain} |")
         if "profile" in summary:
             print_profile(summary["profile"])
     return summaries
@@ -327,23 +335,28 @@ def measure_pretrain(workload: pretrain.PretrainWorkload, steps: int, warmup: in
     if tokens[1] != tokens[WORLD_SIZE]:
         raise AssertionError("the 1-process and the 2-process batches hold different tokens; they must be the same users")
     runs: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_runs: dict[str, list[float]] = {v: [] for v in variants}
     for repeat in range(repeats):
         for variant in variants:  # interleaved, so drift on a shared machine hits every variant alike
             stamps = _spawn(variant, steps, timeout=180 + 10 * steps, workload=workload)
-            runs[variant].append(pretrain.tokens_per_second(stamps, tokens[1], warmup))
-            print(f"pretrain batch {workload.global_batch} repeat {repeat + 1}/{repeats} {variant}: {runs[variant][-1]:.0f} tokens/s",
-                  file=sys.stderr)
+            runs[variant].append(pretrain.tokens_per_second(stamps[0], tokens[1], warmup))
+            cpu_runs[variant].append(pretrain.tokens_per_cpu_second([stamps[r] for r in sorted(stamps)], tokens[1], warmup))
+            print(f"pretrain batch {workload.global_batch} repeat {repeat + 1}/{repeats} {variant}: {runs[variant][-1]:.0f} tokens/s, "
+                  f"{cpu_runs[variant][-1]:.0f} tokens per CPU-second", file=sys.stderr)
     base = "raw" if "raw" in runs else variants[0]
     plain = statistics.median(runs["plain"]) if "plain" in runs else None
     return {
         "setup": {"workload": workload.describe(), **{k: v for k, v in vars(workload).items()}, "world_size": WORLD_SIZE,
                   "plain_threads": pretrain.PLAIN_THREADS, "steps": steps, "warmup": warmup, "repeats": repeats,
-                  "sharding": "row_wise", "backend": "gloo (CPU)", "mean_tokens_per_step": pretrain.mean_tokens(tokens[1]),
+                  "sharding": "row_wise", "backend": "gloo (CPU)", "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "mean_tokens_per_step": pretrain.mean_tokens(tokens[1]),
                   "baseline": base},
         "variants": {
             v: {"median_tokens_per_s": statistics.median(r), "min": min(r), "max": max(r), "runs": r,
                 "ratio_to_baseline": statistics.median(r) / statistics.median(runs[base]),
-                "ratio_to_plain": statistics.median(r) / plain if plain else None}
+                "ratio_to_plain": statistics.median(r) / plain if plain else None,
+                "median_tokens_per_cpu_s": statistics.median(cpu_runs[v]), "cpu_runs": cpu_runs[v],
+                "cpu_ratio_to_baseline": statistics.median(cpu_runs[v]) / statistics.median(cpu_runs[base]),
+                "cpu_ratio_to_plain": statistics.median(cpu_runs[v]) / statistics.median(cpu_runs["plain"]) if plain else None}
             for v, r in runs.items()
         },
     }
@@ -357,7 +370,7 @@ def profile_pretrain(workload: pretrain.PretrainWorkload, warmup: int, profile_s
     steps = warmup + profile_steps + 1
     return {
         variant: _spawn(variant, steps, timeout=180 + 20 * steps, workload=workload,
-                        profile_window=pretrain.ProfileWindow(warmup, profile_steps))
+                        profile_window=pretrain.ProfileWindow(warmup, profile_steps))[0]
         for variant in PROFILED
     }
 

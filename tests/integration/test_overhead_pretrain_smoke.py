@@ -24,7 +24,7 @@ def test_overhead_pretrain_measures_tokens_per_second_and_profiles_the_fit_and_p
     assert result["setup"]["mean_tokens_per_step"] > 0 and result["setup"]["baseline"] == "raw"
     variants = result["variants"]
     assert set(variants) == {"raw", "raw_pipeline", "lightning", "plain"}
-    assert all(row["median_tokens_per_s"] > 0 for row in variants.values())
+    assert all(row["median_tokens_per_s"] > 0 and row["median_tokens_per_cpu_s"] > 0 for row in variants.values())
     assert variants["raw"]["ratio_to_baseline"] == 1.0 and variants["plain"]["ratio_to_plain"] == 1.0
     fit, plain = result["profile"]["lightning"], result["profile"]["plain"]
     assert fit["all-to-all (input dist, embeddings fwd + bwd)"] > 0 and plain["all-to-all (input dist, embeddings fwd + bwd)"] == 0
