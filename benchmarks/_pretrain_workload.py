@@ -431,3 +431,32 @@ class ProfileWindow:
             self.profiler.__exit__(None, None, None)
             self.result = step_breakdown(self.profiler.events(), self.steps, wall)
             self.profiler = None
+
+
+def sequence_lookup_times(rows: int, ids: int, repeats: int = 5) -> dict[str, float]:
+    """Milliseconds (median) of one forward and backward, fused row-wise Adagrad included, of FBGEMM's CPU
+    table-batched embedding over ``ids`` uniform ids into a ``rows x 64`` table: ``PoolingMode.NONE``
+    (sequence embeddings, as TorchRec's ``BatchedFusedEmbedding`` builds it) and ``PoolingMode.SUM``
+    with one id per bag (the same rows out, the same update)."""
+    import statistics
+
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+
+    torch.set_num_threads(1)  # as each TorchRec rank runs
+    torch.manual_seed(0)
+    indices, offsets, grad = torch.randint(0, rows, (ids,)), torch.arange(ids + 1), torch.randn(ids, 64)
+    times = {}
+    for name, pooling in (("none", PoolingMode.NONE), ("sum_one_id_per_bag", PoolingMode.SUM)):
+        table = SplitTableBatchedEmbeddingBagsCodegen(
+            [(rows, 64, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            learning_rate=0.05, pooling_mode=pooling,
+        )
+        spent = []
+        for _ in range(repeats + 1):  # the first is warm-up
+            began = time.perf_counter()
+            table(indices, offsets).backward(grad)
+            spent.append(1e3 * (time.perf_counter() - began))
+        times[name] = statistics.median(spent[1:])
+    return times

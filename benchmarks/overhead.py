@@ -247,6 +247,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     pretrain_args.add_argument("--num-users", type=int, default=pretrain.BEAUTY_USERS, help="synthetic data only")
     pretrain_args.add_argument("--omp-wait-policy", choices=["passive", "active", "default"], default="passive",
                                help="OMP_WAIT_POLICY of every run (only the 2-thread plain process has OpenMP regions)")
+    pretrain_args.add_argument("--lookup-kernel-check", action="store_true",
+                               help="only time FBGEMM's CPU sequence lookup (PoolingMode.NONE) against SUM with one id per bag")
     pretrain_args.add_argument("--json", default=None, help="write every batch's results here (default: results/overhead_pretrain_batch<B>.json)")
     args = parser.parse_args(argv)
     if args.workload == "pretrain":
@@ -290,6 +292,12 @@ def measure(global_batch: int, steps: int, repeats: int) -> dict[str, Any]:
 
 def pretrain_main(args: argparse.Namespace) -> dict[str, Any]:
     """``--workload pretrain``: tokens per second of each variant, interleaved; optionally the profiled breakdown."""
+    if args.lookup_kernel_check:
+        rows, ids = args.num_items // WORLD_SIZE, args.num_negatives + 720  # one rank's shard and ids at the shipped batch
+        times = pretrain.sequence_lookup_times(rows, ids)
+        print(f"FBGEMM CPU lookup, fwd + bwd with fused row-wise Adagrad, {ids} ids into {rows} x 64: "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
+        return {"lookup_kernel_check": times}
     steps = args.steps or 60
     if args.omp_wait_policy != "default":
         # libgomp's spinning wait ("active") makes 2 threads slower than 1 on a loaded 2-core machine; the spawned runs inherit it.
