@@ -332,8 +332,9 @@ def mean_tokens(step_tokens: list[int]) -> float:
     return sum(step_tokens) / max(len(step_tokens), 1)
 
 
-__all__ = ["PRETRAIN_VARIANTS", "PretrainWorkload", "beauty_like_lengths", "lightning_fit", "plain_loop", "pretrain_batches",
-           "raw_loop", "step_stamp", "step_tokens", "tokens", "tokens_per_cpu_second", "tokens_per_second"]
+__all__ = ["BREAKDOWN_ROWS", "PRETRAIN_VARIANTS", "PretrainWorkload", "ProfileWindow", "beauty_like_lengths", "lightning_fit",
+           "plain_loop", "pretrain_batches", "raw_loop", "sequence_lookup_times", "step_breakdown", "step_stamp", "step_tokens",
+           "tokens", "tokens_per_cpu_second", "tokens_per_second"]
 
 
 # ----------------------------------------------------------------------------- profiler breakdown
