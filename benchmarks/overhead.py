@@ -10,8 +10,17 @@ Same model, same data (pre-generated batches, so data generation does not count)
   ``GuardConfig(validate_inputs="error")``: the per-step input check and the batch handshake between ranks);
 * ``lightning_off``: the same with ``pipeline="off"``.
 
+``--workload pretrain``: the same comparison for ``SequencePretrainer`` at the shipped Beauty batch
+(``examples/configs/beauty_pretrain.yaml``), in tokens per second (input positions with a next-item
+target), plus ``plain`` and ``plain_adam``: the same model and loss in plain PyTorch (``nn.Embedding``,
+torch optimizers, no TorchRec) in ONE process with 2 threads. ``--profile-steps N`` then profiles N
+steps of ``lightning`` and of ``plain`` and prints milliseconds per step by phase. Details:
+``_pretrain_speed_workload.py``.
+
     python benchmarks/overhead.py                      # batches 1024 and 8192; Markdown; JSON in benchmarks/results/
     python benchmarks/overhead.py --global-batch 1024 --steps 150
+    python benchmarks/overhead.py --workload pretrain --pretrain-path beauty.txt --profile-steps 10
+    python benchmarks/overhead.py --workload pretrain       # without the file: Beauty-like synthetic sequences
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ import argparse
 import io
 import json
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -29,6 +39,8 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+import _pretrain_speed_workload as pretrain
 
 WORLD_SIZE = 2
 TABLES, ROWS, DIM = 8, 20_000, 32
@@ -143,11 +155,33 @@ def _lightning(rank: int, steps: int, pipeline: str) -> list[float]:
     return stamps.stamps
 
 
-def _entry(variant: str, rank: int, port: int, steps: int, results: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(WORLD_SIZE), RANK=str(rank),
+def _pretrain_entry(variant: str, rank: int, steps: int, workload: pretrain.PretrainWorkload, profile_window: Any) -> Any:
+    """Stamps of one pretraining variant on this rank; with ``profile_window`` (rank 0 profiles), its breakdown instead."""
+    import torch.distributed as dist
+
+    window = profile_window if rank == 0 else None
+    if variant.startswith("plain"):
+        stamps = pretrain.plain_loop(workload, steps, "adam" if variant == "plain_adam" else "adagrad", profile=window)
+    elif variant.startswith("raw"):
+        dist.init_process_group("gloo")
+        stamps = pretrain.raw_loop(workload, rank, WORLD_SIZE, steps, pipelined=variant == "raw_pipeline", profile=window)
+        dist.destroy_process_group()
+    else:
+        stamps = pretrain.lightning_fit(workload, rank, WORLD_SIZE, steps, "off" if variant == "lightning_off" else "sparse_dist",
+                                        profile=window)
+    if profile_window is not None:
+        return window.result if window is not None else None
+    return stamps
+
+
+def _entry(variant: str, rank: int, port: int, steps: int, results: Any, workload: Any = None, profile_window: Any = None) -> None:
+    world_size = 1 if variant.startswith("plain") else WORLD_SIZE
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
                       LOCAL_RANK=str(rank), NODE_RANK="0")
-    torch.set_num_threads(1)  # 2 processes on 2 cores: one thread each, for both variants
-    if variant.startswith("raw"):
+    torch.set_num_threads(1)  # 2 processes on 2 cores: one thread each (plain PyTorch: one process, 2 threads)
+    if workload is not None:
+        stamps = _pretrain_entry(variant, rank, steps, workload, profile_window)
+    elif variant.startswith("raw"):
         stamps = _raw(rank, steps, pipelined=variant == "raw_pipeline")
     else:
         stamps = _lightning(rank, steps, "off" if variant == "lightning_off" else "sparse_dist")
@@ -159,37 +193,68 @@ def _entry(variant: str, rank: int, port: int, steps: int, results: Any) -> None
 VARIANTS = ("raw", "raw_pipeline", "lightning", "lightning_off")
 
 
-def run_variant(variant: str, steps: int, timeout: float = 300) -> float:
-    """Steps per second after warm-up, on rank 0."""
+def _spawn(variant: str, steps: int, timeout: float, workload: Any = None, profile_window: Any = None) -> dict[int, Any]:
+    """Each rank's result (stamps, or a profile breakdown) of one run of ``variant``."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_entry, args=(variant, r, port, steps, results)) for r in range(WORLD_SIZE)]
+    world_size = 1 if variant.startswith("plain") else WORLD_SIZE
+    procs = [ctx.Process(target=_entry, args=(variant, r, port, steps, results, workload, profile_window)) for r in range(world_size)]
     for p in procs:
         p.start()
     try:
         stamps = {}
         deadline = time.monotonic() + timeout
-        while len(stamps) < WORLD_SIZE:
-            rank, value = results.get(timeout=max(1.0, deadline - time.monotonic()))
+        while len(stamps) < world_size:
+            try:
+                rank, value = results.get(timeout=1.0)
+            except queue.Empty:
+                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if failed or time.monotonic() > deadline:
+                    raise RuntimeError(f"{variant}: a rank exited with {failed} or the run passed {timeout:.0f} s") from None
+                continue
             stamps[rank] = torch.load(io.BytesIO(value))
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
-    rank0 = stamps[0]
+    return stamps
+
+
+def run_variant(variant: str, steps: int, timeout: float = 300) -> float:
+    """Steps per second after warm-up, on rank 0."""
+    rank0 = _spawn(variant, steps, timeout)[0]
     return (len(rank0) - WARMUP) / (rank0[-1] - rank0[WARMUP - 1])
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", choices=["dlrm", "pretrain"], default="dlrm")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--global-batch", type=int, nargs="+", default=[GLOBAL_BATCH, 8192])
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default: dlrm 300, pretrain 60)")
+    parser.add_argument("--global-batch", type=int, nargs="+", default=None,
+                        help=f"global batches to measure (default: dlrm {GLOBAL_BATCH} and 8192, pretrain 128)")
+    pretrain_args = parser.add_argument_group("pretrain workload (--workload pretrain)")
+    pretrain_args.add_argument("--pretrain-path", default=None, help="a BERT4Rec 'user item' file (Amazon Beauty); default: Beauty-like synthetic")
+    pretrain_args.add_argument("--warmup", type=int, default=10, help="first steps of each run not timed (dlrm: always 30)")
+    pretrain_args.add_argument("--variants", nargs="+", choices=pretrain.PRETRAIN_VARIANTS, default=list(pretrain.PRETRAIN_VARIANTS))
+    pretrain_args.add_argument("--profile-steps", type=int, default=0, help="profile this many steps of lightning and plain (0: none)")
+    pretrain_args.add_argument("--num-negatives", type=int, default=16_384)
+    pretrain_args.add_argument("--num-items", type=int, default=pretrain.BEAUTY_ITEMS)
+    pretrain_args.add_argument("--num-users", type=int, default=pretrain.BEAUTY_USERS, help="synthetic data only")
+    pretrain_args.add_argument("--omp-wait-policy", choices=["passive", "active", "default"], default="passive",
+                               help="OMP_WAIT_POLICY of every run (only the 2-thread plain process has OpenMP regions)")
+    pretrain_args.add_argument("--lookup-kernel-check", action="store_true",
+                               help="only time FBGEMM's CPU sequence lookup (PoolingMode.NONE) against SUM with one id per bag")
+    pretrain_args.add_argument("--json", default=None, help="write every batch's results here (default: results/overhead_pretrain_batch<B>.json)")
     args = parser.parse_args(argv)
+    if args.workload == "pretrain":
+        return pretrain_main(args)
+    args.steps = args.steps or 300
+    args.global_batch = args.global_batch or [GLOBAL_BATCH, 8192]
     summaries = {batch: measure(batch, args.steps, args.repeats) for batch in args.global_batch}
     print(f"\nOverhead against raw TorchRec loops ({WORLD_SIZE} processes, {TABLES} tables x {ROWS} rows x dim {DIM}, "
           f"table_wise, gloo on CPU; {args.repeats} interleaved runs of {args.steps} steps, first {WARMUP} excluded)\n")
@@ -223,6 +288,108 @@ def measure(global_batch: int, steps: int, repeats: int) -> dict[str, Any]:
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / f"overhead_batch{global_batch}.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def pretrain_main(args: argparse.Namespace) -> dict[str, Any]:
+    """``--workload pretrain``: tokens per second of each variant, interleaved; optionally the profiled breakdown."""
+    if args.lookup_kernel_check:
+        rows, ids = args.num_items // WORLD_SIZE, args.num_negatives + 720  # one rank's shard and ids at the shipped batch
+        times = pretrain.sequence_lookup_times(rows, ids)
+        print(f"FBGEMM CPU lookup, fwd + bwd with fused row-wise Adagrad, {ids} ids into {rows} x 64: "
+              + ", ".join(f"{k} {v:.1f} ms" for k, v in times.items()))
+        return {"lookup_kernel_check": times}
+    steps = args.steps or 60
+    if args.omp_wait_policy != "default":
+        # libgomp's spinning wait ("active") makes 2 threads slower than 1 on a loaded 2-core machine; the spawned runs inherit it.
+        os.environ["OMP_WAIT_POLICY"] = args.omp_wait_policy.upper()
+    if steps <= args.warmup or args.warmup < 1:
+        raise ValueError(f"--steps={steps} must exceed --warmup={args.warmup} (>= 1): the first --warmup steps are not timed.")
+    summaries = {}
+    for batch in args.global_batch or [128]:
+        workload = pretrain.PretrainWorkload(path=args.pretrain_path, global_batch=batch, num_negatives=args.num_negatives,
+                                             num_items=args.num_items, num_users=args.num_users)
+        summaries[str(batch)] = summary = measure_pretrain(workload, steps, args.warmup, args.repeats, args.variants)
+        if args.profile_steps > 0:
+            summary["profile"] = profile_pretrain(workload, args.warmup, args.profile_steps)
+        if args.json is None:
+            RESULTS.mkdir(parents=True, exist_ok=True)
+            (RESULTS / f"overhead_pretrain_batch{batch}.json").write_text(json.dumps(summary, indent=2))
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(summaries, indent=2))
+    for batch, summary in summaries.items():
+        setup = summary["setup"]
+        print(f"\nPretraining step against raw TorchRec and plain PyTorch: {setup['workload']}.\n"
+              f"TorchRec variants: {WORLD_SIZE} processes x 1 thread, the item table row-wise, gloo on CPU; plain: 1 process x "
+              f"{pretrain.PLAIN_THREADS} threads. {args.repeats} interleaved runs of {steps} steps, first {args.warmup} not timed.\n"
+              f"Tokens = input positions with a next-item target (non-padding positions); {setup['mean_tokens_per_step']:.0f} "
+              f"per global batch of {batch} users on average. Tokens per CPU-second: over the CPU time of every process "
+              f"of the run (all threads), steadier than wall time on a shared machine.\n")
+        base = "raw" if "raw" in summary["variants"] else next(iter(summary["variants"]))
+        print(f"| variant | median tokens/s | min-max | / {base} | / plain | median tokens per CPU-s | / {base} | / plain |")
+        print("|---|---|---|---|---|---|---|---|")
+        for v, row in summary["variants"].items():
+            over_plain = f"{row['ratio_to_plain']:.3f}" if row.get("ratio_to_plain") is not None else "-"
+            cpu_over_plain = f"{row['cpu_ratio_to_plain']:.3f}" if row.get("cpu_ratio_to_plain") is not None else "-"
+            print(f"| {v} | {row['median_tokens_per_s']:.0f} | {row['min']:.0f}-{row['max']:.0f} | {row['ratio_to_baseline']:.3f} | "
+                  f"{over_plain} | {row['median_tokens_per_cpu_s']:.0f} | {row['cpu_ratio_to_baseline']:.3f} | {cpu_over_plain} |")
+        if "profile" in summary:
+            print_profile(summary["profile"])
+    return summaries
+
+
+def measure_pretrain(workload: pretrain.PretrainWorkload, steps: int, warmup: int, repeats: int, variants: list[str]) -> dict[str, Any]:
+    """Every variant ``repeats`` times, interleaved: tokens per second after ``warmup`` steps."""
+    tokens = {world: pretrain.step_tokens(workload, world, steps) for world in (1, WORLD_SIZE)}
+    if tokens[1] != tokens[WORLD_SIZE]:
+        raise AssertionError("the 1-process and the 2-process batches hold different tokens; they must be the same users")
+    runs: dict[str, list[float]] = {v: [] for v in variants}
+    cpu_runs: dict[str, list[float]] = {v: [] for v in variants}
+    for repeat in range(repeats):
+        for variant in variants:  # interleaved, so drift on a shared machine hits every variant alike
+            stamps = _spawn(variant, steps, timeout=180 + 10 * steps, workload=workload)
+            runs[variant].append(pretrain.tokens_per_second(stamps[0], tokens[1], warmup))
+            cpu_runs[variant].append(pretrain.tokens_per_cpu_second([stamps[r] for r in sorted(stamps)], tokens[1], warmup))
+            print(f"pretrain batch {workload.global_batch} repeat {repeat + 1}/{repeats} {variant}: {runs[variant][-1]:.0f} tokens/s, "
+                  f"{cpu_runs[variant][-1]:.0f} tokens per CPU-second", file=sys.stderr)
+    base = "raw" if "raw" in runs else variants[0]
+    plain = statistics.median(runs["plain"]) if "plain" in runs else None
+    return {
+        "setup": {"workload": workload.describe(), **{k: v for k, v in vars(workload).items()}, "world_size": WORLD_SIZE,
+                  "plain_threads": pretrain.PLAIN_THREADS, "steps": steps, "warmup": warmup, "repeats": repeats,
+                  "sharding": "row_wise", "backend": "gloo (CPU)", "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "default"), "mean_tokens_per_step": pretrain.mean_tokens(tokens[1]),
+                  "baseline": base},
+        "variants": {
+            v: {"median_tokens_per_s": statistics.median(r), "min": min(r), "max": max(r), "runs": r,
+                "ratio_to_baseline": statistics.median(r) / statistics.median(runs[base]),
+                "ratio_to_plain": statistics.median(r) / plain if plain else None,
+                "median_tokens_per_cpu_s": statistics.median(cpu_runs[v]), "cpu_runs": cpu_runs[v],
+                "cpu_ratio_to_baseline": statistics.median(cpu_runs[v]) / statistics.median(cpu_runs[base]),
+                "cpu_ratio_to_plain": statistics.median(cpu_runs[v]) / statistics.median(cpu_runs["plain"]) if plain else None}
+            for v, r in runs.items()
+        },
+    }
+
+
+PROFILED = ("lightning", "plain")
+
+
+def profile_pretrain(workload: pretrain.PretrainWorkload, warmup: int, profile_steps: int) -> dict[str, dict[str, float]]:
+    """Milliseconds per step by phase (``_pretrain_speed_workload.BREAKDOWN_ROWS``) of ``PROFILED``, rank 0, under ``torch.profiler``."""
+    steps = warmup + profile_steps + 1
+    return {
+        variant: _spawn(variant, steps, timeout=180 + 20 * steps, workload=workload,
+                        profile_window=pretrain.ProfileWindow(warmup, profile_steps))[0]
+        for variant in PROFILED
+    }
+
+
+def print_profile(profile: dict[str, dict[str, float]]) -> None:
+    print(f"\nWhere a step's time goes, ms per step (rank 0 for {PROFILED[0]}; under torch.profiler, which slows both):\n")
+    print(f"| phase | {' | '.join(PROFILED)} | difference |")
+    print("|---|---|---|---|")
+    first, second = (profile[v] for v in PROFILED)
+    for row in first:
+        print(f"| {row} | {first[row]:.1f} | {second.get(row, 0.0):.1f} | {first[row] - second.get(row, 0.0):+.1f} |")
 
 
 if __name__ == "__main__":

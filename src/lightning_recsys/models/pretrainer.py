@@ -19,6 +19,7 @@ from lightning_recsys.models.base import DenseOptimizerName, RecsysModule
 from lightning_recsys.models.ranking_metrics import RankingMetrics
 from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
 from lightning_recsys.parallel.ranking import ItemRanking, UnshardedItemRanking
+from lightning_recsys.parallel.step_phases import step_phase
 
 __all__ = [
     "ACTION_FEATURE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SASRecBlock", "SASRecEncoder", "SequencePretrainer",
@@ -31,6 +32,9 @@ NEXT_ITEM_FEATURE = "next_item_id"
 NEGATIVE_FEATURE = "negative_item_id"
 ACTION_FEATURE = "action"
 _OWNER = "SequencePretrainer"
+# torch.profiler ranges of a step (opened only while a profiler records), beside the strategy's recsys:* phases.
+ENCODER_PHASE = "pretrain:encoder"  # padding the looked-up tokens and the transformer
+LOSS_PHASE = "pretrain:loss"  # padding the targets, scores against targets and negatives, the softmax
 
 
 def _integer(name: str, value: object, minimum: int) -> int:
@@ -260,26 +264,29 @@ class SequencePretrainer(RecsysModule):
         tokens = items.values()
         if self.has_actions:
             tokens = tokens + looked_up[ACTION_FEATURE].values()
-        padded, valid = ops.oldest_first_padded(items.lengths(), tokens, self.max_length)
-        return self.encoder(padded, valid), valid, looked_up
+        with step_phase(ENCODER_PHASE):
+            padded, valid = ops.oldest_first_padded(items.lengths(), tokens, self.max_length)
+            hidden = self.encoder(padded, valid)
+        return hidden, valid, looked_up
 
     def training_losses(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:
         """``{"loss": ...}``: the sampled softmax of every valid position's next item, averaged over the batch's positions."""
         hidden, valid, looked_up = self._encode(batch)
-        targets = looked_up[NEXT_ITEM_FEATURE]
-        target_ids = batch.sparse[NEXT_ITEM_FEATURE].values()
-        padded_ids, _ = ops.oldest_first_padded(targets.lengths(), target_ids, self.max_length)
-        padded_targets, _ = ops.oldest_first_padded(targets.lengths(), targets.values(), self.max_length)
-        loss = ops.sampled_softmax_loss(
-            ops.valid_rows(hidden, valid),
-            ops.valid_rows(padded_ids, valid),
-            ops.valid_rows(padded_targets, valid),
-            batch.sparse[NEGATIVE_FEATURE].values(),
-            looked_up[NEGATIVE_FEATURE].values(),
-            temperature=self.temperature,
-            l2_normalize=self.l2_normalize,
-            in_batch_negatives=self.in_batch_negatives,
-        )
+        with step_phase(LOSS_PHASE):
+            targets = looked_up[NEXT_ITEM_FEATURE]
+            target_ids = batch.sparse[NEXT_ITEM_FEATURE].values()
+            padded_ids, _ = ops.oldest_first_padded(targets.lengths(), target_ids, self.max_length)
+            padded_targets, _ = ops.oldest_first_padded(targets.lengths(), targets.values(), self.max_length)
+            loss = ops.sampled_softmax_loss(
+                ops.valid_rows(hidden, valid),
+                ops.valid_rows(padded_ids, valid),
+                ops.valid_rows(padded_targets, valid),
+                batch.sparse[NEGATIVE_FEATURE].values(),
+                looked_up[NEGATIVE_FEATURE].values(),
+                temperature=self.temperature,
+                l2_normalize=self.l2_normalize,
+                in_batch_negatives=self.in_batch_negatives,
+            )
         return {"loss": loss}
 
     def user_vectors(self, batch: SequenceBatch) -> torch.Tensor:
