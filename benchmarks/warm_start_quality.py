@@ -137,7 +137,10 @@ def main(argv: list[str] | None = None) -> int:
                 runs.append(run)
                 print(f"fraction {fraction} {model} seed {seed}: test AUC {run['test']['test/auc']:.4f} "
                       f"(best val {run.get('best_val', float('nan')):.4f} at epoch {run.get('best_epoch')}; fit {run['fit_seconds']:.0f} s)", flush=True)
-            entry["runs"][model] = runs
+                entry["runs"][model] = runs  # written after every fit: a later failure loses nothing measured
+                result["fractions"][str(fraction)] = entry
+                args.json.parent.mkdir(parents=True, exist_ok=True)
+                args.json.write_text(json.dumps(result, indent=2))
             entry["mean"][model] = summarize(runs)
         max_history = 49
         entry["popularity"] = [popularity(args.path, args.num_items, fraction, seed, max_history) for seed in args.seeds]
