@@ -15,7 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # two spawned processes that import torchrec: ~1 minute on 2 busy cores
 
 
-@pytest.mark.parametrize("sharding", ["row_wise", "column_wise"])
+# Row-wise only (the benchmark's default): column-wise ranking is checked against the brute force in
+# test_full_ranking_integration.py, and each run here costs a minute of the suite.
+@pytest.mark.parametrize("sharding", ["row_wise"])
 def test_the_scale_benchmark_ranks_as_the_brute_force_and_reports(tmp_path: Path, sharding: str) -> None:
     out = tmp_path / "result.json"
     command = [
