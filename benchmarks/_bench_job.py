@@ -46,6 +46,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sequence.add_sequence_arguments(parser)
     pretrain.add_pretrain_arguments(parser)
     parser.add_argument("--sharding-type", default="table_wise")
+    add_strategy_arguments(parser)
+    parser.add_argument(
+        "--unique-batches", type=int, default=None,
+        help="distinct pre-generated batches, cycled (default: one per step, so a sync's union is that of fresh ids, as in training)",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--phase-times", action="store_true", help="also time the replica sync's phases and forward/backward per step (rank 0)"
+    )
+    parser.add_argument(
+        "--trace-dir", default=None,
+        help="write a torch.profiler trace per rank into DIR/node<N> (Lightning's PyTorchProfiler: steps 3-5 recorded)",
+    )
+    return parser.parse_args(argv)
+
+
+def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
+    """The strategy settings a ``BenchConfig`` sets (``emulated/runs.py``'s ``strategy_arguments``)."""
     parser.add_argument("--sharding-group-size", type=int, default=None, help="default: all ranks (1D)")
     parser.add_argument("--layout", default="all_to_all_optimized", choices=["all_to_all_optimized", "all_reduce_optimized"])
     parser.add_argument("--sync-every-n-steps", type=int, default=1)
@@ -61,19 +79,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--index-dedup", action=argparse.BooleanOptionalAction, default=False, help="QCommsConfig.index_dedup (sequence tables)"
     )
-    parser.add_argument(
-        "--unique-batches", type=int, default=None,
-        help="distinct pre-generated batches, cycled (default: one per step, so a sync's union is that of fresh ids, as in training)",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--phase-times", action="store_true", help="also time the replica sync's phases and forward/backward per step (rank 0)"
-    )
-    parser.add_argument(
-        "--trace-dir", default=None,
-        help="write a torch.profiler trace per rank into DIR/node<N> (Lightning's PyTorchProfiler: steps 3-5 recorded)",
-    )
-    return parser.parse_args(argv)
 
 
 def replica_sync_config(args: argparse.Namespace) -> Any:

@@ -60,7 +60,7 @@ import _pretrain_workload as pretrain
 import _sequence_workload as sequence
 from _workload import add_workload_arguments, table_sizes
 from emulated.configs import CONFIGS, DEFAULT_OFF, DEFAULT_WORKLOAD, NODES, RANKS_PER_NODE, WORKLOADS, unavailable_reason
-from emulated.network import SetupError, build_cluster, build_reference, preflight, remove_stale_namespaces, sandbox_guard
+from emulated.network import SetupError, add_link_arguments, build_cluster, build_reference, preflight, remove_stale_namespaces, sandbox_guard
 from emulated.report import Row, print_results, results_payload, write_png
 from emulated.runs import combine_repeats, print_run, run_job
 
@@ -69,14 +69,7 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--bandwidth-mbit", type=float, default=200.0, help="rate of each node's uplink (each direction)")
-    parser.add_argument("--latency-ms", type=float, default=1.0, help="one-way delay between nodes (RTT is twice this)")
-    parser.add_argument(
-        "--delay-method", default="auto", choices=["auto", "netem", "tun"], help="auto: netem if the kernel has it, else a TUN delay line"
-    )
-    parser.add_argument(
-        "--mtu", type=int, default=65000, help="MTU of the node links (large packets keep the TUN delay line's CPU use low)"
-    )
+    add_link_arguments(parser)
     parser.add_argument(
         "--configs",
         default=None,

@@ -7,6 +7,7 @@ and helper process of a run and removes them all.
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import os
 import platform
@@ -54,6 +55,18 @@ class Environment:
     shaped_links: tuple[tuple[str, str], ...] = ()  # (namespace, interface) with a TBF
     helper_pids: tuple[int, ...] = ()  # the delay line, whose CPU time is charged to each run
     router_links: tuple[tuple[str, str], ...] = ()  # (namespace, interface): the router's side of each node's veth
+
+
+def add_link_arguments(parser: argparse.ArgumentParser) -> None:
+    """The shaped link between the two nodes (``build_cluster``'s settings)."""
+    parser.add_argument("--bandwidth-mbit", type=float, default=200.0, help="rate of each node's uplink (each direction)")
+    parser.add_argument("--latency-ms", type=float, default=1.0, help="one-way delay between nodes (RTT is twice this)")
+    parser.add_argument(
+        "--delay-method", default="auto", choices=["auto", "netem", "tun"], help="auto: netem if the kernel has it, else a TUN delay line"
+    )
+    parser.add_argument(
+        "--mtu", type=int, default=65000, help="MTU of the node links (large packets keep the TUN delay line's CPU use low)"
+    )
 
 
 def run_command(cmd: Sequence[str], *, check: bool = True, timeout: float = COMMAND_TIMEOUT_S) -> subprocess.CompletedProcess[str]:

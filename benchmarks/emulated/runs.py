@@ -85,25 +85,35 @@ def trace_dir(env: Environment, cfg: BenchConfig, args: argparse.Namespace) -> P
     return Path(args.trace_dir) / cfg.name
 
 
-def job_arguments(env: Environment, cfg: BenchConfig, args: argparse.Namespace, out_json: Path) -> list[str]:
-    """_bench_job.py's arguments for ``cfg`` in ``env``."""
-    traces = trace_dir(env, cfg, args)
+def strategy_arguments(cfg: BenchConfig) -> list[str]:
+    """``cfg`` as the arguments of ``_bench_job.add_strategy_arguments`` (any job that builds its strategy with it)."""
     return [
-        "--out", str(out_json), "--devices", str(RANKS_PER_NODE), "--num-nodes", str(NODES),
-        *WORKLOADS[args.workload].job_argv(args),
         "--sharding-group-size", str(cfg.sharding_group_size), "--layout", cfg.layout,
         "--sync-every-n-steps", str(cfg.sync_every_n_steps), "--qcomms", cfg.qcomms,
         "--sync-rows", cfg.sync_rows, "--sync-overlap" if cfg.sync_overlap else "--no-sync-overlap",
         "--sync-precision", cfg.sync_precision, "--sync-exchange", cfg.sync_exchange,
         "--index-dedup" if cfg.index_dedup else "--no-index-dedup",
+    ]  # fmt: skip
+
+
+def job_arguments(env: Environment, cfg: BenchConfig, args: argparse.Namespace, out_json: Path) -> list[str]:
+    """_bench_job.py's arguments for ``cfg`` in ``env``."""
+    traces = trace_dir(env, cfg, args)
+    return [
+        "--out", str(out_json), "--devices", str(RANKS_PER_NODE), "--num-nodes", str(NODES),
+        *WORKLOADS[args.workload].job_argv(args), *strategy_arguments(cfg),
         *(["--phase-times"] if args.phase_times else []),
         *(["--trace-dir", str(traces)] if traces is not None else []),
     ]  # fmt: skip
 
 
-def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, port: int, out_json: Path, log_dir: Path) -> dict[str, Any]:
-    """Two torchrun launches (node ranks 0 and 1) of _bench_job.py in ``env``; rank 0's JSON result."""
-    job_args = job_arguments(env, cfg, args, out_json)
+def run_job(
+    env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, port: int, out_json: Path, log_dir: Path, job: Path = JOB,
+    job_args: list[str] | None = None,
+) -> dict[str, Any]:
+    """Two torchrun launches (node ranks 0 and 1) of ``job`` (default _bench_job.py, with ``job_arguments``) in ``env``;
+    rank 0's JSON result, which ``job`` writes to ``out_json``."""
+    job_args = job_arguments(env, cfg, args, out_json) if job_args is None else job_args
     out_json.unlink(missing_ok=True)
     procs: list[subprocess.Popen[bytes]] = []
     logs = []
@@ -121,7 +131,7 @@ def run_job(env: Environment, cfg: BenchConfig, args: argparse.Namespace, *, por
                 "ip", "netns", "exec", env.node_namespaces[node], sys.executable, "-m", "torch.distributed.run",
                 "--nnodes", str(NODES), "--nproc-per-node", str(RANKS_PER_NODE), "--node-rank", str(node),
                 "--master-addr", env.master_addr, "--master-port", str(port), "--max-restarts", "0",
-                str(JOB), *job_args,
+                str(job), *job_args,
             ]  # fmt: skip
             procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=environ, cwd=HERE.parent, start_new_session=True))
         deadline = started + args.run_timeout
