@@ -38,6 +38,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import yaml
 from torchmetrics.functional.classification import binary_auroc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
                 args.json.parent.mkdir(parents=True, exist_ok=True)
                 args.json.write_text(json.dumps(result, indent=2))
             entry["mean"][model] = summarize(runs)
-        max_history = 49
+        max_history = yaml.safe_load(args.ranker_config.read_text())["data"]["init_args"]["max_history"]  # the ranker's own examples
         entry["popularity"] = [popularity(args.path, args.num_items, fraction, seed, max_history) for seed in args.seeds]
         entry["mean"]["popularity"] = summarize(entry["popularity"])
         result["fractions"][str(fraction)] = entry
