@@ -160,21 +160,23 @@ def summarize(runs: dict[str, list[dict[str, Any]]], configs: list[BenchConfig],
         print(f"| {c.label} | {steps} | {trains} | {walls} | {'-' if m is None else f'{m:.1f}'} | "
               f"{'-' if speedup is None else f'{speedup:.2f}x'} |")  # fmt: skip
     repeats = min((len(runs.get(c.name, [])) for c in configs), default=0)
-    held = 0
-    per_repeat = []
-    for i in range(repeats):
-        times = {c.name: train_s(runs[c.name][i]) for c in configs}
-        reached = {k: t for k, t in times.items() if t is not None}
-        if base not in reached or not reached:
-            per_repeat.append(None)
-            continue
-        fastest = min(reached, key=reached.__getitem__)
-        ratio = reached[base] / reached[fastest]
-        held += ratio >= TARGET
-        per_repeat.append({"fastest": fastest, "speedup": ratio})
-        print(f"Repeat {i + 1}: fastest {fastest}, {ratio:.2f}x sooner than 1D FP32.")
-    print(f"- the fastest configuration at least {TARGET}x sooner than 1D FP32: held in {held} of {repeats} repeats")
-    return {"configs": rows, "per_repeat": per_repeat, "target_held": held, "repeats": repeats}
+    judged: dict[str, Any] = {}
+    for clock, text in (("train_s", "training seconds"), ("wall_s", "wall seconds with the validations")):
+        held, per_repeat = 0, []
+        for i in range(repeats):
+            times = {c.name: runs[c.name][i]["reached"][clock] for c in configs if runs[c.name][i].get("reached")}
+            if base not in times:
+                per_repeat.append(None)
+                continue
+            fastest = min(times, key=times.__getitem__)
+            ratio = times[base] / times[fastest]
+            held += ratio >= TARGET
+            per_repeat.append({"fastest": fastest, "speedup": ratio})
+        line = "; ".join(f"{r['fastest']} {r['speedup']:.2f}x" if r else "1D FP32 did not reach it" for r in per_repeat)
+        print(f"- by {text}, the fastest against 1D FP32 per repeat: {line}; at least {TARGET}x sooner: held in {held} of {repeats} repeats")
+        judged[clock] = {"per_repeat": per_repeat, "target_held": held}
+    return {"configs": rows, "per_repeat": judged["train_s"]["per_repeat"], "target_held": judged["train_s"]["target_held"],
+            "by_wall_s": judged["wall_s"], "repeats": repeats}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -78,4 +78,5 @@ def test_each_repeat_is_judged_against_its_own_1d_fp32_run(bench, capsys):
     rows = summary["configs"]
     assert rows["1d_dedup_fp8"]["median_train_s"] is None and rows["1d_dedup_fp8"]["steps"] == [96, 96, None]
     assert rows["2d_touched_overlap_sync4"]["speedup_vs_1d_fp32"] == pytest.approx(24.0 / 19.0)
+    assert summary["by_wall_s"]["target_held"] == 1
     assert "held in 1 of 3 repeats" in capsys.readouterr().out
