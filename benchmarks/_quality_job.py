@@ -39,8 +39,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--num-nodes", type=int, default=2)
     parser.add_argument("--config", type=Path, default=CONFIG, help="the pretraining config whose model and data are trained")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="model.NAME=VALUE|data.NAME=VALUE",
-        help="override one of the config's model or data init_args (a YAML value), e.g. data.num_items=4096",
+        "--set", action="append", default=[], metavar="KEY=VALUE",
+        help="override the config: model.NAME or data.NAME (their init_args) or any dotted key it has, e.g. data.num_items=4096",
     )
     parser.add_argument("--threshold", type=float, default=None, help=f"stop at the first validation whose {METRIC} is >= this")
     parser.add_argument("--max-steps", type=int, required=True)
@@ -56,18 +56,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def load_config(path: Path, overrides: list[str]) -> dict[str, Any]:
-    """The config's ``trainer``, ``model`` and ``data`` sections, interpolations resolved, with ``overrides`` applied first."""
+    """The config's ``trainer``, ``model`` and ``data`` sections, interpolations resolved, with ``overrides`` applied first.
+
+    ``model.NAME=VALUE`` and ``data.NAME=VALUE`` set an ``init_args`` entry; any other dotted key must name an entry
+    the config has (e.g. ``trainer.strategy.init_args.embedding_optimizer.lr=0.1``). Values are YAML.
+    """
     from omegaconf import OmegaConf
 
     config = OmegaConf.load(path)
     for item in overrides:
         key, sep, value = item.partition("=")
-        section, _, name = key.partition(".")
-        if not sep or section not in ("model", "data") or not name:
-            raise ValueError(f"--set {item!r}: expected model.NAME=VALUE or data.NAME=VALUE")
-        if name not in config[section]["init_args"]:
-            raise ValueError(f"--set {item!r}: {path.name} has no {section}.init_args.{name}; choose from {list(config[section]['init_args'])}")
-        config[section]["init_args"][name] = yaml.safe_load(value)
+        parts = key.split(".")
+        if len(parts) == 2 and parts[0] in ("model", "data"):
+            parts.insert(1, "init_args")
+        node = config
+        for part in parts[:-1]:
+            node = node.get(part) if OmegaConf.is_dict(node) else None
+        if not sep or len(parts) < 2 or not OmegaConf.is_dict(node) or parts[-1] not in node:
+            choices = list(node) if OmegaConf.is_dict(node) else ["model.NAME", "data.NAME"]
+            raise ValueError(f"--set {item!r}: {path.name} has no {'.'.join(parts)}; expected KEY=VALUE with a key it has, "
+                             f"e.g. model.NAME=VALUE or data.NAME=VALUE (here: {choices})")  # fmt: skip
+        node[parts[-1]] = yaml.safe_load(value)
     return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
 
 
@@ -79,8 +88,9 @@ def instantiate(section: dict[str, Any]) -> Any:
 class QualityClock(pl.Callback):
     """Times training apart from validation and stops the fit once ``METRIC`` reaches the threshold."""
 
-    def __init__(self, threshold: float | None) -> None:
-        self.threshold = threshold
+    def __init__(self, threshold: float | None, strategy: Any) -> None:
+        self.threshold, self.strategy = threshold, strategy
+        self.step_bytes = [0, 0]  # rank 0's training steps' (payload, inter-node) bytes; validation's exchanges are not steps
         self.started: float | None = None
         self.in_validation = 0.0
         self._validation_started = 0.0
@@ -89,6 +99,11 @@ class QualityClock(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: Any, batch: Any, batch_idx: int) -> None:
         if self.started is None:
             self.started = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        payload, inter = self.strategy.comm_accounting.bytes_by()  # the step just closed
+        self.step_bytes[0] += payload
+        self.step_bytes[1] += inter
 
     def on_validation_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
         self._validation_started = time.perf_counter()
@@ -124,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         qcomms=qcomms_setting(args.qcomms, args.index_dedup),
         process_group_timeout=120.0,  # a stuck peer fails the run instead of hanging it
     )
-    clock = QualityClock(args.threshold)
+    clock = QualityClock(args.threshold, strategy)
     trainer = pl.Trainer(
         accelerator="cpu", devices=args.devices, num_nodes=args.num_nodes, strategy=strategy, max_steps=args.max_steps,
         max_epochs=-1, val_check_interval=args.eval_every, check_val_every_n_epoch=None, num_sanity_val_steps=0,
@@ -136,19 +151,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     reached = next((p for p in clock.points if args.threshold is not None and p["ndcg10"] >= args.threshold), None)
     result = {
         "threshold": args.threshold, "reached": reached, "points": clock.points, "steps_run": trainer.global_step,
-        "global_batch_size": data.global_batch_size, "bytes_per_step_rank0": _bytes_per_step(strategy, trainer.global_step),
+        "global_batch_size": data.global_batch_size,
+        "bytes_per_step_rank0": {"total": clock.step_bytes[0] / max(1, trainer.global_step), "inter_node": clock.step_bytes[1] / max(1, trainer.global_step)},
     }  # fmt: skip
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2))
     where = f"step {reached['step']}, {reached['train_s']:.1f} s of training" if reached else f"not reached in {trainer.global_step} steps"
     print(f"[quality_job] {METRIC} >= {args.threshold}: {where} -> {args.out}")
     return result
-
-
-def _bytes_per_step(strategy: Any, steps: int) -> dict[str, float]:
-    """Rank 0's mean bytes per training step, in all and across nodes, from the strategy's accounting."""
-    payload, inter = strategy.comm_accounting.bytes_by(step="total")
-    return {"total": payload / max(1, steps), "inter_node": inter / max(1, steps)}
 
 
 if __name__ == "__main__":

@@ -20,7 +20,10 @@ def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
 
 
 def test_overrides_reach_the_model_through_the_configs_interpolations(bench):
-    config = bench["_quality_job"].load_config(CONFIG, ["data.num_items=4096", "model.embedding_dim=64", "data.num_negatives=all"])
+    config = bench["_quality_job"].load_config(
+        CONFIG, ["data.num_items=4096", "model.embedding_dim=64", "data.num_negatives=all", "trainer.strategy.init_args.embedding_optimizer.lr=0.1"]
+    )
+    assert config["trainer"]["strategy"]["init_args"]["embedding_optimizer"]["lr"] == 0.1
     assert config["data"]["init_args"]["num_items"] == 4096 and config["model"]["init_args"]["num_items"] == 4096
     assert config["model"]["init_args"]["embedding_dim"] == 64 and config["data"]["init_args"]["num_negatives"] == "all"
     assert config["trainer"]["strategy"]["init_args"]["embedding_optimizer"]["name"] == "rowwise_adagrad"
@@ -28,7 +31,7 @@ def test_overrides_reach_the_model_through_the_configs_interpolations(bench):
 
 @pytest.mark.parametrize(
     ("item", "message"),
-    [("data.num_itemz=5", "has no data.init_args.num_itemz"), ("trainer.max_epochs=3", "expected model.NAME=VALUE"), ("model", "expected")],
+    [("data.num_itemz=5", "has no data.init_args.num_itemz"), ("trainer.max_epochz=3", "has no trainer.max_epochz"), ("model", "expected KEY=VALUE")],
 )
 def test_a_bad_override_names_itself_and_the_choices(bench, item, message):
     with pytest.raises(ValueError, match=message) as info:
@@ -58,7 +61,8 @@ def test_the_cost_model_ranks_the_default_configurations_for_this_workload(bench
 
 
 def _run(step: int | None, train_s: float | None) -> dict:
-    return {"reached": None if step is None else {"step": step, "train_s": train_s, "wall_s": 2 * train_s}}
+    return {"reached": None if step is None else {"step": step, "train_s": train_s, "wall_s": 2 * train_s},
+            "bytes_per_step_rank0": {"total": 3e6, "inter_node": 2e6}}  # fmt: skip
 
 
 def test_each_repeat_is_judged_against_its_own_1d_fp32_run(bench, capsys):
