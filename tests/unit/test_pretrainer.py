@@ -215,6 +215,22 @@ def test_predict_returns_user_vectors_and_the_unseen_top_k():
     assert set(_model(predict_top_k=0).predict_step(batch, 0)) == {"user_vectors"}
 
 
+def test_a_predict_loop_builds_one_ranking_and_returns_what_predict_step_does(monkeypatch):
+    model = _model(predict_top_k=6)
+    batch, _, _ = _eval_batch()
+    expected = model.predict_step(batch, 0)
+    built = []
+    item_ranking = model.item_ranking
+    monkeypatch.setattr(model, "item_ranking", lambda: built.append(1) or item_ranking())
+    loader = DataLoader([batch, batch, batch], batch_size=None)
+    outputs = Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False, accelerator="cpu").predict(model, loader)
+    assert len(built) == 1 and len(outputs) == 3  # one ranking for the loop, not one per batch
+    for out in outputs:
+        torch.testing.assert_close(out["top_k_ids"], expected["top_k_ids"])
+        torch.testing.assert_close(out["top_k_scores"], expected["top_k_scores"])
+    assert model._evaluation_ranking is None  # dropped at the loop's end: a later fit step never ranks a stale table
+
+
 def test_missing_next_item_feature_and_unaligned_lengths_are_clear_errors():
     model = _model()
     batch = make_batch([[1, 2]])

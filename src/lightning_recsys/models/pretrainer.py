@@ -250,6 +250,7 @@ class SequencePretrainer(RecsysModule):
         self.sparse_length_rules = FeatureLengthRules(aligned=(aligned,), owner=_OWNER)
         self.encoder = SASRecEncoder(embedding_dim, max_length, num_layers, num_heads, hidden, float(dropout), init_std)
         self.ranking_metrics = nn.ModuleDict({stage: RankingMetrics(ks) for stage in ("val", "test")})
+        self._evaluation_ranking: ItemRanking | None = None
 
     def forward(self, batch: SequenceBatch) -> torch.Tensor:
         """The output at every position, ``[B, max_length, embedding_dim]`` (right-padded; not L2-normalised)."""
@@ -310,14 +311,19 @@ class SequencePretrainer(RecsysModule):
         weight = self.item_embeddings.embeddings[ITEM_TABLE].weight.detach()
         return UnshardedItemRanking(weight, normalize_rows=self.l2_normalize)
 
-    # The ranking of an evaluation loop: built at its start (the table does not change until it ends), dropped at its end.
-    _evaluation_ranking: ItemRanking | None = None
-
+    # The ranking of an evaluation or predict loop (``_evaluation_ranking``, set in __init__): built at its start (the table
+    # does not change until it ends), dropped at its end.
     def on_validation_epoch_start(self) -> None:
         self._evaluation_ranking = self.item_ranking()
 
     def on_test_epoch_start(self) -> None:
         self._evaluation_ranking = self.item_ranking()
+
+    def on_predict_epoch_start(self) -> None:
+        self._evaluation_ranking = self.item_ranking() if self.predict_top_k > 0 else None
+
+    def on_predict_epoch_end(self) -> None:
+        self._evaluation_ranking = None
 
     def validation_step(self, batch: SequenceBatch, batch_idx: int) -> None:
         self._evaluate(batch, "val")
@@ -328,10 +334,12 @@ class SequencePretrainer(RecsysModule):
     def _evaluate(self, batch: SequenceBatch, stage: str) -> None:
         queries = self.user_vectors(batch)
         target_ids = ops.last_entries(batch.sparse[ITEM_FEATURE].lengths(), batch.next_item_ids)
-        # A step called outside a loop (no epoch-start hook) ranks the table as it is now.
-        ranking = self._evaluation_ranking if self._evaluation_ranking is not None else self.item_ranking()
-        ranks = ranking.target_ranks(queries, target_ids, batch.seen_ids, batch.seen_lengths)
+        ranks = self._loop_ranking().target_ranks(queries, target_ids, batch.seen_ids, batch.seen_lengths)
         self.ranking_metrics[stage].update(ranks)
+
+    def _loop_ranking(self) -> ItemRanking:
+        # A step called outside a loop (no epoch-start hook) ranks the table as it is now.
+        return self._evaluation_ranking if self._evaluation_ranking is not None else self.item_ranking()
 
     def on_validation_epoch_end(self) -> None:
         self._evaluation_ranking = None
@@ -355,6 +363,6 @@ class SequencePretrainer(RecsysModule):
         queries = self.user_vectors(batch)
         out = {"user_vectors": queries}
         if self.predict_top_k > 0:
-            scores, ids = self.item_ranking().top_k(queries, self.predict_top_k, batch.seen_ids, batch.seen_lengths)
+            scores, ids = self._loop_ranking().top_k(queries, self.predict_top_k, batch.seen_ids, batch.seen_lengths)
             out.update(top_k_ids=ids, top_k_scores=scores)
         return out
