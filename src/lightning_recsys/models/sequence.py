@@ -79,8 +79,7 @@ class SequenceRanker(RankerModule):
     masked. The encoder output is max-pooled over the valid tokens and the newest
     ``newest_tokens`` tokens are kept as they are (flattened); both, the candidate embedding,
     the pooled context embeddings and the dense features feed an MLP that gives one logit
-    (``action_means`` adds per-action mean item embeddings, ``action_shares`` each action's share of
-    the history beside the dense features, ``interaction="dot"`` DLRM's pairwise dots).
+    (``action_means`` adds per-action mean item embeddings, ``interaction="dot"`` DLRM's pairwise dots).
     An empty history gives a zero max-pool and zero tokens, never NaN.
 
     Every history id goes through the embedding lookup (and, sharded, the sequence all-to-all) before
@@ -99,8 +98,7 @@ class SequenceRanker(RankerModule):
     encoder and the tables by their own names. Build it with the pretrainer's ``embedding_dim``,
     ``num_layers``, ``num_heads``, ``feedforward_dim`` and ``max_length`` (as ``max_history``), and
     its ``num_items`` (as ``item_table_size``). The TransAct-only options (``newest_tokens``,
-    ``action_means``, ``action_shares``, ``history_dropout``, ``action_loss_weight``, ``interaction="dot"``)
-    are refused with it.
+    ``action_means``, ``history_dropout``, ``action_loss_weight``, ``interaction="dot"``) are refused with it.
 
     Args:
         item_table_size: rows of the item table (ids ``0 .. item_table_size - 1``), shared by the
@@ -128,15 +126,8 @@ class SequenceRanker(RankerModule):
             positively is the candidate" is one product. Why: where the signal is which items got
             which action, a mean over all history items carries none of it until the encoder has
             learned to tell the actions apart.
-        action_shares: also count the kept history by action type: for each action type the
-            fraction of the kept history items with that action, then ``log1p`` of their number
-            (``num_action_types + 1`` floats; all zeros for an empty or dropped history). They join
-            the dense features: the MLP reads them and, with ``interaction="dot"``, so does the
-            dense projection. Why: the encoder's max-pool and ``action_means`` carry what the user
-            acted on, never how often they acted positively, yet "how often this user rates >= 4"
-            is the strongest single signal when most users are new.
         history_dropout: in training, the probability that an example's whole history is hidden
-            (treated as empty: encoder, pooling, ``action_means`` and ``action_shares`` all see padding only), in ``[0, 1)``;
+            (treated as empty: encoder, pooling and ``action_means`` all see padding only), in ``[0, 1)``;
             0 (the default) never. Why: training examples almost always have a history (only a user's
             first ratings have none), so without it the model never learns to rank for users with no
             history, e.g. new users in a time split. Evaluation and prediction never drop.
@@ -185,7 +176,6 @@ class SequenceRanker(RankerModule):
         dropout: float = 0.1,
         newest_tokens: int | None = None,
         action_means: bool = False,
-        action_shares: bool = False,
         history_dropout: float = 0.0,
         action_loss_weight: float = 0.0,
         positive_actions: list[int] | None = None,
@@ -209,8 +199,7 @@ class SequenceRanker(RankerModule):
         sasrec = sequence_encoder == "sasrec"
         if sasrec:
             _refuse_transact_options(
-                newest_tokens=(newest_tokens, None), action_means=(action_means, False), action_shares=(action_shares, False),
-                history_dropout=(history_dropout, 0.0),
+                newest_tokens=(newest_tokens, None), action_means=(action_means, False), history_dropout=(history_dropout, 0.0),
                 action_loss_weight=(action_loss_weight, 0.0), interaction=(interaction, "concat"),
             )
             newest_tokens = 0
@@ -225,8 +214,6 @@ class SequenceRanker(RankerModule):
         _positive_int("num_heads", num_heads)
         if not isinstance(action_means, bool):
             raise ValueError(f"action_means={action_means!r} must be True or False.")
-        if not isinstance(action_shares, bool):
-            raise ValueError(f"action_shares={action_shares!r} must be True or False.")
         if interaction not in ("concat", "dot"):
             raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot'].")
         token_width = embedding_dim if sasrec else 3 * embedding_dim
@@ -345,12 +332,9 @@ class SequenceRanker(RankerModule):
         )
         # No nested tensors: the fast path would turn padding into a nested tensor in evaluation only.
         self.encoder = nn.TransformerEncoder(layer, num_layers=num_layers, enable_nested_tensor=False)
-        # The action shares join the dense features (the MLP's input, and the dense projection's with "dot").
-        dense_width = num_dense_features + (num_action_types + 1 if action_shares else 0)
-        over_in = (1 + newest_tokens) * token_width + (1 + len(context_names)) * embedding_dim + dense_width
+        over_in = (1 + newest_tokens) * token_width + (1 + len(context_names)) * embedding_dim + num_dense_features
         self.action_means = action_means
-        self.action_shares = action_shares
-        self._reads_action_ids = action_means or action_shares or action_loss_weight > 0
+        self._reads_action_ids = action_means or action_loss_weight > 0
         self.num_action_types = num_action_types
         if action_means:
             over_in += num_action_types * embedding_dim
@@ -358,8 +342,8 @@ class SequenceRanker(RankerModule):
         self.dense_projection: nn.Module | None = None
         if interaction == "dot":
             self.history_projection = nn.Linear((1 + newest_tokens) * token_width, embedding_dim)
-            self.dense_projection = nn.Linear(dense_width, embedding_dim) if dense_width else None
-            vectors = 2 + (num_action_types if action_means else 0) + len(context_names) + (1 if dense_width else 0)
+            self.dense_projection = nn.Linear(num_dense_features, embedding_dim) if num_dense_features else None
+            vectors = 2 + (num_action_types if action_means else 0) + len(context_names) + (1 if num_dense_features else 0)
             rows, cols = torch.triu_indices(vectors, vectors, offset=1)
             self.register_buffer("_pair_rows", rows, persistent=False)
             self.register_buffer("_pair_cols", cols, persistent=False)
@@ -439,13 +423,9 @@ class SequenceRanker(RankerModule):
         context = self.context_embeddings(batch.sparse).values() if self.context_embeddings is not None else None
         if context is not None:
             features.append(context)
-        dense_input = batch.dense
-        if self.action_shares:  # after history_dropout: a dropped history's shares are zeros
-            shares = ops.action_shares(action_ids, padding, self.num_action_types, batch.dense.dtype)
-            dense_input = torch.cat([batch.dense, shares], dim=1)
-        features.append(dense_input)
+        features.append(batch.dense)
         if self.history_projection is not None:
-            dense = self.dense_projection(dense_input) if self.dense_projection is not None else None
+            dense = self.dense_projection(batch.dense) if self.dense_projection is not None else None
             history_vector = self.history_projection(pooled)
             features.append(ops.pairwise_dots(self._pair_rows, self._pair_cols, candidate_embedding, history_vector, means, context, dense))
         return self.over_arch(torch.cat(features, dim=1)).squeeze(-1), action_loss

@@ -95,12 +95,6 @@ def padded_actions(sparse: KeyedJaggedTensor, action_feature: str, max_length: i
     return ids.squeeze(-1).long()
 
 
-def _action_members(actions: torch.Tensor, padding: torch.Tensor, num_actions: int, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, L, num_actions]``: 1 where a kept (non-padding) slot has that action, else 0."""
-    member = nn.functional.one_hot(actions.clamp(0, num_actions - 1), num_actions).to(dtype)
-    return member * (~padding)[..., None].to(dtype)
-
-
 @torch.fx.wrap
 def mean_per_action(actions: torch.Tensor, items: torch.Tensor, padding: torch.Tensor, num_actions: int) -> torch.Tensor:
     """The mean item embedding of each action type's kept slots: ``[B, num_actions, dim]`` (zeros where none).
@@ -108,21 +102,10 @@ def mean_per_action(actions: torch.Tensor, items: torch.Tensor, padding: torch.T
     ``items [B, L, dim]``, ``padding [B, L]`` and ``actions [B, L]`` are the padded history
     (``newest_padded``, ``padded_actions``).
     """
-    member = _action_members(actions, padding, num_actions, items.dtype)
+    member = nn.functional.one_hot(actions.clamp(0, num_actions - 1), num_actions).to(items.dtype)
+    member = member * (~padding)[..., None].to(items.dtype)
     sums = torch.einsum("bla,bld->bad", member, items)
     return sums / member.sum(dim=1).clamp(min=1.0)[..., None]
-
-
-@torch.fx.wrap
-def action_shares(actions: torch.Tensor, padding: torch.Tensor, num_actions: int, dtype: torch.dtype) -> torch.Tensor:
-    """Each action type's share of the kept history, then ``log1p`` of the kept count: ``[B, num_actions + 1]``.
-
-    The shares of a non-empty history sum to 1; an empty (or dropped) history gives zeros
-    throughout (``log1p(0) = 0``). ``actions [B, L]`` and ``padding [B, L]`` are the padded history.
-    """
-    counts = _action_members(actions, padding, num_actions, dtype).sum(dim=1)  # [B, num_actions]
-    kept = counts.sum(dim=1, keepdim=True)
-    return torch.cat([counts / kept.clamp(min=1.0), torch.log1p(kept)], dim=1)
 
 
 @torch.fx.wrap
