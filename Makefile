@@ -18,7 +18,7 @@ demo: $(STAMP)  # extra options: make demo ARGS="--trainer.strategy.init_args.qc
 	$(VENV)/bin/lightning-recsys fit --config examples/configs/synthetic_dlrm.yaml $(ARGS)
 
 test: $(STAMP)
-	$(VPY) -m pytest tests -q
+	$(VPY) -m pytest tests -q --durations=20
 
 test-fast: $(STAMP)
 	$(VPY) -m pytest tests/unit -q
