@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _pretrain_workload import training_batches
 from _quality_job import load_config
 from emulated.configs import CONFIGS, NODES, RANKS_PER_NODE, WORKLOADS, BenchConfig, unavailable_reason
 from emulated.network import SetupError, add_link_arguments, build_cluster, preflight, remove_stale_namespaces, sandbox_guard
@@ -88,11 +89,8 @@ def workload_shape(args: argparse.Namespace) -> Any:
     from lightning_recsys.planner.cost import PretrainWorkload
 
     data, model = instantiate(args.config["data"]), instantiate(args.config["model"])
-    world = NODES * RANKS_PER_NODE
-    batches = []
-    for rank in range(world):
-        iterator = iter(data._dataset("train", rank, world))
-        batches += [next(iterator) for _ in range(4)]
+    per_rank = training_batches(args, NODES * RANKS_PER_NODE, 4, data)  # the emulated pretrain workload's sampler, on this data
+    batches = [b for rank_batches in per_rank.values() for b in rank_batches]
     init = args.config["model"]["init_args"]
     workload = PretrainWorkload.from_batches(batches, items=init["num_items"], dim=init["embedding_dim"])
     dense = float(sum(4 * p.numel() for n, p in model.named_parameters() if "_embeddings." not in n))
