@@ -5,8 +5,10 @@ Same model, same initial weights, same global batches, same number of examples, 
 
 * ``1d``: every table sharded over all 4 ranks (no replicas, nothing to sync);
 * ``2d-...``: 2 replicas of sharding groups of 2, synced with ``ReplicaSyncConfig(rows, every_n_steps,
-  overlap, precision)``, for intervals 1/4/16/64; ``count-aware`` divides a row's summed change by
-  the replicas that touched it instead of all replicas (an experiment; not a config option).
+  overlap, precision, exchange, average)``, for intervals 1/4/16/64; every variant averages over
+  all replicas (``average="all_replicas"``) but ``count-aware``, which divides a row's summed change
+  by the replicas that touched it (``average="touching_replicas"``, what ``"auto"`` picks for
+  adaptive optimizers).
 
 Data: the synthetic click log (``lightning_recsys.data.synthetic``, planted signal, Zipf ids), and
 MovieLens-100k with ``--movielens-path`` (the ``ml-100k`` directory; labels: rating >= 4). Prints a
@@ -36,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD, PER_NODE = 4, 2
-# name: (rows, overlap, precision, count_aware, exchange); "1d" has no sync.
+# name: (rows, overlap, precision, touching_replicas, exchange); "1d" has no sync.
 KINDS: dict[str, tuple[str, bool, str, bool, str]] = {
     "2d-all": ("all", False, "fp32", False, "all_reduce"),
     "2d-all-overlap": ("all", True, "fp32", False, "all_reduce"),
@@ -115,12 +117,15 @@ def _train_one(rank: int, name: str, every: int, data: dict[str, Any], batches: 
     dense = torch.optim.Adagrad([p for p in sharded.dmp.parameters() if not sharded.is_embedding_param(p)], lr=args.dense_lr)
     sync = None
     if name != "1d":
-        rows, overlap, precision, count_aware, exchange = KINDS[name]
+        rows, overlap, precision, touching, exchange = KINDS[name]
         modules = [sharded.dmp.module.get_submodule(fqn) for fqn in sharded.embedding_module_fqns]
+        sync_config = ReplicaSyncConfig(
+            rows=rows, every_n_steps=every, overlap=overlap, precision=precision, exchange=exchange,  # type: ignore[arg-type]
+            average="touching_replicas" if touching else "all_replicas",
+        )
         sync = ReplicaSynchronizer.for_sharded_modules(
-            modules, sharded.fused_optimizer, topology.replica_process_group(),
-            config=ReplicaSyncConfig(rows=rows, every_n_steps=every, overlap=overlap, precision=precision, exchange=exchange),  # type: ignore[arg-type]
-            count_aware=count_aware,
+            modules, sharded.fused_optimizer, topology.replica_process_group(), config=sync_config,
+            count_aware=sync_config.averages_over_touching_replicas(config.is_adaptive),
         )
         sync.broadcast_from_first_replica()
     losses = torch.zeros(len(batches["train"]))

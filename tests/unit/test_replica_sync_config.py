@@ -7,6 +7,7 @@ def test_defaults():
     config = ReplicaSyncConfig()
     assert (config.rows, config.every_n_steps, config.overlap, config.precision, config.optimizer_state) == ("touched", 1, False, "fp32", True)
     assert config.exchange == "all_reduce" and not config.sends_deltas
+    assert config.average == "auto"
 
 
 @pytest.mark.parametrize(
@@ -23,6 +24,8 @@ def test_defaults():
         ({"exchange": "broadcast"}, r"exchange='broadcast' must be one of \['all_reduce', 'all_gather'\]"),
         ({"exchange": "all_gather", "rows": "all"}, r"exchange='all_gather' needs rows='touched' \(got rows='all'\)"),
         ({"precision": "bf16", "rows": "all"}, r"precision='bf16' needs rows='touched' \(got rows='all'\)"),
+        ({"average": "mean"}, r"average='mean' must be one of \['auto', 'all_replicas', 'touching_replicas'\]"),
+        ({"average": "touching_replicas", "rows": "all"}, r"average='touching_replicas' needs rows='touched' \(got rows='all'\)"),
     ],
 )
 def test_invalid_values_are_refused_naming_field_value_and_rule(kwargs, message):
@@ -35,6 +38,26 @@ def test_fp8_deltas_go_by_all_gather_and_every_all_gather_sends_deltas():
     assert config.sends_deltas
     assert config.describe() == "touched rows, every 4, overlapped, fp8 deltas, all-gather"
     assert ReplicaSyncConfig(exchange="all_gather").sends_deltas
+
+
+@pytest.mark.parametrize(
+    ("average", "rows", "adaptive", "touching"),
+    [
+        ("auto", "touched", True, True),  # row-wise Adagrad, Adam: a plain average shrinks a row one replica moved
+        ("auto", "touched", False, False),  # SGD: the plain average is exactly the 1D update
+        ("auto", "all", True, False),  # whole shards carry no record of who touched a row
+        ("all_replicas", "touched", True, False),
+        ("touching_replicas", "touched", False, True),
+    ],
+)
+def test_average_resolves_by_the_optimizer_and_rows(average, rows, adaptive, touching):
+    config = ReplicaSyncConfig(average=average, rows=rows)
+    assert config.averages_over_touching_replicas(adaptive) is touching
+
+
+def test_describe_names_an_explicit_average_only():
+    assert "averaged" not in ReplicaSyncConfig().describe()
+    assert ReplicaSyncConfig(average="all_replicas").describe() == "touched rows, every 1, averaged over all replicas"
 
 
 def test_overlap_and_bf16_deltas_are_accepted():

@@ -23,7 +23,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import SIGTERMException
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch.distributed.device_mesh import DeviceMesh
 from typing_extensions import override
@@ -335,6 +335,14 @@ class TwoDRecStrategy(
             coordination_group=self._coordination_group,
         )
         self._setup = setup
+        if self._runtime.replica_sync is not None:
+            sync, optimizer = self.replica_sync_config, self.embedding_optimizer_config
+            touching = self._runtime.replica_sync.count_aware and self._runtime.replica_sync.tracks_rows
+            over = "the replicas that touched it" if touching else "all replicas"
+            rank_zero_info(
+                f"TwoDRecStrategy: replica sync of {sync.describe()}; each row's change is averaged over {over} "
+                f"(average={sync.average!r}, embedding optimizer {optimizer.name})."
+            )
 
     @override
     def on_train_end(self) -> None:

@@ -101,6 +101,11 @@ class EmbeddingOptimizerConfig:
             if not 0 <= value < 1:
                 raise ValueError(f"EmbeddingOptimizerConfig({field}={value}) must be in [0, 1).")
 
+    @property
+    def is_adaptive(self) -> bool:
+        """Whether each row's step is normalized by its gradients' history (every optimizer but SGD)."""
+        return self.name != "sgd"
+
     def check_device(self, device_type: str, sharding_types: list[str] | None) -> None:
         """Raise if FBGEMM cannot run this optimizer for the tables that may be model-parallel."""
         model_parallel_possible = sharding_types is None or any(t != "data_parallel" for t in sharding_types)

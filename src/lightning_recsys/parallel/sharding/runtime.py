@@ -79,6 +79,7 @@ class ShardedRuntime:
                 sharded.fused_optimizer,
                 replica_group,
                 config=replica_sync,
+                count_aware=replica_sync.averages_over_touching_replicas(embedding_optimizer.is_adaptive),
             )
             # Each sharding group initialized its own shards (TorchRec re-initializes them); start equal.
             self.replica_sync.broadcast_from_first_replica()

@@ -104,7 +104,8 @@ class ReplicaSynchronizer:
     all-gathers the rows it touched with their changes since the last sync and adds them up in
     replica order. Overlapped, its stats are recorded when it is applied.
 
-    ``count_aware=True`` (an experiment, deltas only): a row's summed delta is divided by the
+    ``count_aware=True`` (``ReplicaSyncConfig.average`` resolved to ``"touching_replicas"`` by
+    ``averages_over_touching_replicas``; sends deltas): a row's summed delta is divided by the
     number of replicas that touched it, not by all replicas.
 
     It owns its cadence: call ``step_ended()`` after every training step (it syncs every

@@ -8,6 +8,7 @@ from typing import Literal
 ROWS = ("touched", "all")
 PRECISIONS = ("fp32", "bf16", "fp8")
 EXCHANGES = ("all_reduce", "all_gather")
+AVERAGES = ("auto", "all_replicas", "touching_replicas")
 
 
 @dataclass(kw_only=True, frozen=True)
@@ -44,6 +45,14 @@ class ReplicaSyncConfig:
             (it needs ``rows="touched"``; with ``precision="fp32"`` the changes are fp32).
         optimizer_state: also average the fused optimizer state (row-wise Adagrad's accumulators,
             Adam's moments), default True.
+        average: what a row's summed change is divided by. ``"all_replicas"``: every replica, as
+            TorchRec's ``DMPCollection.sync`` does; with SGD this is exactly the 1D update.
+            ``"touching_replicas"``: only the replicas that looked the row up since the last sync
+            (needs ``rows="touched"``). Adaptive optimizers (row-wise Adagrad, Adagrad, Adam) step a
+            row about as far whatever its share of the batch, so averaging over all replicas moves a
+            row that one of R replicas touched 1/R as far as 1D training would; dividing by the
+            touching replicas keeps that step. ``"auto"`` (default): ``"touching_replicas"`` with an
+            adaptive embedding optimizer and ``rows="touched"``, else ``"all_replicas"``.
     """
 
     rows: Literal["touched", "all"] = "touched"
@@ -52,6 +61,7 @@ class ReplicaSyncConfig:
     precision: Literal["fp32", "bf16", "fp8"] = "fp32"
     optimizer_state: bool = True
     exchange: Literal["all_reduce", "all_gather"] = "all_reduce"
+    average: Literal["auto", "all_replicas", "touching_replicas"] = "auto"
 
     def __post_init__(self) -> None:
         if self.rows not in ROWS:
@@ -81,11 +91,27 @@ class ReplicaSyncConfig:
                 f"ReplicaSyncConfig.precision='fp8' needs exchange='all_gather' (got exchange={self.exchange!r}): "
                 "scaled fp8 changes cannot be summed by an all-reduce on the wire."
             )
+        if self.average not in AVERAGES:
+            raise ValueError(f"ReplicaSyncConfig.average={self.average!r} must be one of {list(AVERAGES)}.")
+        if self.average == "touching_replicas" and self.rows != "touched":
+            raise ValueError(
+                f"ReplicaSyncConfig.average='touching_replicas' needs rows='touched' (got rows={self.rows!r}): only "
+                "touched-row tracking knows which replicas looked a row up; use average='all_replicas' with rows='all'."
+            )
 
     @property
     def sends_deltas(self) -> bool:
         """Whether the sync sends each touched row's change since the last sync (captured bases needed)."""
         return self.precision != "fp32" or self.exchange == "all_gather"
+
+    def averages_over_touching_replicas(self, adaptive_optimizer: bool) -> bool:
+        """Whether a row's change is divided by the replicas that touched it (``average`` resolved).
+
+        ``adaptive_optimizer``: the tables' optimizer normalizes each row's step (anything but SGD).
+        """
+        if self.average == "auto":
+            return adaptive_optimizer and self.rows == "touched"
+        return self.average == "touching_replicas"
 
     def describe(self) -> str:
         """A short label, e.g. ``touched rows, every 4, overlapped, bf16 deltas``."""
@@ -96,4 +122,6 @@ class ReplicaSyncConfig:
             parts.append(f"{self.precision} deltas")
         if self.exchange != "all_reduce":
             parts.append(self.exchange.replace("_", "-"))
+        if self.average != "auto":
+            parts.append(f"averaged over {self.average.replace('_', ' ')}")
         return ", ".join(parts)
