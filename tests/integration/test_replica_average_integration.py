@@ -40,7 +40,7 @@ def _one_adagrad_step(rank: int, world_size: int) -> dict:
         model = make_model()
         trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
         touching = strategy._runtime.replica_sync.count_aware if strategy._runtime.replica_sync is not None else None
-        results[name] = {"shards": shards_of(model), "touching": touching}
+        results[name] = {"shards": shards_of(model), "touching": touching, "described": strategy._runtime.describe_replica_sync()}
     return results
 
 
@@ -56,6 +56,8 @@ def test_a_row_one_replica_touched_moves_as_far_as_in_1d_with_the_auto_average()
     results = run_ranks(_one_adagrad_step, WORLD_SIZE, timeout=300, ranks_per_node=PER_NODE)
     assert [r["auto"]["touching"] for r in results] == [True] * WORLD_SIZE
     assert [r["all_replicas"]["touching"] for r in results] == [False] * WORLD_SIZE
+    assert "averaged over the replicas that touched it (average='auto', embedding optimizer rowwise_adagrad)" in results[0]["auto"]["described"]
+    assert "averaged over all replicas (average='all_replicas'" in results[0]["all_replicas"]["described"]
     initial = make_model().state_dict()["dlrm." + TABLE_KEY]
     table = {name: assemble([r[name]["shards"] for r in results], TABLE_KEY, initial) for name in VARIANTS}
 

@@ -328,21 +328,12 @@ class TwoDRecStrategy(
         if self._runtime is not None:
             self._runtime.close()
         self._runtime = setup.runtime = ShardedRuntime(
-            setup.sharded,
-            self.topology,
-            embedding_optimizer=self.embedding_optimizer_config,
-            replica_sync=self.replica_sync_config,
-            coordination_group=self._coordination_group,
+            setup.sharded, self.topology, embedding_optimizer=self.embedding_optimizer_config,
+            replica_sync=self.replica_sync_config, coordination_group=self._coordination_group,
         )
         self._setup = setup
         if self._runtime.replica_sync is not None:
-            sync, optimizer = self.replica_sync_config, self.embedding_optimizer_config
-            touching = self._runtime.replica_sync.count_aware and self._runtime.replica_sync.tracks_rows
-            over = "the replicas that touched it" if touching else "all replicas"
-            rank_zero_info(
-                f"TwoDRecStrategy: replica sync of {sync.describe()}; each row's change is averaged over {over} "
-                f"(average={sync.average!r}, embedding optimizer {optimizer.name})."
-            )
+            rank_zero_info(f"TwoDRecStrategy: {self._runtime.describe_replica_sync()}")
 
     @override
     def on_train_end(self) -> None:

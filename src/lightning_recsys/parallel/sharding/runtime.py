@@ -98,6 +98,17 @@ class ShardedRuntime:
         # torch.profiler ranges of input dist, lookup and all-to-all, hooked in while a profiler records.
         self.phase_labels = StepPhaseLabels([owner for owner, _ in self._lookups])
 
+    def describe_replica_sync(self) -> str:
+        """What the replica sync does, with the average ``ReplicaSyncConfig(average="auto")`` resolved to."""
+        sync = self.replica_sync
+        touching = sync is not None and sync.count_aware and sync.tracks_rows
+        over = "the replicas that touched it" if touching else "all replicas"
+        config = sync.config if sync is not None else ReplicaSyncConfig()
+        return (
+            f"replica sync of {config.describe()}; each row's change is averaged over {over} "
+            f"(average={config.average!r}, embedding optimizer {self.embedding_optimizer.name})."
+        )
+
     # ----------------------------------------------------------------- set-up
     def start(self, sequence_wire_bytes: tuple[float, float] = (4.0, 4.0)) -> None:
         """Start accounting this process's collectives, and the sequence all-to-all's bytes by feature.
