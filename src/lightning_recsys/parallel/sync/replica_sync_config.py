@@ -18,7 +18,8 @@ class ReplicaSyncConfig:
     Args:
         rows: ``"touched"`` (default) averages only the union, over the replica group, of the rows
             looked up since the last sync; untouched rows are equal on every replica already, so
-            the result is the same as ``"all"``, which averages every row of every local shard.
+            with ``average="all_replicas"`` the result is the same as ``"all"``, which averages
+            every row of every local shard over all replicas.
         every_n_steps: sync every n training steps (default 1). Evaluation, checkpoint saves and
             the end of training sync too, if a step ran since the last sync.
         overlap: launch the sync's all-reduce in the background at the end of its step and apply
