@@ -75,6 +75,9 @@ def add_strategy_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--sync-precision", default="fp32", choices=["fp32", "bf16", "fp8"], help="ReplicaSyncConfig.precision")
     parser.add_argument("--sync-exchange", default="all_reduce", choices=["all_reduce", "all_gather"], help="ReplicaSyncConfig.exchange")
+    parser.add_argument(
+        "--sync-average", default="auto", choices=["auto", "all_replicas", "touching_replicas"], help="ReplicaSyncConfig.average"
+    )
     parser.add_argument("--qcomms", default="fp32", choices=QCOMMS_CHOICES)
     parser.add_argument(
         "--index-dedup", action=argparse.BooleanOptionalAction, default=False, help="QCommsConfig.index_dedup (sequence tables)"
@@ -86,7 +89,7 @@ def replica_sync_config(args: argparse.Namespace) -> Any:
 
     return ReplicaSyncConfig(
         rows=args.sync_rows, every_n_steps=args.sync_every_n_steps, overlap=args.sync_overlap, precision=args.sync_precision,
-        exchange=args.sync_exchange,
+        exchange=args.sync_exchange, average=args.sync_average,
     )
 
 

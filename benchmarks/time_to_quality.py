@@ -66,6 +66,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=512, help="a run that has not reached the threshold by then stops")
     parser.add_argument("--eval-every", type=int, default=16, help="validate every this many steps (a multiple of every sync interval)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--replica-average", default="auto", choices=["auto", "all_replicas", "touching_replicas"],
+        help="ReplicaSyncConfig.average of the 2D runs (auto: over the replicas that touched a row, with row-wise Adagrad)",
+    )
     parser.add_argument("--predict-compute-ms", type=float, default=100.0, help="the compute per step the cost model assumes")
     parser.add_argument("--run-timeout", type=float, default=900.0, help="seconds for one launch pair, start-up included")
     parser.add_argument("--json", type=Path, default=HERE / "results" / "time_to_quality.json")
@@ -115,13 +119,28 @@ def choose_configs(args: argparse.Namespace, shape: Any, link: Any) -> list[Benc
     return chosen
 
 
+def _replica_average_line(args: argparse.Namespace, configs: list[BenchConfig]) -> str:
+    """Which replicas the 2D runs average a row over (``ReplicaSyncConfig.average`` resolved for the tables' optimizer)."""
+    from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig
+
+    optimizer = EmbeddingOptimizerConfig(**args.config["trainer"]["strategy"]["init_args"]["embedding_optimizer"])
+    lines = []
+    for c in configs:
+        if c.is_2d:
+            sync = ReplicaSyncConfig(rows=c.sync_rows, average=args.replica_average)  # type: ignore[arg-type]
+            over = "the replicas that touched it" if sync.averages_over_touching_replicas(optimizer.is_adaptive) else "all replicas"
+            lines.append(f"{c.name}: each row over {over}")
+    where = "; ".join(lines) or "no 2D configuration"
+    return f"Embedding optimizer {optimizer.name}, lr {optimizer.lr:g}; replica average {args.replica_average!r} ({where})."
+
+
 def one_run(env: Any, cfg: BenchConfig, args: argparse.Namespace, *, threshold: float | None, steps: int, port: int,
             log_dir: Path) -> dict[str, Any]:  # fmt: skip
     out = log_dir / f"{cfg.name}.{port}.json"
     job_args = [
         "--out", str(out), "--devices", str(RANKS_PER_NODE), "--num-nodes", str(NODES), "--max-steps", str(steps),
         "--eval-every", str(args.eval_every), *(["--threshold", str(threshold)] if threshold is not None else []),
-        *[f"--set={item}" for item in args.set], *strategy_arguments(cfg),
+        *[f"--set={item}" for item in args.set], *strategy_arguments(cfg), "--sync-average", args.replica_average,
     ]  # fmt: skip
     return run_job(env, cfg, args, port=port, out_json=out, log_dir=log_dir, job=JOB, job_args=job_args)
 
@@ -204,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
           f"one-way between nodes. Model: SequencePretrainer, {model['num_layers']} block(s), dim {model['embedding_dim']}, "
           f"{data['num_items']} items in {data['num_clusters']} planted chains, {data['num_users']} users, global batch "
           f"{data['global_batch_size']}, {data['num_negatives']} negatives per rank; validated every {args.eval_every} steps.")  # fmt: skip
+    print(_replica_average_line(args, configs))
     print("\nCost model, before the runs (compute assumed "
           f"{args.predict_compute_ms:g} ms per step; the same steps assumed for every configuration):\n")  # fmt: skip
     print("| configuration | predicted step ms | predicted inter-node MB per step and node |\n|---|---|---|")
@@ -213,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         predicted[c.name] = e.step_s
         print(f"| {c.label} | {e.step_s * 1e3:.0f} | {e.inter_node_bytes / 1e6:.3f} |")
     payload: dict[str, Any] = {"link": {"bandwidth_mbit": args.bandwidth_mbit, "latency_ms": args.latency_ms}, "model": model,
-                               "data": data, "eval_every": args.eval_every, "predicted_step_s": predicted}  # fmt: skip
+                               "data": data, "eval_every": args.eval_every, "predicted_step_s": predicted,
+                               "replica_average": args.replica_average}  # fmt: skip
     runs: dict[str, list[dict[str, Any]]] = {}
     with sandbox_guard() as sandbox:
         stale = remove_stale_namespaces()

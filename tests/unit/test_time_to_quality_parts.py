@@ -84,3 +84,18 @@ def test_each_repeat_is_judged_against_its_own_1d_fp32_run(bench, capsys):
     assert rows["2d_touched_overlap_sync4"]["speedup_vs_1d_fp32"] == pytest.approx(24.0 / 19.0)
     assert summary["by_wall_s"]["target_held"] == 1
     assert "held in 1 of 3 repeats" in capsys.readouterr().out
+
+
+def test_the_header_says_which_replicas_the_2d_runs_average_a_row_over(bench):
+    ttq = bench["time_to_quality"]
+    from emulated.configs import CONFIGS
+
+    chosen = [c for c in CONFIGS if c.name in ("1d_fp32", "2d_gather_overlap_fp8_sync4")]
+    line = ttq._replica_average_line(ttq.parse_args([]), chosen)
+    assert line == (
+        "Embedding optimizer rowwise_adagrad, lr 0.05; replica average 'auto' "
+        "(2d_gather_overlap_fp8_sync4: each row over the replicas that touched it)."
+    )
+    plain = ttq._replica_average_line(ttq.parse_args(["--replica-average", "all_replicas", "--set", "trainer.strategy.init_args.embedding_optimizer.name=sgd"]), chosen)
+    assert plain.startswith("Embedding optimizer sgd, lr 0.05; replica average 'all_replicas'") and "over all replicas" in plain
+    assert ttq._replica_average_line(ttq.parse_args([]), chosen[:1]).endswith("(no 2D configuration).")
