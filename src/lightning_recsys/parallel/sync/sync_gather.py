@@ -101,7 +101,11 @@ class GatheredSync:
         if exchange_pieces < 1 or (exchange_pieces > 1 and not defer_exchange):
             raise ValueError(f"exchange_pieces={exchange_pieces}: must be 1, or more with defer_exchange=True")
         if count_aware and num_replicas > 255:
-            raise ValueError(f"count_aware=True counts a row's senders in a byte: at most 255 replicas, got {num_replicas}")
+            raise ValueError(
+                f"the all-gather replica sync counts the replicas that touched a row in a byte: at most 255 replicas, got "
+                f"{num_replicas}. Set ReplicaSyncConfig(average='all_replicas') (the 'auto' default picks the touching "
+                "replicas with an adaptive optimizer), or exchange='all_reduce'."
+            )
         self._tables = tables
         self._num_replicas = num_replicas
         self._me = dist.get_rank(group)  # this replica's buffer in the gathered list
