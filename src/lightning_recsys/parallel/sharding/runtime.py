@@ -101,12 +101,12 @@ class ShardedRuntime:
     def describe_replica_sync(self) -> str:
         """What the replica sync does, with the average ``ReplicaSyncConfig(average="auto")`` resolved to."""
         sync = self.replica_sync
-        touching = sync is not None and sync.count_aware and sync.tracks_rows
-        over = "the replicas that touched it" if touching else "all replicas"
-        config = sync.config if sync is not None else ReplicaSyncConfig()
+        if sync is None:
+            return "no replica sync (1D, or every table data_parallel)."
+        over = "the replicas that touched it" if sync.count_aware and sync.tracks_rows else "all replicas"
         return (
-            f"replica sync of {config.describe()}; each row's change is averaged over {over} "
-            f"(average={config.average!r}, embedding optimizer {self.embedding_optimizer.name})."
+            f"replica sync of {sync.config.describe()}; each row's change is averaged over {over} "
+            f"(average={sync.config.average!r}, embedding optimizer {self.embedding_optimizer.name})."
         )
 
     # ----------------------------------------------------------------- set-up
