@@ -22,16 +22,13 @@ import numpy as np
 import torch
 from torchrec import KeyedJaggedTensor
 
+from lightning_recsys.contracts.names import ACTION_FEATURE, ITEM_FEATURE, NEGATIVE_FEATURE, NEXT_ITEM_FEATURE
 from lightning_recsys.data.batch import SequenceBatch
 from lightning_recsys.data.module import Split
 from lightning_recsys.data.sequences.reader import UserSequences
 
 log = logging.getLogger(__name__)
 
-ITEM_FEATURE = "item_id"
-ACTION_FEATURE = "action"
-NEGATIVE_FEATURE = "negative_item_id"
-NEXT_ITEM_FEATURE = "next_item_id"
 MIN_EVALUATED_LENGTH = 3  # a validation and a test target, and at least one item before them
 MIN_TRAINING_LENGTH = 2  # an input item and its next item
 

@@ -31,10 +31,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from lightning_recsys.contracts.names import SEQUENCE_ITEM_FEATURES
 from lightning_recsys.planner.cost.cost_model import Collective
 from lightning_recsys.planner.cost.traffic_model import Feature, ModelShape, expected_distinct, zipf_exponent_for_distinct
 
-HISTORY, TARGETS, NEGATIVES = "item_id", "next_item_id", "negative_item_id"  # SequencePretrainer's features of the item table
+HISTORY, TARGETS, NEGATIVES = SEQUENCE_ITEM_FEATURES  # SequencePretrainer's features of the item table
 NegativeSampling = Literal["uniform", "popularity"]
 
 
