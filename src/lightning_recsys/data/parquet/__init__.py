@@ -1,0 +1,60 @@
+"""Prepared parquet user sequences: the contract (``contract``), ``prepare`` (raw events in, the contract out) and the readers.
+
+``lightning-recsys prepare --input EVENTS --output DIR`` writes a prepared directory; see
+``docs/datasets.md`` ("Prepared parquet data (contract v1)").
+"""
+
+from __future__ import annotations
+
+from lightning_recsys.data.parquet.contract import (
+    ACTIONS_COLUMN,
+    COUNT_COLUMN,
+    FORMAT,
+    ITEM_ID_COLUMN,
+    ITEM_ROWS_COLUMN,
+    ITEMS_FILE,
+    METADATA_FILE,
+    ROW_COLUMN,
+    TIMESTAMPS_COLUMN,
+    USER_ID_COLUMN,
+    USERS_DIR,
+    VERSION,
+    FileInfo,
+    PreparedBy,
+    PreparedDataError,
+    PreparedMetadata,
+    RowGroupInfo,
+    RowGroupRef,
+    describe,
+    part_file_name,
+    read_metadata,
+    write_metadata,
+)
+
+__all__ = [
+    "ACTIONS_COLUMN",
+    "COUNT_COLUMN",
+    "FORMAT",
+    "ITEMS_FILE",
+    "ITEM_ID_COLUMN",
+    "ITEM_ROWS_COLUMN",
+    "METADATA_FILE",
+    "ROW_COLUMN",
+    "TIMESTAMPS_COLUMN",
+    "USERS_DIR",
+    "USER_ID_COLUMN",
+    "VERSION",
+    "FileInfo",
+    "PreparedBy",
+    "PreparedDataError",
+    "PreparedMetadata",
+    "RowGroupInfo",
+    "RowGroupRef",
+    "describe",
+    "part_file_name",
+    "read_metadata",
+    "write_metadata",
+]
+
+# ---- DataModule / reader exports (owned by the reader's author; append below this line) ----
+# ---- end of DataModule / reader exports ----
