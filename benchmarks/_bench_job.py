@@ -109,7 +109,7 @@ def _cached_datamodule(config: Any, unique: int, module: type | None = None) -> 
     from torch.utils.data import IterableDataset
 
     from lightning_recsys.data import SyntheticClickLogDataModule
-    from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+    from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset
 
     base: Any = module or SyntheticClickLogDataModule
 

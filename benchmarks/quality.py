@@ -62,7 +62,7 @@ import numpy as np
 if TYPE_CHECKING:
     from lightning.pytorch.cli import LightningCLI
 
-    from lightning_recsys.data.movielens import MovieLens100KConfig
+    from lightning_recsys.data.movielens.ratings import MovieLens100KConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -76,7 +76,7 @@ _HOLDOUT_WORDS = {"random": "a random draw", "newest": "the newest"}
 
 def make_synthetic_movielens(directory: Path, seed: int = 0, num_ratings: int = 100_000, interaction: float = 1.0) -> None:
     """A MovieLens-100k-format directory with planted structure (see the module docstring)."""
-    from lightning_recsys.data.movielens import GENRES, OCCUPATIONS
+    from lightning_recsys.data.movielens.ratings import GENRES, OCCUPATIONS
 
     rng = np.random.default_rng(seed)
     users, items, dim = 943, 1682, 8
@@ -135,7 +135,7 @@ def make_synthetic_movielens(directory: Path, seed: int = 0, num_ratings: int = 
 
 def _baselines_movielens(config: MovieLens100KConfig) -> dict:
     """Fit on ``config``'s train ratings, pick the strength on its val ratings: the model's own split."""
-    from lightning_recsys.data.movielens import MovieLens100K
+    from lightning_recsys.data.movielens.ratings import MovieLens100K
     from lightning_recsys.models.baselines import PopularityBaseline, UserItemBiasBaseline, auc, log_loss, normalized_entropy
 
     data = MovieLens100K(config, warn=False)
@@ -165,7 +165,7 @@ def _baselines_movielens(config: MovieLens100KConfig) -> dict:
 
 
 def _baselines_criteo(path: str, train_days: list[int], val_days: list[int], test_days: list[int]) -> dict:
-    from lightning_recsys.data.criteo_binary import day_file
+    from lightning_recsys.data.criteo.binary import day_file
     from lightning_recsys.models.baselines import SmoothedRate, auc, normalized_entropy
 
     def load(days: list[int], kind: str) -> np.ndarray:
@@ -199,8 +199,8 @@ def _baselines_history(config: MovieLens100KConfig, history: str = "train") -> d
     from any split, as the DataModule's option. Its positives are the ratings >= 4. The window, the
     strength and the item term are picked on val.
     """
-    from lightning_recsys.data.movielens import POSITIVE_RATING, MovieLens100K
-    from lightning_recsys.data.movielens_sequence import TrainingHistories
+    from lightning_recsys.data.movielens.ratings import POSITIVE_RATING, MovieLens100K
+    from lightning_recsys.data.movielens.histories import TrainingHistories
     from lightning_recsys.models.baselines import RecentPositiveRateBaseline, auc, log_loss, normalized_entropy
 
     data = MovieLens100K(config, warn=False)
@@ -241,7 +241,7 @@ def _synthetic_dlrm_config(sequence_config: Path, workdir: Path) -> Path:
     sequence = yaml.safe_load(sequence_config.read_text())
     dlrm = yaml.safe_load((CONFIGS / "synthetic_dlrm.yaml").read_text())
     data = sequence["data"]["init_args"]["config"]
-    from lightning_recsys.data.synthetic_sequence import CANDIDATE_ITEM_FEATURE, SyntheticSequenceConfig
+    from lightning_recsys.data.synthetic.sequence_log import CANDIDATE_ITEM_FEATURE, SyntheticSequenceConfig
 
     resolved = SyntheticSequenceConfig(**data)
     model = dict(dlrm["model"]["init_args"])

@@ -128,8 +128,8 @@ def profile_stages(path: Path, window_bytes: int) -> dict:
     The stages run one after another on each window (no overlap), so they add up to one thread's
     cost of a line; the reader spreads them over ``parse_threads`` threads.
     """
-    from lightning_recsys.data.criteo_arrow import whole_batches
-    from lightning_recsys.data.criteo_parse import _ALLOWED, _CONVERT_FIXED, Parsed, _fixed_width_columns, _integers, _read, dense_values
+    from lightning_recsys.data.criteo.arrow import whole_batches
+    from lightning_recsys.data.criteo.parse import _ALLOWED, _CONVERT_FIXED, Parsed, _fixed_width_columns, _integers, _read, dense_values
 
     stages = dict.fromkeys(["allowed_bytes_check", "pyarrow_read_csv", "integers_to_numpy", "checks_and_hex_decode",
                             "modulo_table_size", "dense_log_transform", "batches_to_kjt"], 0.0)
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
 
     from lightning_recsys.data import CriteoBinaryDataModule, CriteoDataModule
-    from lightning_recsys.data.criteo_binary import convert_tsv_to_npy
+    from lightning_recsys.data.criteo.binary import convert_tsv_to_npy
 
     work = Path(tempfile.mkdtemp(prefix="readers-")) if args.dir is None else args.dir
     work.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def main(argv: list[str] | None = None) -> dict:
 
         profile = None
         if not args.no_profile:
-            from lightning_recsys.data.criteo_arrow import DEFAULT_WINDOW_BYTES
+            from lightning_recsys.data.criteo.arrow import DEFAULT_WINDOW_BYTES
 
             profile = profile_stages(tsv, DEFAULT_WINDOW_BYTES)
             print("arrow reader, CPU-s per 10^6 lines by stage (one thread):", json.dumps(profile["cpu_seconds_per_1e6_lines"]), flush=True)

@@ -10,7 +10,7 @@ Same model, same initial weights, same global batches, same number of examples, 
   by the replicas that touched it (``average="touching_replicas"``, what ``"auto"`` picks for
   adaptive optimizers).
 
-Data: the synthetic click log (``lightning_recsys.data.synthetic``, planted signal, Zipf ids), and
+Data: the synthetic click log (``lightning_recsys.data.synthetic.click_log``, planted signal, Zipf ids), and
 MovieLens-100k with ``--movielens-path`` (the ``ml-100k`` directory; labels: rating >= 4). Prints a
 table (val AUC and its difference to 1D, NE, mean train loss over the last tenth of the steps,
 rows per sync and the touched fraction on rank 0) and writes JSON with the loss curves.
@@ -55,7 +55,7 @@ KINDS: dict[str, tuple[str, bool, str, bool, str]] = {
 def _data(args: argparse.Namespace) -> dict[str, Any]:
     """What the model and batches need: table sizes, dense features, a global-batch source per split."""
     if args.movielens_path:
-        from lightning_recsys.data.movielens import MovieLens100KConfig
+        from lightning_recsys.data.movielens.ratings import MovieLens100KConfig
 
         config = MovieLens100KConfig(path=args.movielens_path, global_batch_size=args.global_batch, seed=args.seed)
         return {"dataset": "movielens-100k", "table_sizes": config.table_sizes, "num_dense": config.num_dense_features,
@@ -73,14 +73,14 @@ def _data(args: argparse.Namespace) -> dict[str, Any]:
 def _batches(data: dict[str, Any], split: str, rank: int, epochs: int) -> list[Any]:
     if data["dataset"] == "synthetic":
         from lightning_recsys.data import SyntheticClickLog
-        from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+        from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset
 
         config = data["config"]
         log = SyntheticClickLog(config)
         count = config.train_batches if split == "train" else config.val_batches
         dataset = SyntheticClickLogDataset(log, split, count, rank, WORLD)
     else:
-        from lightning_recsys.data.movielens import MovieLens100K, MovieLens100KDataset
+        from lightning_recsys.data.movielens.ratings import MovieLens100K, MovieLens100KDataset
 
         dataset = MovieLens100KDataset(MovieLens100K(data["config"], warn=False), split, rank, WORLD)
     out: list[Any] = []

@@ -19,7 +19,8 @@ from safetensors.torch import load_file
 
 from lightning_recsys import QCommsConfig, ReplicaSyncConfig
 from lightning_recsys.checkpoint import export_safetensors
-from lightning_recsys.data.sequences import SequenceFileDataModule, SyntheticPretrainDataModule
+from lightning_recsys.data.sequences import SequenceFileDataModule
+from lightning_recsys.data.synthetic import SyntheticPretrainDataModule
 from lightning_recsys.models import SequencePretrainer
 from lightning_recsys.models.pretrainer_ops import last_entries
 from lightning_recsys.models.ranking_metrics import RankingMetrics

@@ -21,7 +21,7 @@ from lightning_recsys.data import (
     SyntheticClickLogDataModule,
     slice_batch,
 )
-from lightning_recsys.data.criteo import CriteoDataModule
+from lightning_recsys.data.criteo.tsv import CriteoDataModule
 from lightning_recsys.models import DLRMRanker
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[50, 30], num_dense_features=3, global_batch_size=32, train_batches=12, val_batches=1)

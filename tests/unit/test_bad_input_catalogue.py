@@ -18,7 +18,7 @@ from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTens
 from lightning_recsys import EmbeddingOptimizerConfig, GuardConfig, QCommsConfig, ReplicaSyncConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.checkpoint import UncommittedCheckpointError, load_unsharded
 from lightning_recsys.data import CriteoDataModule, MalformedLineError, RecBatch, SyntheticClickLogConfig
-from lightning_recsys.data.criteo import CriteoDataset
+from lightning_recsys.data.criteo.tsv import CriteoDataset
 from lightning_recsys.models import DLRMRanker
 from lightning_recsys.parallel.input.batch_check import InputValidator, feature_tables
 from lightning_recsys.parallel.input.input_guard import CoordinatedBatches

@@ -6,7 +6,7 @@ from fractions import Fraction as F
 import numpy as np
 import pytest
 
-from lightning_recsys.data.movielens import MovieLens100K, MovieLens100KConfig
+from lightning_recsys.data.movielens.ratings import MovieLens100K, MovieLens100KConfig
 from lightning_recsys.models.baselines import (
     PopularityBaseline,
     SmoothedRate,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
+from lightning_recsys.data.criteo.tsv import CRITEO_FEATURE_NAMES, CriteoConfig, CriteoDataModule, CriteoDataset
 from lightning_recsys.data.readers import MalformedLineError
 
 # Hand-written lines: label, 13 integer features, 26 categorical features.

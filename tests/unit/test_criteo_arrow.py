@@ -10,9 +10,9 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_recsys.data.criteo import CriteoConfig, CriteoDataModule, CriteoDataset
-from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
-from lightning_recsys.data.criteo_ranges import LineIndex, count_byte, count_chunk_lines, file_chunks
+from lightning_recsys.data.criteo.tsv import CriteoConfig, CriteoDataModule, CriteoDataset
+from lightning_recsys.data.criteo.arrow import CriteoArrowDataset
+from lightning_recsys.data.criteo.ranges import LineIndex, count_byte, count_chunk_lines, file_chunks
 from lightning_recsys.data.readers import MalformedLineError
 
 
@@ -41,8 +41,8 @@ def _lines(n: int, seed: int = 0, released: bool = False) -> list[str]:
 @pytest.fixture
 def fixed_width_only(monkeypatch):
     """Fail a test whose valid lines would leave the fixed-width path (the any-width path or the exact one)."""
-    import lightning_recsys.data.criteo_arrow as arrow_module
-    import lightning_recsys.data.criteo_parse as parse_module
+    import lightning_recsys.data.criteo.arrow as arrow_module
+    import lightning_recsys.data.criteo.parse as parse_module
 
     def refuse(*args, **kwargs):
         raise AssertionError("a window left the fixed-width path")
@@ -111,7 +111,7 @@ def test_released_layout_takes_the_fixed_width_path_with_the_same_batches(tmp_pa
 def test_hex8_words_is_int_base_16():
     import numpy as np
 
-    from lightning_recsys.data.criteo_parse import hex8_words
+    from lightning_recsys.data.criteo.parse import hex8_words
 
     rng = random.Random(3)
     texts = ["00000000", "ffffffff", "FFFFFFFF", "0000000a", "A0000000", "12345678", "9abcdefA", "deadBEEF"]
@@ -338,7 +338,7 @@ def test_datamodule_defaults_to_arrow_and_gives_ranks_contiguous_lines(tmp_path)
 def test_prefetch_keeps_order_passes_errors_on_and_stops_when_closed():
     import threading
 
-    from lightning_recsys.data.criteo_arrow import prefetch
+    from lightning_recsys.data.criteo.arrow import prefetch
 
     assert list(prefetch(iter(range(50)))) == list(range(50))
 
@@ -394,7 +394,7 @@ def test_zero_padding_after_the_last_gzip_member_is_ignored_as_gzip_does(tmp_pat
     assert LineIndex.build([str(padded)]).total == 60
     for world_size in (1, 2):  # 2: the rank's range is found by LineIndex, then read
         expected = list(CriteoArrowDataset(_config([plain]), "train", 0, world_size, window_bytes=500))
-        with caplog.at_level(logging.INFO, logger="lightning_recsys.data.criteo_ranges"):
+        with caplog.at_level(logging.INFO, logger="lightning_recsys.data.criteo.ranges"):
             got = list(CriteoArrowDataset(_config([str(padded)]), "train", 0, world_size, window_bytes=500))
         assert len(got) == len(expected) == 60 // 8
         assert all(_same(a, b) for a, b in zip(got, expected))

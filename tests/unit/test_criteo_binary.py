@@ -14,15 +14,15 @@ pytest.importorskip("iopath", reason="the npy reader needs iopath: pip install '
 
 from torchrec.datasets.criteo import BinaryCriteoUtils  # noqa: E402
 
-from lightning_recsys.data.criteo import CRITEO_FEATURE_NAMES  # noqa: E402
-from lightning_recsys.data.criteo_binary import (  # noqa: E402
+from lightning_recsys.data.criteo.tsv import CRITEO_FEATURE_NAMES  # noqa: E402
+from lightning_recsys.data.criteo.binary import (  # noqa: E402
     CriteoBinaryConfig,
     CriteoBinaryDataModule,
     CriteoBinaryDataset,
     convert_tsv_to_npy,
     day_file,
 )
-from lightning_recsys.data.criteo_to_npy import main  # noqa: E402
+from lightning_recsys.data.criteo.to_npy import main  # noqa: E402
 
 SIZES = [7, 1000, 2**31 - 1] + [97] * 23
 
@@ -159,7 +159,7 @@ def test_config_validation_and_missing_files(tmp_path):
         with pytest.raises(ValueError, match=message):
             CriteoBinaryConfig(path=str(tmp_path), **kwargs)
     dm = CriteoBinaryDataModule(str(tmp_path), train_days=[3])
-    with pytest.raises(FileNotFoundError, match=r"day_3_dense.npy does not exist: .*python -m lightning_recsys.data.criteo_to_npy"):
+    with pytest.raises(FileNotFoundError, match=r"day_3_dense.npy does not exist: .*python -m lightning_recsys.data.criteo.to_npy"):
         dm.train_dataloader()
     with pytest.raises(ValueError, match="num_workers=-2 must be an integer >= 0"):
         CriteoBinaryDataModule(str(tmp_path), train_days=[0], num_workers=-2)
@@ -293,7 +293,7 @@ def test_a_missing_day_of_any_split_the_stage_reads_is_refused_at_setup(npy_dir)
     out, _, _ = npy_dir
     dm = CriteoBinaryDataModule(str(out), train_days=[0], val_days=[1, 7], test_days=[9], table_sizes=SIZES, global_batch_size=10)
     for stage in ("fit", "validate"):
-        with pytest.raises(FileNotFoundError, match=r"val_days=\[1, 7\]\): .*day_7_dense.npy does not exist: .*criteo_to_npy"):
+        with pytest.raises(FileNotFoundError, match=r"val_days=\[1, 7\]\): .*day_7_dense.npy does not exist: .*criteo.to_npy"):
             dm.setup(stage)
     for stage in ("test", "predict"):
         with pytest.raises(FileNotFoundError, match=r"test_days=\[9\]\): .*day_9_dense.npy does not exist"):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_recsys.data.movielens import (
+from lightning_recsys.data.movielens.ratings import (
     MOVIELENS_FEATURE_NAMES,
     MovieLens100K,
     MovieLens100KConfig,

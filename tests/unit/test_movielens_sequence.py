@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_recsys.data.movielens import MovieLens100K
-from lightning_recsys.data.movielens_sequence import (
+from lightning_recsys.data.movielens.ratings import MovieLens100K
+from lightning_recsys.data.movielens.histories import (
     MOVIELENS_SEQUENCE_FEATURE_NAMES,
     MovieLens100KSequenceConfig,
     MovieLens100KSequenceDataModule,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_recsys.data.movielens_sequence import MovieLens100KSequenceConfig, MovieLens100KSequenceDataModule
+from lightning_recsys.data.movielens.histories import MovieLens100KSequenceConfig, MovieLens100KSequenceDataModule
 from lightning_recsys.models import SequenceRanker
 from tests.unit.test_movielens_sequence import NUM_ITEMS, NUM_USERS, _examples, _read, _write_files
 

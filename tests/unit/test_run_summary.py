@@ -7,7 +7,7 @@ from summary_helpers import summary_rows, write_criteo_tsv
 
 from lightning_recsys.callbacks import RunSummary, format_summary
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
-from lightning_recsys.data.criteo import CriteoDataModule
+from lightning_recsys.data.criteo.tsv import CriteoDataModule
 from lightning_recsys.models import DLRMRanker
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[20, 10], num_dense_features=3, global_batch_size=16, train_batches=10, val_batches=1)

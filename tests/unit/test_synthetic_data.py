@@ -2,7 +2,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, slice_batch
-from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset
 
 CONFIG = SyntheticClickLogConfig(table_sizes=[100, 500], num_dense_features=3, global_batch_size=64, seed=5)
 

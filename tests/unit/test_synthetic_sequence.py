@@ -5,7 +5,7 @@ import torch
 from torchmetrics.functional.classification import binary_auroc
 
 from lightning_recsys.data import SyntheticSequenceConfig, SyntheticSequenceDataModule, SyntheticSequenceLog, slice_batch
-from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset
 
 SMALL = dict(num_items=240, num_clusters=6, max_history_length=12, context_table_sizes=[30, 7], num_dense_features=3)
 

@@ -16,3 +16,8 @@ ACTION_FEATURE = "action"  # one action type per input item
 
 # The features that read ITEM_TABLE, in the order the pretraining batches hold them.
 SEQUENCE_ITEM_FEATURES: tuple[str, ...] = (ITEM_FEATURE, NEXT_ITEM_FEATURE, NEGATIVE_FEATURE)
+
+# A ranker's click examples with the user's history (SequenceRanker's default feature names).
+HISTORY_ITEM_FEATURE = "history_item_id"  # the user's past items, oldest first
+HISTORY_ACTION_FEATURE = "history_action"  # one action type per past item
+CANDIDATE_ITEM_FEATURE = "candidate_item_id"  # the item the click label is about

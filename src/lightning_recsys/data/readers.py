@@ -22,6 +22,7 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.data.ranks import even_rank_range
 
 log = logging.getLogger(__name__)
 
@@ -117,21 +118,6 @@ def check_split_sources(splits: dict[str, list], what: str, key: Callable[[Any],
 def normalized_path(path: str | Path) -> str:
     """One spelling per file, so ``a.tsv`` and ``./a.tsv`` compare equal."""
     return os.path.normcase(os.path.abspath(os.path.expanduser(str(path))))
-
-
-def rank_slice(global_batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
-    """``[start, stop)``: the examples of every global batch that ``rank`` of ``world_size`` takes."""
-    if world_size < 1:
-        raise ValueError(f"world_size={world_size} must be >= 1.")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank={rank} must be in [0, world_size={world_size}).")
-    if global_batch_size % world_size:
-        raise ValueError(
-            f"global_batch_size={global_batch_size} is not divisible by the world size {world_size}; "
-            f"use a multiple of {world_size}."
-        )
-    local = global_batch_size // world_size
-    return rank * local, (rank + 1) * local
 
 
 class BadLineTally:
@@ -263,7 +249,7 @@ class GlobalBatchDataset(CountsSkippedLines, IterableDataset, Generic[Record]):
 
     def __init__(self, *, global_batch_size: int, rank: int, world_size: int) -> None:
         check_global_batch_size(global_batch_size)
-        self.start, self.stop = rank_slice(global_batch_size, rank, world_size)
+        self.start, self.stop = even_rank_range(global_batch_size, rank, world_size)
         self.global_batch_size, self.rank, self.world_size = global_batch_size, rank, world_size
         self._skipped = SkippedLineCount()  # malformed lines skipped in the files behind this split
 

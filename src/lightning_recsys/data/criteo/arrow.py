@@ -1,6 +1,6 @@
 """Criteo TSV files parsed by pyarrow's C++ CSV reader, with each rank reading only its own lines.
 
-The features of an example are ``CriteoDataset``'s (see ``lightning_recsys.data.criteo``): dense
+The features of an example are ``CriteoDataset``'s (see ``lightning_recsys.data.criteo.tsv``): dense
 ``log(1 + max(x, 0))``, ids ``int(hex, 16) % table_size``, an empty bag for a missing categorical,
 and the same malformed-line policy and messages (file and 1-based line number). What differs is who
 reads which line:
@@ -11,7 +11,7 @@ reads which line:
   consecutive lines. The last ``N - n*B`` lines are not read, as the line-by-line reader dropped the
   same partial global batch. With one rank, the batches are exactly ``CriteoDataset``'s.
 - To find its range, every rank needs the line count of the files before it: ``LineIndex``
-  (``lightning_recsys.data.criteo_ranges``) counts newlines (no parsing) in chunks;
+  (``lightning_recsys.data.criteo.ranges``) counts newlines (no parsing) in chunks;
   ``CriteoDataModule`` shares the counting out over the ranks. A rank then seeks to its first line.
   A gzip file cannot be seeked: it is one chunk, and a rank whose range starts inside it
   decompresses (without parsing) what comes before.
@@ -25,7 +25,7 @@ reads which line:
 
 A background thread reads (and decompresses) windows of whole lines; ``parse_threads`` threads
 parse windows side by side (pyarrow and numpy release the GIL), each window in one pyarrow call on
-one thread, and build that window's whole batches (``lightning_recsys.data.criteo_parse`` has the
+one thread, and build that window's whole batches (``lightning_recsys.data.criteo.parse`` has the
 parsing and its checks). A window that might hold a malformed line is read line by line by the exact
 Python rules in the consuming thread, in order, which raise or skip with the line's number.
 """
@@ -47,11 +47,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo_format import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_FEATURES, CriteoConfig, check_split_files
-from lightning_recsys.data.criteo_parse import Parsed, arrow_parse, python_parse
-from lightning_recsys.data.criteo_ranges import LineIndex, file_windows, is_gzip
+from lightning_recsys.data.criteo.format import CRITEO_FEATURE_NAMES, NUM_CATEGORICAL_FEATURES, CriteoConfig, check_split_files
+from lightning_recsys.data.criteo.parse import Parsed, arrow_parse, python_parse
+from lightning_recsys.data.criteo.ranges import LineIndex, file_windows, is_gzip
 from lightning_recsys.data.module import Split
-from lightning_recsys.data.readers import BadLineTally, CountsSkippedLines, SkippedLineCount, rank_slice
+from lightning_recsys.data.ranks import even_rank_range
+from lightning_recsys.data.readers import BadLineTally, CountsSkippedLines, SkippedLineCount
 
 # Re-exported: the byte-range planning lives in criteo_ranges.
 __all__ = ["CriteoArrowDataset", "LineIndex", "default_parse_threads", "numpy_criteo_batch", "ordered_map", "prefetch"]
@@ -157,7 +158,7 @@ class CriteoArrowDataset(CountsSkippedLines, IterableDataset):
         window_bytes: int = DEFAULT_WINDOW_BYTES,
         parse_threads: int | None = None,
     ) -> None:
-        self.start, self.stop = rank_slice(config.global_batch_size, rank, world_size)
+        self.start, self.stop = even_rank_range(config.global_batch_size, rank, world_size)
         if window_bytes < 1:
             raise ValueError(f"window_bytes={window_bytes} must be >= 1.")
         if parse_threads is not None and (isinstance(parse_threads, bool) or not isinstance(parse_threads, int) or parse_threads < 1):

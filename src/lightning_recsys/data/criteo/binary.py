@@ -3,7 +3,7 @@
 A directory holds three files per day ``i``: ``day_{i}_dense.npy``, ``day_{i}_sparse.npy`` and
 ``day_{i}_labels.npy``, as written by ``torchrec.datasets.criteo.BinaryCriteoUtils.tsv_to_npys``
 (and TorchRec's ``npy_preproc_criteo.py`` script), the input of TorchRec's DLRM examples and the
-MLPerf DLRM reference. ``convert_tsv_to_npy`` (``python -m lightning_recsys.data.criteo_to_npy``)
+MLPerf DLRM reference. ``convert_tsv_to_npy`` (``python -m lightning_recsys.data.criteo.to_npy``)
 writes the same arrays from TSV or gzip files in bounded memory, with a progress bar.
 
 What the files hold, and how it differs from the TSV readers (``CriteoDataModule``):
@@ -47,7 +47,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo_format import (
+from lightning_recsys.data.criteo.format import (
     _LINE,
     CRITEO_FEATURE_NAMES,
     NUM_CATEGORICAL_FEATURES,
@@ -57,6 +57,7 @@ from lightning_recsys.data.criteo_format import (
     _diagnose,
 )
 from lightning_recsys.data.module import RankSlicedDataModule, Split
+from lightning_recsys.data.ranks import even_rank_range
 from lightning_recsys.data.readers import (
     BadLineTally,
     OnBadLine,
@@ -64,11 +65,10 @@ from lightning_recsys.data.readers import (
     check_num_workers,
     check_on_bad_line,
     check_split_sources,
-    rank_slice,
 )
 
 if TYPE_CHECKING:
-    from lightning_recsys.data.criteo_parse import RawColumns
+    from lightning_recsys.data.criteo.parse import RawColumns
 
 _KINDS = ("dense", "sparse", "labels")
 _COLUMNS = {"dense": NUM_INTEGER_FEATURES, "sparse": NUM_CATEGORICAL_FEATURES, "labels": 1}
@@ -150,7 +150,7 @@ def check_day_files(config: CriteoBinaryConfig, split: Split) -> None:
                 raise FileNotFoundError(
                     f"CriteoBinaryDataModule({name}={days!r}): {path} does not exist: path={config.path!r} needs "
                     f"day_{day}_dense.npy, day_{day}_sparse.npy and day_{day}_labels.npy for day {day} (convert TSV "
-                    "files with python -m lightning_recsys.data.criteo_to_npy, or remove the day from "
+                    "files with python -m lightning_recsys.data.criteo.to_npy, or remove the day from "
                     f"{name})."
                 )
 
@@ -159,7 +159,7 @@ class CriteoBinaryDataset(IterableDataset):
     """Rank ``rank``'s batches of a split of TorchRec-format npy files (see the module docstring)."""
 
     def __init__(self, config: CriteoBinaryConfig, split: Split, rank: int = 0, world_size: int = 1) -> None:
-        start, stop = rank_slice(config.global_batch_size, rank, world_size)
+        start, stop = even_rank_range(config.global_batch_size, rank, world_size)
         self.config, self.split, self.rank, self.world_size = config, split, rank, world_size
         self.local_batch_size = stop - start
         self._sizes = np.asarray(config.feature_table_sizes(), dtype=np.int64)
@@ -379,8 +379,8 @@ def convert_tsv_to_npy(
     """
     from tqdm import tqdm
 
-    from lightning_recsys.data.criteo_parse import arrow_raw_columns
-    from lightning_recsys.data.criteo_ranges import file_windows, is_gzip
+    from lightning_recsys.data.criteo.parse import arrow_raw_columns
+    from lightning_recsys.data.criteo.ranges import file_windows, is_gzip
 
     check_on_bad_line(on_bad_line)
     if (problem := input_file_problem(in_path)) is not None:

@@ -1,8 +1,8 @@
 """The Criteo TSV format and its checks: the fields of a line, the line check, ``CriteoConfig``.
 
 The bottom of the Criteo modules: parsing (``criteo_parse``) builds on it, and the datasets
-(``criteo``, ``criteo_arrow``, ``criteo_binary``) on both. Each line is ``label \\t I1 .. I13 \\t C1 .. C26``;
-``lightning_recsys.data.criteo`` describes the features made of it.
+(``tsv``, ``arrow``, ``binary``) on both. Each line is ``label \\t I1 .. I13 \\t C1 .. C26``;
+``lightning_recsys.data.criteo.tsv`` describes the features made of it.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class CriteoConfig:
         on_bad_line: ``"error"`` raises ``MalformedLineError`` (file, line number, line, problem);
             ``"skip"`` skips the line, counts it, and logs one warning per file.
         reader: ``"arrow"`` parses with pyarrow, each rank reading only its own contiguous lines
-            (``lightning_recsys.data.criteo_arrow``); ``"python"`` is the line-by-line
+            (``lightning_recsys.data.criteo.arrow``); ``"python"`` is the line-by-line
             ``CriteoDataset``, where every rank reads every line and takes its slice of each
             global batch. With one rank both give the same batches (but for ``on_bad_line="skip"``,
             where the arrow reader's batch holding a skipped line is one example short).

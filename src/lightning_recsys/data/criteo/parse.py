@@ -12,7 +12,7 @@ pyarrow paths, tried in turn:
 - **any width**: categoricals as variable-length binary, up to 16 hex digits each.
 
 Both accept a window only after checks that together equal the line regular expression of
-``lightning_recsys.data.criteo_format``: only the bytes ``[0-9a-fA-F]``, ``-``, tab and newline occur
+``lightning_recsys.data.criteo.format``: only the bytes ``[0-9a-fA-F]``, ``-``, tab and newline occur
 (``bytes.translate``); pyarrow finds 40 fields on every line and reads the 13 integer columns as
 int64 (``-?[0-9]+`` or empty, else it raises); the label is ``0`` or ``1``; and a categorical holds
 hex digits only. In the fixed-width path that last check is a count: every ``-`` of the window must
@@ -31,7 +31,7 @@ import torch
 from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo_format import (
+from lightning_recsys.data.criteo.format import (
     _LINE,
     _NUM_FIELDS,
     CRITEO_FEATURE_NAMES,
@@ -39,7 +39,7 @@ from lightning_recsys.data.criteo_format import (
     NUM_INTEGER_FEATURES,
     _diagnose,
 )
-from lightning_recsys.data.criteo_ranges import count_byte
+from lightning_recsys.data.criteo.ranges import count_byte
 from lightning_recsys.data.readers import BadLineTally
 
 _FIRST_CATEGORICAL = 1 + NUM_INTEGER_FEATURES

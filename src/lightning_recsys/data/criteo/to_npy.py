@@ -1,6 +1,6 @@
-"""``python -m lightning_recsys.data.criteo_to_npy IN... --out-dir DIR``: Criteo TSV/gzip to TorchRec's npy files.
+"""``python -m lightning_recsys.data.criteo.to_npy IN... --out-dir DIR``: Criteo TSV/gzip to TorchRec's npy files.
 
-One input file per day; see ``lightning_recsys.data.criteo_binary.convert_tsv_to_npy``.
+One input file per day; see ``lightning_recsys.data.criteo.binary.convert_tsv_to_npy``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from lightning_recsys.data.criteo_binary import convert_tsv_to_npy, day_file, input_file_problem
+from lightning_recsys.data.criteo.binary import convert_tsv_to_npy, day_file, input_file_problem
 
 
 def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
@@ -43,9 +43,9 @@ def _day_numbers(paths: Sequence[str], days: Sequence[int] | None) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m lightning_recsys.data.criteo_to_npy IN... --out-dir DIR``: TSV/gzip to TorchRec's npy files."""
+    """``python -m lightning_recsys.data.criteo.to_npy IN... --out-dir DIR``: TSV/gzip to TorchRec's npy files."""
     parser = argparse.ArgumentParser(
-        prog="python -m lightning_recsys.data.criteo_to_npy",
+        prog="python -m lightning_recsys.data.criteo.to_npy",
         description="Convert Criteo TSV files (plain or gzip) into TorchRec's day_{i}_{dense,sparse,labels}.npy files.",
     )
     parser.add_argument("inputs", nargs="+", help="TSV or gzip files, one per day")

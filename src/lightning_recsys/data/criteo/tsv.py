@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import get_worker_info
 
 from lightning_recsys.data.batch import RecBatch
-from lightning_recsys.data.criteo_format import (  # the format's names stay importable from here
+from lightning_recsys.data.criteo.format import (  # the format's names stay importable from here
     _LINE,
     CRITEO_FEATURE_NAMES,
     CRITEO_READERS,
@@ -35,12 +35,12 @@ from lightning_recsys.data.criteo_format import (  # the format's names stay imp
     _diagnose,
     check_split_files,
 )
-from lightning_recsys.data.criteo_parse import criteo_batch, dense_transform, parse_criteo_rows
+from lightning_recsys.data.criteo.parse import criteo_batch, dense_transform, parse_criteo_rows
 from lightning_recsys.data.module import RankSlicedDataModule, Split
 from lightning_recsys.data.readers import BadLineTally, GlobalBatchDataset, OnBadLine, check_num_workers, iter_lines
 
 if TYPE_CHECKING:
-    from lightning_recsys.data.criteo_ranges import LineIndex
+    from lightning_recsys.data.criteo.ranges import LineIndex
 
 __all__ = [
     "CRITEO_FEATURE_NAMES",
@@ -141,7 +141,7 @@ class CriteoDataModule(CriteoFeatures, RankSlicedDataModule):
     def _dataset(self, split: Split, rank: int, world_size: int):
         if self.config.reader == "python":
             return CriteoDataset(self.config, split, rank, world_size)
-        from lightning_recsys.data.criteo_arrow import CriteoArrowDataset
+        from lightning_recsys.data.criteo.arrow import CriteoArrowDataset
 
         index = self.line_index(split, rank, world_size) if world_size > 1 else None
         return CriteoArrowDataset(self.config, split, rank, world_size, line_index=index)
@@ -149,7 +149,7 @@ class CriteoDataModule(CriteoFeatures, RankSlicedDataModule):
     def line_index(self, split: Split, rank: int = 0, world_size: int = 1) -> LineIndex:
         """The split's line counts, counted once; with a process group each rank counts 1/world of the chunks."""
         if split not in self._line_indexes:
-            from lightning_recsys.data.criteo_ranges import LineIndex, count_chunk_lines, file_chunks
+            from lightning_recsys.data.criteo.ranges import LineIndex, count_chunk_lines, file_chunks
 
             chunks = file_chunks(self.config.split_paths(split))
             strategy = getattr(self.trainer, "strategy", None)

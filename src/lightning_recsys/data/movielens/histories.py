@@ -44,7 +44,7 @@ from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.data.module import RankSlicedDataModule, Split
-from lightning_recsys.data.movielens import (
+from lightning_recsys.data.movielens.ratings import (
     MOVIELENS_FEATURE_NAMES,
     MovieLens100K,
     MovieLens100KConfig,
@@ -53,12 +53,8 @@ from lightning_recsys.data.movielens import (
     ValHoldout,
 )
 from lightning_recsys.data.readers import OnBadLine
-from lightning_recsys.data.synthetic_sequence import (
-    CANDIDATE_ITEM_FEATURE,
-    HISTORY_ACTION_FEATURE,
-    HISTORY_ITEM_FEATURE,
-    SequenceDataShape,
-)
+from lightning_recsys.contracts.names import CANDIDATE_ITEM_FEATURE, HISTORY_ACTION_FEATURE, HISTORY_ITEM_FEATURE
+from lightning_recsys.data.history_shape import SequenceDataShape
 
 MOVIELENS_RATING_VALUES = 5  # ratings 1..5 are history actions 0..4
 MOVIELENS_CONTEXT_FEATURES: list[str] = [name for name in MOVIELENS_FEATURE_NAMES if name != "item_id"]

@@ -3,7 +3,7 @@
 A user's sequence is every rating of ``u.data`` by that user, ordered by timestamp (ratings made in
 the same second keep the file's line order). The item is the movie's row (movie id - 1), the action
 type the rating minus one (ratings 1..5 are actions 0..4). The files are parsed and checked by
-``MovieLens100K`` (``lightning_recsys.data.movielens``), so ``u.user`` and ``u.item`` must be there
+``MovieLens100K`` (``lightning_recsys.data.movielens.ratings``), so ``u.user`` and ``u.item`` must be there
 too and a rating of an unknown user or movie is a malformed line. Users come in user-id order; the
 split is the leave-one-out split of ``lightning_recsys.data.sequences.split``.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lightning_recsys.data.movielens import MovieLens100K, MovieLens100KConfig
+from lightning_recsys.data.movielens.ratings import MovieLens100K, MovieLens100KConfig
 from lightning_recsys.data.readers import OnBadLine
 from lightning_recsys.data.sequences.module import NumNegatives, SequencePretrainDataModule
 from lightning_recsys.data.sequences.reader import UserSequences, group_by_user

@@ -3,7 +3,7 @@
 Batches (``SequenceBatch``, see ``split.py`` for the examples):
 
 - Global batch ``i`` of a split is examples ``[i * B, (i + 1) * B)`` of the split's order, whatever the
-  number of ranks ``W``; rank ``r`` takes the contiguous slice ``[r * m // W, (r + 1) * m // W)`` of a
+  number of ranks ``W``; rank ``r`` takes its ``rank_range`` (``data/ranks.py``) of a
   global batch of ``m`` examples (``B / W`` each when ``m = B``). Every rank builds its slice alone,
   from the same in-memory sequences, so the batches are deterministic per rank.
 - Training: users in a new order every epoch when ``shuffle`` (drawn from ``seed`` and the epoch,
@@ -34,6 +34,7 @@ from torch.utils.data import IterableDataset
 
 from lightning_recsys.data.batch import SequenceBatch
 from lightning_recsys.data.module import RankSlicedDataModule, Split
+from lightning_recsys.data.ranks import check_divisible, rank_range
 from lightning_recsys.data.readers import check_global_batch_size
 from lightning_recsys.data.sequences.reader import UserSequences
 from lightning_recsys.data.sequences.split import LeaveOneOutSplit, sequence_batch
@@ -59,11 +60,7 @@ class SequenceSplitDataset(IterableDataset):
         self, split_examples: LeaveOneOutSplit, split: Split, *, rank: int, world_size: int, global_batch_size: int,
         max_length: int, num_negatives: NumNegatives, shuffle: bool, seed: int,
     ) -> None:
-        if global_batch_size % world_size:
-            raise ValueError(
-                f"global_batch_size={global_batch_size} is not divisible by the world size {world_size}; "
-                f"use a multiple of {world_size}."
-            )
+        check_divisible(global_batch_size, world_size)
         self.examples, self.split = split_examples, split
         self.rank, self.world_size, self.global_batch_size = rank, world_size, global_batch_size
         self.max_length, self.num_negatives, self.shuffle, self.seed = max_length, num_negatives, shuffle, seed
@@ -98,8 +95,8 @@ class SequenceSplitDataset(IterableDataset):
         order = self.order(epoch)
         for index in range(len(self)):
             chosen = order[index * self.global_batch_size : (index + 1) * self.global_batch_size]
-            size = len(chosen)
-            mine = chosen[self.rank * size // self.world_size : (self.rank + 1) * size // self.world_size]
+            start, stop = rank_range(len(chosen), self.rank, self.world_size)
+            mine = chosen[start:stop]
             negatives = self.negatives(epoch, index) if self.split == "train" else None
             yield sequence_batch(self.sequences, users[mine], ends[mine], self.max_length, negatives=negatives)
 

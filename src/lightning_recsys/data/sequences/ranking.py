@@ -30,10 +30,11 @@ from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.data.module import RankSlicedDataModule, Split
+from lightning_recsys.data.ranks import rank_range
 from lightning_recsys.data.sequences.module import check_int
 from lightning_recsys.data.sequences.reader import UserSequences, read_sequence_file
 from lightning_recsys.data.sequences.split import LeaveOneOutSplit, _ranges
-from lightning_recsys.data.synthetic_sequence import CANDIDATE_ITEM_FEATURE, HISTORY_ACTION_FEATURE, HISTORY_ITEM_FEATURE
+from lightning_recsys.contracts.names import CANDIDATE_ITEM_FEATURE, HISTORY_ACTION_FEATURE, HISTORY_ITEM_FEATURE
 
 __all__ = ["ImplicitPairs", "SequenceFileRankingDataModule", "untouched_negatives"]
 
@@ -123,8 +124,8 @@ class ImplicitPairsDataset(IterableDataset):
             negatives, order = self._fixed_negatives, np.arange(len(users))
         for index in range(len(self)):
             chosen = order[index * self.pairs_per_batch : (index + 1) * self.pairs_per_batch]
-            size = len(chosen)
-            mine = chosen[self.rank * size // self.world_size : (self.rank + 1) * size // self.world_size]
+            start, stop = rank_range(len(chosen), self.rank, self.world_size)
+            mine = chosen[start:stop]
             yield pair_batch(self.pairs.sequences, users[mine], positions[mine], negatives[mine], self.max_history)
 
 

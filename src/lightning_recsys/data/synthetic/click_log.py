@@ -13,6 +13,7 @@ from torchrec import KeyedJaggedTensor
 
 from lightning_recsys.data.batch import RecBatch, sparse_feature_names
 from lightning_recsys.data.module import RankSlicedDataModule, Split
+from lightning_recsys.data.ranks import even_rank_range
 
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
 
@@ -149,14 +150,8 @@ class SyntheticClickLogDataset(IterableDataset):
     """The ``rank``-th slice of every global batch of a split."""
 
     def __init__(self, log: GlobalBatchLog, split: Split, num_batches: int, rank: int, world_size: int) -> None:
-        batch = log.config.global_batch_size
-        if batch % world_size:
-            raise ValueError(
-                f"global_batch_size={batch} is not divisible by the world size {world_size}; "
-                f"use a multiple of {world_size}."
-            )
         self.log, self.split, self.num_batches = log, split, num_batches
-        self.start, self.stop = rank * (batch // world_size), (rank + 1) * (batch // world_size)
+        self.start, self.stop = even_rank_range(log.config.global_batch_size, rank, world_size)
 
     def __len__(self) -> int:
         return self.num_batches

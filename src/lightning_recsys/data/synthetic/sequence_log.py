@@ -39,19 +39,17 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torchrec import KeyedJaggedTensor
 
+from lightning_recsys.contracts.names import CANDIDATE_ITEM_FEATURE, HISTORY_ACTION_FEATURE, HISTORY_ITEM_FEATURE
 from lightning_recsys.data.batch import RecBatch
+from lightning_recsys.data.history_shape import SequenceDataShape
 from lightning_recsys.data.module import RankSlicedDataModule, Split
-from lightning_recsys.data.synthetic import SyntheticClickLogDataset
+from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset
 
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
-HISTORY_ITEM_FEATURE = "history_item_id"
-HISTORY_ACTION_FEATURE = "history_action"
-CANDIDATE_ITEM_FEATURE = "candidate_item_id"
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -244,40 +242,6 @@ class SyntheticSequenceLog:
         if not parts:
             return torch.zeros(dense.shape[0])
         return sum(parts) / math.sqrt(len(parts))
-
-
-class SequenceDataShape:
-    """The six attributes a ``SequenceRanker`` is built from, read off the DataModule's ``config``.
-
-    Its ``config`` has ``num_items`` (the item table's rows), ``num_action_types``,
-    ``context_feature_names``, ``context_table_sizes``, ``num_dense_features`` and ``max_history_length``.
-    """
-
-    config: Any  # SyntheticSequenceConfig, MovieLens100KSequenceConfig: the six fields above
-
-    @property
-    def item_table_size(self) -> int:
-        return int(self.config.num_items)
-
-    @property
-    def num_action_types(self) -> int:
-        return int(self.config.num_action_types)
-
-    @property
-    def context_feature_names(self) -> list[str]:
-        return list(self.config.context_feature_names)
-
-    @property
-    def context_table_sizes(self) -> list[int]:
-        return list(self.config.context_table_sizes)
-
-    @property
-    def num_dense_features(self) -> int:
-        return int(self.config.num_dense_features)
-
-    @property
-    def max_history_length(self) -> int:
-        return int(self.config.max_history_length)
 
 
 class SyntheticSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
