@@ -1,0 +1,340 @@
+"""Reading one rank's users of a prepared directory: the plan from metadata, then only the row groups it needs.
+
+Planning (``plan_rank``) uses ``metadata.json`` alone: rank ``r`` of ``W`` takes the users
+``rank_range(num_users, r, W)`` of the global user order (file order, then row order), cut into
+``Segment``s, each a row slice of one row group. Reading (``PreparedReader.read``) opens a file's
+footer the first time one of its segments is read and reads only that row group's needed columns;
+every byte taken from disk is counted in ``bytes_read``. A rank thus reads its own rows plus the
+rest of at most two row groups it shares with its neighbours (the first and the last).
+
+What is checked, raising ``PreparedDataError`` that names the file, and the row group and row where
+they are known:
+
+- opening: the file exists and is parquet (magic bytes, a readable footer); its schema has
+  ``user_id`` of the metadata's ``user_id_type``, ``item_rows`` as a list of int32/int64, and
+  ``actions`` (a list of integers) where the metadata says there are actions; its row groups and
+  their row counts are those ``metadata.json`` lists;
+- reading a segment: the row group decodes (a truncated or corrupt file fails here); no user's
+  list is null or empty; no item row is null, negative or ``>= num_items``; ``actions`` has the
+  same length as ``item_rows`` in every row and values in ``[0, num_action_types)``; a whole row
+  group's events equal the metadata's count; and **no user id appears twice in the rows read from
+  one row group**. Duplicates across row groups or files are not detected by the reader (it keeps
+  no set of every id, which would grow with the data); ``prepare`` writes each user once.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from lightning_recsys.data.parquet.contract import (
+    ACTIONS_COLUMN,
+    ITEM_ROWS_COLUMN,
+    METADATA_FILE,
+    USER_ID_COLUMN,
+    PreparedDataError,
+    PreparedMetadata,
+    read_metadata,
+)
+from lightning_recsys.data.ranks import rank_range
+from lightning_recsys.data.sequences import UserSequences
+
+_MAX_OPEN_FILES = 4  # footers kept open; a rank walks its files in order, so a few suffice
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, stop)`` of one row group: the part of it one rank (or one worker) reads."""
+
+    file_index: int
+    path: str  # relative to the directory
+    row_group: int
+    first_user: int  # global index of the row group's first row
+    start: int
+    stop: int
+    group_rows: int
+    group_events: int
+    short_users: tuple[int, int, int]  # of the whole row group
+
+    @property
+    def num_rows(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.stop == self.group_rows
+
+    def where(self) -> str:
+        return f"{self.path}, row group {self.row_group}"
+
+
+def plan_rank(metadata: PreparedMetadata, rank: int, world_size: int) -> list[Segment]:
+    """Rank ``rank``'s users (``rank_range`` of the global order) as row-group segments, in order."""
+    lo, hi = rank_range(metadata.num_users, rank, world_size)
+    segments = []
+    for ref in metadata.row_groups():
+        start, stop = max(lo, ref.first_user), min(hi, ref.first_user + ref.num_rows)
+        if start < stop:
+            segments.append(Segment(
+                ref.file_index, ref.path, ref.row_group, ref.first_user, start - ref.first_user, stop - ref.first_user,
+                ref.num_rows, ref.num_events, ref.short_users,
+            ))
+    return segments
+
+
+@dataclass
+class UserChunk:
+    """The users of one segment: their sequences (``user_ids`` as int64, or object for string ids) and where they are."""
+
+    sequences: UserSequences
+    segment: Segment
+
+    @property
+    def first_user(self) -> int:
+        return self.segment.first_user + self.segment.start
+
+
+class ByteCounter:
+    """Bytes read from disk by the readers that share it."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class _CountingFile(io.FileIO):
+    """A file whose reads add to a ``ByteCounter``: what pyarrow really took from disk."""
+
+    def __init__(self, path: str, counter: ByteCounter) -> None:
+        super().__init__(path, "rb")
+        self._counter = counter
+
+    def read(self, size: int = -1) -> bytes:
+        data = super().read(size)
+        self._counter.value += len(data)
+        return data
+
+    def readinto(self, buffer) -> int:  # type: ignore[no-untyped-def, override]
+        count = super().readinto(buffer)
+        self._counter.value += count or 0
+        return count  # type: ignore[return-value]
+
+    def readall(self) -> bytes:
+        data = super().readall()
+        self._counter.value += len(data)
+        return data
+
+
+def open_prepared(directory: str | os.PathLike[str]) -> PreparedMetadata:
+    """``read_metadata`` with one more clear case: an empty (or missing) directory."""
+    path = Path(directory)
+    if path.is_dir() and not any(path.iterdir()):
+        raise PreparedDataError(
+            f"{path}: the directory is empty; a prepared directory holds {METADATA_FILE}, items.parquet and users/ "
+            "(write one with `lightning-recsys prepare`)."
+        )
+    return read_metadata(path)
+
+
+class PreparedReader:
+    """Reads segments of one prepared directory, validating as it goes (see the module docstring).
+
+    ``with_user_ids``: convert the user ids to numpy (evaluation and predict need them; training
+    checks them for duplicates in arrow and never converts them).
+    """
+
+    def __init__(
+        self, directory: str | os.PathLike[str], metadata: PreparedMetadata, *, with_user_ids: bool = True,
+        counter: ByteCounter | None = None,
+    ) -> None:
+        self.directory, self.metadata, self.with_user_ids = Path(directory), metadata, with_user_ids
+        self.counter = counter if counter is not None else ByteCounter()
+        self._files: dict[str, tuple[pq.ParquetFile, _CountingFile]] = {}
+        self._columns = [USER_ID_COLUMN, ITEM_ROWS_COLUMN] + ([ACTIONS_COLUMN] if metadata.has_actions else [])
+
+    @property
+    def bytes_read(self) -> int:
+        return self.counter.value
+
+    def close(self) -> None:
+        for _, handle in self._files.values():
+            handle.close()
+        self._files.clear()
+
+    def __getstate__(self) -> dict:  # open files stay behind when a worker process gets a copy
+        state = dict(self.__dict__)
+        state["_files"] = {}
+        return state
+
+    def _open(self, segment: Segment) -> pq.ParquetFile:
+        if segment.path in self._files:
+            return self._files[segment.path][0]
+        if len(self._files) >= _MAX_OPEN_FILES:
+            oldest = next(iter(self._files))
+            self._files.pop(oldest)[1].close()
+        full = self.directory / segment.path
+        if not full.is_file():
+            raise PreparedDataError(f"{full}: listed in {METADATA_FILE} (files[{segment.file_index}]) but missing.")
+        handle = _CountingFile(str(full), self.counter)
+        try:
+            parquet = pq.ParquetFile(handle)
+        except (pa.ArrowException, OSError) as error:
+            handle.close()
+            raise PreparedDataError(f"{full}: not a readable parquet file (not parquet, or truncated): {error}") from None
+        try:
+            self._check_file(parquet, segment, str(full))
+        except PreparedDataError:
+            handle.close()
+            raise
+        self._files[segment.path] = (parquet, handle)
+        return parquet
+
+    def _check_file(self, parquet: pq.ParquetFile, segment: Segment, name: str) -> None:
+        schema = parquet.schema_arrow
+        for column in self._columns:
+            if schema.get_field_index(column) < 0:
+                raise PreparedDataError(f"{name}: column {column!r} is missing (the file has {schema.names}).")
+        user_type = schema.field(USER_ID_COLUMN).type
+        wanted_string = self.metadata.user_id_type == "string"
+        if (wanted_string and not (pa.types.is_string(user_type) or pa.types.is_large_string(user_type))) or (
+            not wanted_string and not pa.types.is_integer(user_type)
+        ):
+            raise PreparedDataError(
+                f"{name}: column 'user_id' is {user_type}, but {METADATA_FILE} says user_id_type={self.metadata.user_id_type!r}."
+            )
+        _check_list(schema, ITEM_ROWS_COLUMN, name, (pa.int32(), pa.int64()))
+        if self.metadata.has_actions:
+            _check_list(schema, ACTIONS_COLUMN, name, None)
+        info = self.metadata.files[segment.file_index]
+        stated = [group.num_rows for group in info.row_groups]
+        actual = [parquet.metadata.row_group(i).num_rows for i in range(parquet.metadata.num_row_groups)]
+        if stated != actual:
+            raise PreparedDataError(
+                f"{name}: {METADATA_FILE} lists {len(stated)} row groups with {sum(stated)} rows "
+                f"({_short_list(stated)}) but the file has {len(actual)} with {sum(actual)} ({_short_list(actual)}); "
+                "the metadata does not describe this file. Prepare the directory again (or rerun describe)."
+            )
+
+    def read(self, segment: Segment) -> UserChunk:
+        """The users of ``segment``, validated; ``items`` int64, trimmed to nothing else."""
+        parquet = self._open(segment)
+        name = str(self.directory / segment.path)
+        try:
+            table = parquet.read_row_group(segment.row_group, columns=self._columns)
+        except (pa.ArrowException, OSError) as error:
+            raise PreparedDataError(f"{name}, row group {segment.row_group}: cannot be read (truncated or corrupt): {error}") from None
+        if not segment.whole:
+            table = table.slice(segment.start, segment.num_rows)
+        return self._chunk(table, segment, name)
+
+    def _chunk(self, table: pa.Table, segment: Segment, name: str) -> UserChunk:
+        where = f"{name}, row group {segment.row_group}"
+        items_list = _one_chunk(table.column(ITEM_ROWS_COLUMN))
+        if items_list.null_count:
+            row = int(np.flatnonzero(items_list.is_null().to_numpy(zero_copy_only=False))[0])
+            raise PreparedDataError(f"{where}, row {segment.start + row}: item_rows is null (every user has >= 1 event).")
+        lengths = items_list.value_lengths().to_numpy().astype(np.int64, copy=False)
+        if len(lengths) and lengths.min() < 1:
+            row = int(np.flatnonzero(lengths < 1)[0])
+            raise PreparedDataError(f"{where}, row {segment.start + row}: item_rows is empty (every user has >= 1 event).")
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        flat = items_list.flatten()
+        if flat.null_count:
+            position = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+            raise PreparedDataError(f"{where}, row {segment.start + _row_of(offsets, position)}: item_rows holds a null row.")
+        items = flat.to_numpy().astype(np.int64, copy=False)
+        num_items = self.metadata.num_items
+        if len(items) and (items.min() < 0 or items.max() >= num_items):
+            position = int(np.flatnonzero((items < 0) | (items >= num_items))[0])
+            raise PreparedDataError(
+                f"{where}, row {segment.start + _row_of(offsets, position)}: item row {int(items[position])} is outside "
+                f"[0, num_items={num_items}) (negative, or beyond the vocabulary of {METADATA_FILE})."
+            )
+        if segment.whole and len(items) != segment.group_events:
+            raise PreparedDataError(
+                f"{where}: holds {len(items)} events but {METADATA_FILE} says {segment.group_events}; the metadata does not "
+                "describe this file. Prepare the directory again (or rerun describe)."
+            )
+        actions = self._actions(table, lengths, offsets, segment, where) if self.metadata.has_actions else None
+        users = _one_chunk(table.column(USER_ID_COLUMN))
+        if users.null_count:
+            row = int(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False))[0])
+            raise PreparedDataError(f"{where}, row {segment.start + row}: user_id is null.")
+        if len(pc.unique(users)) != len(users):
+            _raise_duplicate(users, segment, where)
+        user_ids = _user_ids(users) if self.with_user_ids else np.zeros(0, dtype=np.int64)
+        sequences = UserSequences(
+            items=items, offsets=offsets, user_ids=user_ids, num_items=num_items,
+            num_action_types=self.metadata.num_action_types, actions=actions,
+        )
+        return UserChunk(sequences, segment)
+
+    def _actions(self, table: pa.Table, lengths: np.ndarray, offsets: np.ndarray, segment: Segment, where: str) -> np.ndarray:
+        column = _one_chunk(table.column(ACTIONS_COLUMN))
+        action_lengths = column.value_lengths().fill_null(-1).to_numpy()
+        if not np.array_equal(action_lengths, lengths):
+            row = int(np.flatnonzero(action_lengths != lengths)[0])
+            raise PreparedDataError(
+                f"{where}, row {segment.start + row}: actions has {int(action_lengths[row])} values (-1: null) but item_rows "
+                f"has {int(lengths[row])}; every list of a row has one entry per event."
+            )
+        flat = column.flatten()
+        if flat.null_count:
+            position = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+            raise PreparedDataError(f"{where}, row {segment.start + _row_of(offsets, position)}: actions holds a null.")
+        actions = flat.to_numpy().astype(np.int64, copy=False)
+        types = self.metadata.num_action_types
+        if len(actions) and (actions.min() < 0 or actions.max() >= types):
+            position = int(np.flatnonzero((actions < 0) | (actions >= types))[0])
+            raise PreparedDataError(
+                f"{where}, row {segment.start + _row_of(offsets, position)}: action {int(actions[position])} is outside "
+                f"[0, num_action_types={types})."
+            )
+        return actions
+
+
+def _check_list(schema: pa.Schema, column: str, name: str, value_types: tuple[pa.DataType, ...] | None) -> None:
+    kind = schema.field(column).type
+    is_list = pa.types.is_list(kind) or pa.types.is_large_list(kind)
+    value = kind.value_type if is_list else None
+    ok = is_list and (value in value_types if value_types is not None else pa.types.is_integer(value))
+    if not ok:
+        wanted = " or ".join(f"list<{t}>" for t in value_types) if value_types is not None else "a list of integers"
+        raise PreparedDataError(f"{name}: column {column!r} is {kind}; it must be {wanted}.")
+
+
+def _one_chunk(column: pa.ChunkedArray) -> pa.Array:
+    return column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
+
+
+def _row_of(offsets: np.ndarray, position: int) -> int:
+    return int(np.searchsorted(offsets, position, side="right") - 1)
+
+
+def _user_ids(users: pa.Array) -> np.ndarray:
+    if pa.types.is_integer(users.type):
+        return users.to_numpy().astype(np.int64, copy=False)
+    return users.to_numpy(zero_copy_only=False)
+
+
+def _raise_duplicate(users: pa.Array, segment: Segment, where: str) -> None:
+    values = users.to_pylist()
+    first: dict[object, int] = {}
+    for row, user in enumerate(values):
+        if user in first:
+            raise PreparedDataError(
+                f"{where}, rows {segment.start + first[user]} and {segment.start + row}: user_id {user!r} appears twice; "
+                "each user must be in exactly one row (group the events by user)."
+            )
+        first[user] = row
+
+
+def _short_list(values: list[int], limit: int = 6) -> str:
+    return ", ".join(map(str, values[:limit])) + (", ..." if len(values) > limit else "")

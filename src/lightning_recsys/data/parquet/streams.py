@@ -1,0 +1,309 @@
+"""One rank's batches of a prepared directory: training with a bounded shuffle, evaluation and predict spread evenly.
+
+Examples follow the leave-one-out split of ``SequenceFileDataModule`` (``LeaveOneOutSplit``, per user)
+and batches are built by the same ``sequence_batch``; see ``module.py`` for the user-facing rules.
+
+Every example is held in a ``_Pool`` as its own short sequence: only the items its batch can use
+(training: the newest ``max_length + 1`` items up to its target; evaluation: the whole prefix up to
+its target, which is its seen ids). The pool holds at most ``shuffle_buffer`` examples plus one row
+group's, so memory does not grow with the data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from lightning_recsys.data.batch import SequenceBatch
+from lightning_recsys.data.parquet.reader import PreparedReader, Segment, UserChunk
+from lightning_recsys.data.ranks import rank_range
+from lightning_recsys.data.sequences import LeaveOneOutSplit, UserSequences, sequence_batch
+
+View = Literal["train", "val", "test", "full"]
+_SHORT_EXCLUDED = {"train": (0, 2), "val": (0, 1), "test": (0, 1), "full": ()}  # short_users indices with no example
+
+
+@dataclass
+class UserSequenceBatch(SequenceBatch):
+    """A ``SequenceBatch`` of evaluation or predict examples that also names its users (``user_ids``, kept on the CPU)."""
+
+    user_ids: Any = None  # numpy: int64, or object for string ids
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> UserSequenceBatch:
+        moved = super().to(device, non_blocking=non_blocking)
+        return UserSequenceBatch(moved.sparse, moved.next_item_ids, moved.seen_ids, moved.seen_lengths, self.user_ids)
+
+    def pin_memory(self) -> UserSequenceBatch:
+        pinned = super().pin_memory()
+        return UserSequenceBatch(pinned.sparse, pinned.next_item_ids, pinned.seen_ids, pinned.seen_lengths, self.user_ids)
+
+
+def example_bounds(segment: Segment, view: View) -> tuple[int, int]:
+    """``(lower, upper)`` examples of ``view`` in ``segment`` from the metadata alone (exact for a whole row group)."""
+    excluded = sum(segment.short_users[i] for i in _SHORT_EXCLUDED[view])
+    if segment.whole:
+        exact = segment.num_rows - excluded
+        return exact, exact
+    return max(0, segment.num_rows - excluded), segment.num_rows
+
+
+def chunk_examples(chunk: UserChunk, view: View) -> tuple[np.ndarray, np.ndarray]:
+    """``(users, ends)`` of ``view`` in a chunk: the leave-one-out split's, or every user's whole history (``full``)."""
+    if view == "full":
+        lengths = chunk.sequences.lengths
+        return np.arange(len(lengths), dtype=np.int64), lengths
+    return LeaveOneOutSplit(chunk.sequences).examples(view)
+
+
+class _Pool:
+    """Pending examples, each stored as its own sequence; ``take`` hands them out in the pool's order."""
+
+    def __init__(self, num_items: int, num_action_types: int, *, keep: int | None, full: bool, with_ids: bool) -> None:
+        self.num_items, self.num_action_types = num_items, num_action_types
+        self.keep, self.full, self.with_ids = keep, full, with_ids
+        self.sequences: UserSequences | None = None
+        self.ends = np.zeros(0, dtype=np.int64)
+        self.order = np.zeros(0, dtype=np.int64)
+        self.cursor = 0
+
+    @property
+    def pending(self) -> int:
+        return len(self.order) - self.cursor
+
+    def add(self, chunk: UserSequences, users: np.ndarray, ends: np.ndarray, rng: np.random.Generator | None) -> None:
+        """Append ``chunk``'s examples (``users``, ``ends``) to the unconsumed ones; shuffle them all with ``rng``."""
+        rest = self.order[self.cursor :]
+        parts = [self._cut(self.sequences, rest, self.ends[rest], own=True)] if self.sequences is not None else []
+        parts.append(self._cut(chunk, users, ends, own=False))
+        items = np.concatenate([p[0] for p in parts])
+        lengths = np.concatenate([p[1] for p in parts])
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        actions = np.concatenate([p[2] for p in parts]) if self.num_action_types else None
+        user_ids = np.concatenate([p[3] for p in parts]) if self.with_ids else np.zeros(0, dtype=np.int64)
+        self.sequences = UserSequences(
+            items=items, offsets=offsets, user_ids=user_ids, num_items=self.num_items,
+            num_action_types=self.num_action_types, actions=actions,
+        )
+        self.ends = lengths
+        self.order = rng.permutation(len(lengths)) if rng is not None else np.arange(len(lengths))
+        self.cursor = 0
+
+    def _cut(self, sequences: UserSequences, users: np.ndarray, ends: np.ndarray, *, own: bool) -> tuple:
+        """The items of each example that a batch can use, as one sequence per example (see the module docstring);
+        ``own``: the pool's own pending examples, already cut."""
+        first = sequences.offsets[users]
+        start = first if self.keep is None or own else np.maximum(first, first + ends - self.keep)
+        stop = first + ends
+        if self.full and not own:  # the whole history is the input: a repeat of the last item stands in as its unused target
+            starts = np.stack([start, stop - 1], axis=1).reshape(-1)
+            stops = np.stack([stop, stop], axis=1).reshape(-1)
+            positions = _ranges(starts, stops)
+            lengths = stop - start + 1
+        else:
+            positions = _ranges(start, stop)
+            lengths = stop - start
+        actions = sequences.actions[positions] if self.num_action_types else None
+        ids = sequences.user_ids[users] if self.with_ids else None
+        return sequences.items[positions], lengths, actions, ids
+
+    def take(self, count: int, negatives: torch.Tensor | None, max_length: int, *, build: bool = True) -> SequenceBatch | None:
+        chosen = self.order[self.cursor : self.cursor + count]
+        self.cursor += len(chosen)
+        if not build:
+            return None
+        assert self.sequences is not None
+        batch = sequence_batch(self.sequences, chosen, self.ends[chosen], max_length, negatives=negatives)
+        if negatives is not None:
+            return batch
+        return UserSequenceBatch(batch.sparse, batch.next_item_ids, batch.seen_ids, batch.seen_lengths, self.sequences.user_ids[chosen])
+
+
+def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
+    """The positions ``starts[b] .. stops[b] - 1`` of every ``b``, concatenated."""
+    lengths = stops - starts
+    if not len(lengths):
+        return np.zeros(0, dtype=np.int64)
+    shifts = np.repeat(starts - np.concatenate([[0], np.cumsum(lengths)[:-1]]), lengths)
+    return np.arange(int(lengths.sum()), dtype=np.int64) + shifts
+
+
+def _worker() -> tuple[int, int]:
+    info = get_worker_info()
+    return (0, 1) if info is None else (info.id, info.num_workers)
+
+
+class EpochLoader(DataLoader):
+    """A ``DataLoader`` that starts each pass of its dataset with the next epoch, also in worker processes.
+
+    A worker gets a copy of the dataset when an iteration starts, so an epoch counter advanced inside
+    ``__iter__`` would stay behind in the worker; the loader advances it in this process instead.
+    """
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        dataset = self.dataset
+        if hasattr(dataset, "begin_epoch"):
+            dataset.begin_epoch()  # type: ignore[attr-defined]
+        return super().__iter__()
+
+
+class TrainingStream(IterableDataset):
+    """Rank ``rank``'s training batches of ``local_batch_size`` examples, ``num_batches`` of them per epoch.
+
+    Each epoch the rank's segments are put in a new order (from ``seed``, the epoch and the rank) and
+    dealt to the workers in turn; a worker reads its segments into a pool of at least
+    ``shuffle_buffer`` examples, shuffled at each refill, and hands out batches from it. Worker ``k``
+    yields ``quotas[k]`` batches, all known in advance from the metadata, so every rank yields the same
+    number and no worker runs short.
+    """
+
+    def __init__(
+        self, reader: PreparedReader, segments: list[Segment], *, rank: int, num_batches: int, local_batch_size: int,
+        max_length: int, num_negatives: int | str, shuffle: bool, shuffle_buffer: int, seed: int, num_workers: int, epoch: int,
+    ) -> None:
+        self.reader, self.segments, self.rank, self.num_batches = reader, segments, rank, num_batches
+        self.local_batch_size, self.max_length, self.num_negatives = local_batch_size, max_length, num_negatives
+        self.shuffle, self.shuffle_buffer, self.seed, self.num_workers = shuffle, shuffle_buffer, seed, max(1, num_workers)
+        self.epoch = epoch  # the next pass's epoch
+        self.current_epoch = epoch
+        self.skip = 0  # batches of the next pass to hand out unbuilt (a resumed epoch's trained ones)
+
+    def begin_epoch(self) -> None:
+        self.current_epoch, self.epoch = self.epoch, self.epoch + 1
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def plan(self, epoch: int) -> tuple[list[list[Segment]], list[int]]:
+        """Each worker's segments, in reading order, and its batch quota for ``epoch``."""
+        order = np.arange(len(self.segments))
+        if self.shuffle:
+            order = np.random.default_rng([self.seed, epoch, self.rank]).permutation(len(self.segments))
+        dealt = [[self.segments[i] for i in order[k :: self.num_workers]] for k in range(self.num_workers)]
+        quotas = [sum(example_bounds(s, "train")[0] for s in mine) // self.local_batch_size for mine in dealt]
+        excess = sum(quotas) - self.num_batches
+        for k in reversed(range(self.num_workers)):  # the later workers give up what the rank does not run
+            cut = min(excess, quotas[k])
+            quotas[k] -= cut
+            excess -= cut
+        if excess > 0:
+            raise RuntimeError(f"rank {self.rank}: its segments hold fewer training batches than the {self.num_batches} planned.")
+        return dealt, quotas
+
+    def negatives(self, epoch: int, index: int) -> torch.Tensor:
+        num_items = self.reader.metadata.num_items
+        if self.num_negatives == "all":
+            return torch.arange(num_items, dtype=torch.long)
+        rng = np.random.default_rng([self.seed, 0, epoch, index, self.rank])
+        return torch.from_numpy(rng.integers(0, num_items, size=int(self.num_negatives), dtype=np.int64))
+
+    def __iter__(self) -> Iterator[SequenceBatch]:
+        worker, workers = _worker()
+        epoch = self.current_epoch
+        dealt, quotas = self.plan(epoch)
+        mine, quota = dealt[worker], quotas[worker]
+        skip = _worker_skip(self.skip, quotas, worker)
+        self.skip = 0
+        meta = self.reader.metadata
+        pool = _Pool(meta.num_items, meta.num_action_types, keep=self.max_length + 1, full=False, with_ids=False)
+        rng = np.random.default_rng([self.seed, epoch, self.rank, 1 + worker]) if self.shuffle else None
+        hold = self.shuffle_buffer if self.shuffle else 0
+        produced, segments = 0, iter(mine)
+        while produced < quota:
+            segment = next(segments, None)
+            if segment is not None:
+                chunk = self.reader.read(segment)
+                users, ends = chunk_examples(chunk, "train")
+                pool.add(chunk.sequences, users, ends, rng)
+            while produced < quota and pool.pending >= self.local_batch_size + (hold if segment is not None else 0):
+                index = produced * workers + worker
+                build = produced >= skip
+                negatives = self.negatives(epoch, index) if build else None
+                batch = pool.take(self.local_batch_size, negatives, self.max_length, build=build)
+                produced += 1
+                if build:
+                    yield batch  # type: ignore[misc]
+            if segment is None and produced < quota:
+                raise RuntimeError(f"rank {self.rank}, worker {worker}: ran out of training examples after {produced} of {quota} batches.")
+
+
+def _worker_skip(skip: int, quotas: list[int], worker: int) -> int:
+    """Of the first ``skip`` batches a ``DataLoader`` hands out (worker 0's first, worker 1's first, ..., then
+    each worker's second, skipping workers whose quota is spent), how many are ``worker``'s."""
+    if skip <= 0:
+        return 0
+    taken = [0] * len(quotas)
+    remaining = skip
+    for round_index in range(max(quotas, default=0)):
+        for k, quota in enumerate(quotas):
+            if remaining == 0:
+                return taken[worker]
+            if quota > round_index:
+                taken[k] += 1
+                remaining -= 1
+    return taken[worker]
+
+
+class EvaluationStream(IterableDataset):
+    """Rank ``rank``'s ``view`` examples, exactly once, spread over exactly ``num_batches`` non-empty batches.
+
+    ``counts``: each segment's exact number of examples. Batch ``j`` holds the rank's examples
+    ``rank_range(total, j, num_batches)``; worker ``k`` makes batches ``rank_range(num_batches, k, workers)``.
+    """
+
+    def __init__(
+        self, reader: PreparedReader, segments: list[Segment], counts: list[int], *, view: View, rank: int, num_batches: int,
+        max_length: int, num_workers: int,
+    ) -> None:
+        self.reader, self.segments, self.counts, self.view = reader, segments, counts, view
+        self.rank, self.num_batches, self.max_length, self.num_workers = rank, num_batches, max_length, max(1, num_workers)
+        self.total = sum(counts)
+
+    def __len__(self) -> int:
+        return self.num_batches
+
+    def __iter__(self) -> Iterator[UserSequenceBatch]:
+        if self.total < self.num_batches:
+            raise ValueError(
+                f"rank {self.rank} has {self.total} {self.view} examples but every rank must run {self.num_batches} "
+                "non-empty batches (an empty batch makes every rank skip the step, and its users would go unranked); "
+                "use a larger global_batch_size or fewer ranks."
+            )
+        worker, workers = _worker()
+        first_batch, stop_batch = rank_range(self.num_batches, worker, workers)
+        if first_batch == stop_batch:
+            return
+        bounds = [rank_range(self.total, j, self.num_batches) for j in range(first_batch, stop_batch)]
+        first, stop = bounds[0][0], bounds[-1][1]
+        meta = self.reader.metadata
+        pool = _Pool(meta.num_items, meta.num_action_types, keep=None, full=self.view == "full", with_ids=True)
+        seen = 0  # examples of the rank before the current segment
+        sizes = iter([b - a for a, b in bounds])
+        size = next(sizes, None)
+        for segment, count in zip(self.segments, self.counts):
+            lo, hi = seen, seen + count
+            seen = hi
+            if hi <= first or count == 0:
+                continue
+            if lo >= stop:
+                break
+            chunk = self.reader.read(segment)
+            users, ends = chunk_examples(chunk, self.view)
+            if len(users) != count:
+                raise RuntimeError(f"{segment.where()}: {len(users)} {self.view} examples, planned {count}.")
+            keep = slice(max(first - lo, 0), min(stop, hi) - lo)
+            pool.add(chunk.sequences, users[keep], ends[keep], None)
+            while size is not None and pool.pending >= size:
+                yield pool.take(size, None, self.max_length)  # type: ignore[misc]
+                size = next(sizes, None)
+
+
+def evaluation_batches(uppers: list[int], batch_size: int) -> int:
+    """The evaluation batches every rank runs: enough that the rank with the most examples has ``<= batch_size`` per batch."""
+    return max((math.ceil(u / batch_size) for u in uppers), default=0)
