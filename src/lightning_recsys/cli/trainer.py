@@ -18,10 +18,12 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_recsys.callbacks import RunSummary
+from lightning_recsys.cli.links import add_data_links, configured_link_targets, link_conflicts
 
 # Subcommands that do not run a Trainer; ``lightning_recsys.cli.main`` dispatches them before parsing.
 OTHER_SUBCOMMANDS: dict[str, str] = {
     "plan": "Print the sharding plan report that training with a config logs at setup, without training.",
+    "prepare": "Group raw events by user into prepared parquet data (DuckDB, out of core); or describe another engine's.",
 }
 
 
@@ -32,6 +34,7 @@ class RecSysCLI(LightningCLI):
         parser.add_argument(
             "--summary-json", "--summary_json", type=Optional[str], default=None, help="Also write the run summary to this JSON file (fit)."
         )
+        add_data_links(parser)
 
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
@@ -41,6 +44,8 @@ class RecSysCLI(LightningCLI):
             subcommands.add_subcommand(name, ArgumentParser(description=help_text), help=help_text)
 
     def instantiate_classes(self) -> None:
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        given = configured_link_targets(config)
         try:
             super().instantiate_classes()
         except ValueError as error:
@@ -49,6 +54,9 @@ class RecSysCLI(LightningCLI):
             # jsonargparse reports a constructor's own ValueError (which names the argument, its value and
             # the rule) inside its union-type errors, under a long traceback: print it as a usage error.
             self.parser.error(f"a configured object refused its arguments (JSONARGPARSE_DEBUG=1 shows the traceback):\n{error}")
+        conflicts = link_conflicts(given, self.datamodule)
+        if conflicts:
+            self.parser.error("\n".join(conflicts))
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         config = self.config_init[self.subcommand] if self.subcommand else self.config_init
