@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -64,6 +65,8 @@ def connect(database: Path, temp_directory: Path, memory_limit: str, threads: in
         con.execute(f"SET threads = {int(threads)}")
     # Ties keep the input order only if scans and inserts keep it.
     con.execute("SET preserve_insertion_order = true")
+    # DuckDB's own progress bar on a terminal; logs get the phase lines instead.
+    con.execute(f"SET enable_progress_bar = {str(sys.stderr.isatty()).lower()}")
     if max_temp_size is not None:
         con.execute(f"SET max_temp_directory_size = {quote_literal(max_temp_size)}")
     return con
