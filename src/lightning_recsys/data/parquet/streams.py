@@ -150,11 +150,16 @@ class EpochLoader(DataLoader):
         dataset = self.dataset
         if hasattr(dataset, "begin_epoch"):
             dataset.begin_epoch()  # type: ignore[attr-defined]
-        return super().__iter__()
+        # A resumed epoch's trained batches come through as None, so that the workers keep their turns.
+        return (batch for batch in super().__iter__() if batch is not None)
 
 
 class TrainingStream(IterableDataset):
     """Rank ``rank``'s training batches of ``local_batch_size`` examples, ``num_batches`` of them per epoch.
+
+    ``skip``: the next pass hands out its first ``skip`` batches as ``None``, unbuilt (no negatives,
+    no tensors; the reads and the shuffle still run so that the rest is the same); ``EpochLoader``
+    drops them.
 
     Each epoch the rank's segments are put in a new order (from ``seed``, the epoch and the rank) and
     dealt to the workers in turn; a worker reads its segments into a pool of at least
@@ -227,8 +232,7 @@ class TrainingStream(IterableDataset):
                 negatives = self.negatives(epoch, index) if build else None
                 batch = pool.take(self.local_batch_size, negatives, self.max_length, build=build)
                 produced += 1
-                if build:
-                    yield batch  # type: ignore[misc]
+                yield batch  # type: ignore[misc]  # None when skipped (EpochLoader drops it)
             if segment is None and produced < quota:
                 raise RuntimeError(f"rank {self.rank}, worker {worker}: ran out of training examples after {produced} of {quota} batches.")
 
