@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -34,8 +33,6 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
 RESULTS = Path(__file__).resolve().parent / "results"
 WORLD, PER_NODE = 4, 2
 # name: (rows, overlap, precision, touching_replicas, exchange); "1d" has no sync.
@@ -237,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [("1d", 0)] if "1d" in args.variants else []
     runs += [(name, every) for name in args.variants if name != "1d" for every in args.intervals]
 
-    from multiprocess import run_ranks
+    from lightning_recsys.testing.processes import run_ranks
 
     start = time.perf_counter()
     print(f"{len(runs)} runs, {WORLD} processes (2 nodes x 2, gloo)", flush=True)

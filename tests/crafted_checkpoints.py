@@ -182,7 +182,7 @@ DAMAGES: tuple[Damage, ...] = (
     Damage("shard empty", lambda d: _shard(d).write_bytes(b""), r"\.distcp", "the shard file is truncated: .* the file has 0 bytes"),
     Damage("shard truncated", lambda d: _shard(d).write_bytes(_shard(d).read_bytes()[:-100]), r"\.distcp", "the shard file is truncated"),
     Damage("shard overwritten at an item", lambda d: _overwrite(_shard(d), _storage(d)[1].offset, b"\x00" * 8), r"\.distcp", "not a torch.save record"),
-    Damage("byte item corrupted", _corrupt_byte_item, r"\.distcp", "the item .*_extra_state.* cannot be (read|unpickled)"),
+    Damage("byte item corrupted", _corrupt_byte_item, r"\.distcp", "the item .*_extra_state.*(cannot be (read|unpickled)|'s member .* has no valid local header)"),
     Damage("host state truncated", lambda d: (d / "host_state.pt").write_bytes((d / "host_state.pt").read_bytes()[:30]), r"host_state\.pt", "the file cannot be read"),
 )
 

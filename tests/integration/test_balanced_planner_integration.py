@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import (
     CONFIG,
     DENSE_LR,

@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys import TwoDRecStrategy
 from lightning_recsys.checkpoint import latest_checkpoint, load_unsharded

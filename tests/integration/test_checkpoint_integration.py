@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from torch import nn
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import FileSystemWriter

@@ -8,7 +8,7 @@ import signal
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assemble, make_model, shards_of
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, TwoDRecStrategy

@@ -26,7 +26,7 @@ from crafted_checkpoints import (
     write_checkpoint,
 )
 from lightning.pytorch import Trainer
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_recsys import TwoDRecStrategy

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from movielens_files import write_tiny_movielens
-from multiprocess import run_torchrun_nodes
+from lightning_recsys.testing.processes import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"

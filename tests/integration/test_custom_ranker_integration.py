@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import Trainer
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import train_plain_sgd
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor

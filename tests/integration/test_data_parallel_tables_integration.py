@@ -12,7 +12,7 @@ import logging
 import pytest
 import torch
 from lightning.pytorch import Trainer
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import sgd_strategy
 
 from lightning_recsys.callbacks import RunSummary, format_summary

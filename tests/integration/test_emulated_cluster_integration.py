@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from network_namespaces import namespace_skip_reason
+from lightning_recsys.testing.network_namespaces import namespace_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "emulated_cluster.py"

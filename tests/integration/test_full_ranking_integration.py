@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torchrec import EmbeddingCollection, EmbeddingConfig

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from multiprocess import free_port
+from lightning_recsys.testing.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow  # two spawned processes that import torchrec: ~1 minute on 2 busy cores

@@ -14,7 +14,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys.checkpoint.async_save import AsyncCheckpointSaver
 from lightning_recsys.parallel.topology import ParallelTopology

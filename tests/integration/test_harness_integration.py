@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 
 def _rank_one_dies(rank: int, world_size: int) -> None:

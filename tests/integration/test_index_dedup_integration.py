@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assemble
 from sequence_oracle import ITEM_KEY, SequenceLogConfig, fit_sharded, global_batch, sgd_strategy, table_shards, train_unsharded
 

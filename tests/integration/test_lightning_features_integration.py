@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints, TwoDRecStrategy

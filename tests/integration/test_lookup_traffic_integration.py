@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 from lightning.pytorch import Callback
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from summary_helpers import summary_rows
 from lightning.pytorch import Trainer
 from pretrain_oracle import STEPS, PretrainDataModule, make_model, sgd_strategy

@@ -12,7 +12,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from network_namespaces import namespace_skip_reason
+from lightning_recsys.testing.network_namespaces import namespace_skip_reason
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 20.0  # process_group_timeout of the job

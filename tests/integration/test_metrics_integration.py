@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from torchmetrics import Metric
 
 from lightning_recsys.models import AUC, Calibration, LogLoss, NormalizedEntropy

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import CONFIG, make_model, sgd_strategy
 from torch.utils.data import DataLoader, Dataset
 from torchrec import KeyedJaggedTensor

@@ -9,7 +9,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assemble
 from pretrain_oracle import (
     ITEM_KEY, ITEMS, MAX_LENGTH, STEPS, PretrainDataModule, PretrainLogConfig, fit_two_d, global_lists, is_table, make_model,

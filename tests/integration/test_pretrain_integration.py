@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assemble
 from pretrain_oracle import (
     ACTION_KEY, ITEM_KEY, ITEMS, STEPS, RecordPipeline, fit_sharded, is_table, make_model, sgd_strategy, table_shards, touched_rows, train_unsharded,

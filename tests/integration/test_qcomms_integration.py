@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import fit_sharded, sgd_strategy, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TwoDRecStrategy

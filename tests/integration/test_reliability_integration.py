@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningDataModule, Trainer
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import CONFIG, make_model, sgd_strategy
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec import KeyedJaggedTensor

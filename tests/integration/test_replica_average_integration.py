@@ -10,7 +10,7 @@ takes 1D's step on that replica and none on the other. Averaged over the replica
 from __future__ import annotations
 
 import torch
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import CONFIG, TABLE_KEY, assemble, make_model, shards_of
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy

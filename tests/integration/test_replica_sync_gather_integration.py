@@ -13,7 +13,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys.parallel.sync import sync_deltas
 from lightning_recsys.parallel.sync.sync_gather import GatheredSync

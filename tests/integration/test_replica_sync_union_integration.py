@@ -7,7 +7,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys.parallel.sync.replica_sync import ReplicaSynchronizer
 from lightning_recsys.parallel.sync.replica_sync_config import ReplicaSyncConfig

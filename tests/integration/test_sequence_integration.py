@@ -6,7 +6,7 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import RecordPipeline, assemble
 from sequence_oracle import (
     ACTION_KEY, ITEM_KEY, STEPS, SequenceDataModule, SequenceLogConfig, global_batch, fit_sharded, local_predictions, make_model, sgd_strategy, table_shards,

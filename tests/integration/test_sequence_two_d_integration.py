@@ -8,7 +8,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assemble
 from sequence_oracle import (
     ITEM_KEY, STEPS, SequenceDataModule, SequenceLogConfig, fit_sharded, make_model, sgd_strategy, table_shards, train_unsharded,

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.profilers import PyTorchProfiler
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import CONFIG, make_model, sgd_strategy
 
 from lightning_recsys import ReplicaSyncConfig

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import STEPS, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys.planner import plan_rows

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys.parallel.sync import sync_deltas
 from lightning_recsys.parallel.sync.sync_deltas import InFlightSync, SyncItem, whole_tensor_items

@@ -3,7 +3,7 @@
 from pathlib import Path
 
 import pytest
-from multiprocess import run_torchrun_nodes
+from lightning_recsys.testing.processes import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,7 +28,7 @@ def test_slurm_environment_of_srun_forms_the_2x2_topology_and_trains_2d(tmp_path
     import os
     import sys
 
-    from multiprocess import free_port, run_processes
+    from lightning_recsys.testing.processes import free_port, run_processes
 
     script = [sys.executable, str(ROOT / "examples" / "train_synthetic_dlrm.py"), "--tiny", "--devices", "2", "--num-nodes", "2"]
     port = str(free_port())

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys import CommunicationMonitor, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule

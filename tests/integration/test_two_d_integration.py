@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy

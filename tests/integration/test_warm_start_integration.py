@@ -10,7 +10,7 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import assemble
 from pretrain_oracle import ITEMS, MAX_LENGTH, PretrainDataModule, RecordPipeline
 from pretrain_oracle import make_model as make_pretrainer

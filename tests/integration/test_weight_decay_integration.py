@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from multiprocess import run_ranks
+from lightning_recsys.testing.processes import run_ranks
 from oracle import CONFIG, DENSE_LR, EMBEDDING_LR, STEPS, TABLE_KEY, assemble, fit_sharded, make_model, shards_of
 
 from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy

@@ -34,7 +34,6 @@ from crafted_checkpoints import (
     write_checkpoint,
 )
 
-from lightning_recsys.checkpoint.warm_start import load_weights_unsharded
 from lightning_recsys.checkpoint import CheckpointCorruptError, CheckpointError, UnsafeCheckpointError, load_unsharded, to_lightning_checkpoint
 from lightning_recsys.checkpoint.safe_reading import INDEX_GLOBALS
 from lightning_recsys.checkpoint.safetensors_export import export_safetensors
@@ -127,6 +126,8 @@ class _Paths:
 
     @staticmethod
     def warm_start(path: Path, model: torch.nn.Module, **kw) -> object:
+        from lightning_recsys.checkpoint.warm_start import load_weights_unsharded  # imported here: only this path needs it
+
         return load_weights_unsharded(path, model, **kw)  # InitFromCheckpoint's load outside TwoDRecStrategy
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import torch.distributed as dist
-from multiprocess import free_port
+from lightning_recsys.testing.processes import free_port
 
 from lightning_recsys.parallel.topology import attempt_scoped_store
 

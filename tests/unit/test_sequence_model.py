@@ -106,11 +106,11 @@ def test_forward_gives_one_finite_logit_per_example_and_builds_one_collection_pe
 def test_each_token_is_item_action_and_candidate_plus_its_slots_position_embedding():
     model = small_model().eval()
     seen: list[torch.Tensor] = []
-    model.encoder.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
+    model.encoder.transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(args[0]), with_kwargs=True)
     model(sequence_batch([[1, 2], [3]], actions=[[1, 2], [0]], candidates=[4, 5]))
     tables = model.sequence_embeddings.embeddings
     items, actions = tables["item"].weight.detach(), tables["action"].weight.detach()
-    tokens = seen[0] - model.positions.detach()  # [B, max_history, 3 * 8] before the encoder
+    tokens = seen[0] - model.encoder.positions.detach()  # [B, max_history, 3 * 8], as TransActEncoder received them
     # Example 1's newest (last) slot: item 3, action 0, candidate 5; its earlier slots are padding with the candidate.
     torch.testing.assert_close(tokens[1, -1], torch.cat([items[3], actions[0], items[5]]))
     torch.testing.assert_close(tokens[0, -2], torch.cat([items[1], actions[1], items[4]]))
@@ -308,7 +308,7 @@ def test_defaults_are_near_transact_and_the_collections_are_torchrecs():
     model = SequenceRanker(item_table_size=100, num_action_types=5)
     assert model.max_history == 100 and model.newest_tokens == 10
     assert model.encoder.num_layers == 2 and model.encoder.layers[0].self_attn.num_heads == 2
-    assert model.encoder.layers[0].self_attn.embed_dim == 3 * 32 and model.positions.shape == (100, 3 * 32)
+    assert model.encoder.layers[0].self_attn.embed_dim == 3 * 32 and model.encoder.positions.shape == (100, 3 * 32)
     assert isinstance(model.sequence_embeddings, EmbeddingCollection) and model.context_embeddings is None
     assert not isinstance(model.sequence_embeddings, EmbeddingBagCollection)
 

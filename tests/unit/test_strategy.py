@@ -147,7 +147,7 @@ def test_devices_that_disagree_with_torchruns_processes_per_node_are_refused_bef
     import torch.distributed as dist
     from lightning.fabric.plugins.environments import TorchElasticEnvironment
     from lightning.pytorch.accelerators import CPUAccelerator
-    from multiprocess import free_port
+    from lightning_recsys.testing.processes import free_port
 
     world = devices * num_nodes
     for name, value in {

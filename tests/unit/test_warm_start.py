@@ -1,7 +1,8 @@
-"""Warm start on one process: picking and renaming keys, the checks before any read, the SASRec ranker's shared encoder."""
+"""Warm start on one process: picking and renaming keys, by role, the checks before any read, the SASRec ranker's shared encoder."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -11,13 +12,16 @@ from torchrec import KeyedJaggedTensor
 from lightning_recsys.callbacks import InitFromCheckpoint
 from lightning_recsys.checkpoint import CheckpointMismatchError, export_safetensors
 from lightning_recsys.checkpoint.warm_start import load_weights_unsharded, select_weights
+from lightning_recsys.contracts.warm_start import WARM_START_PARTS_KEY, WarmStartPart, parts_record
 from lightning_recsys.data import RecBatch
 from lightning_recsys.models import SequencePretrainer, SequenceRanker
+from lightning_recsys.models.encoders import SASRecEncoder, TransActEncoder
 from tests.crafted_checkpoints import write_checkpoint
 from tests.pretrain_oracle import make_batch
 
 ITEMS, DIM, LENGTH = 40, 8, 6
 ENCODER = dict(embedding_dim=DIM, num_layers=2, num_heads=2, dropout=0.0)
+SASREC = partial(SASRecEncoder, num_layers=2, num_heads=2, dropout=0.0)
 
 
 def pretrainer(seed: int = 0, **overrides: object) -> SequencePretrainer:
@@ -29,7 +33,7 @@ def ranker(seed: int = 1, **overrides: object) -> SequenceRanker:
     torch.manual_seed(seed)
     arguments = dict(
         item_table_size=ITEMS, num_action_types=3, context_feature_names=["user_id"], context_table_sizes=[5], num_dense_features=2,
-        max_history=LENGTH, sequence_encoder="sasrec", over_arch_layer_sizes=[8, 1], **ENCODER,
+        max_history=LENGTH, encoder=SASREC, over_arch_layer_sizes=[8, 1], embedding_dim=DIM,
     )
     return SequenceRanker(**{**arguments, **overrides})  # type: ignore[arg-type]
 
@@ -101,12 +105,15 @@ def test_sasrec_ranker_without_actions_and_its_refused_options():
     assert set(model.item_embeddings.embeddings) == {"item"}
     logits = model(ranker_batch([[1, 2], []], [3, 4], with_actions=False))
     assert logits.shape == (2,) and torch.isfinite(logits).all()
-    with pytest.raises(ValueError, match=r"newest_tokens=2, action_means=True: TransAct encoder option"):
+    with pytest.raises(ValueError, match=r"newest_tokens=2, action_means=True: option\(s\) of the TransAct-style ranker"):
         ranker(newest_tokens=2, action_means=True)
     with pytest.raises(ValueError, match=r"num_action_types=0 must be an integer >= 1"):
         SequenceRanker(item_table_size=ITEMS, num_action_types=0)
-    with pytest.raises(ValueError, match=r"sequence_encoder='bert' is not one of"):
-        ranker(sequence_encoder="bert")
+    # The removed string choice names the class_path to write instead.
+    with pytest.raises(ValueError, match=r"sequence_encoder='sasrec'\) was replaced by encoder=.*models\.encoders\.SASRecEncoder"):
+        ranker(sequence_encoder="sasrec")
+    with pytest.raises(ValueError, match=r"num_layers=2 set the default encoder's options, but encoder= names the encoder"):
+        ranker(num_layers=2)
 
 
 def test_sasrec_ranker_trains_end_to_end():
@@ -150,7 +157,7 @@ def test_warm_start_names_every_mismatch_with_both_shapes_and_reads_nothing(tmp_
     message = str(error.value)
     assert "table 'item' 'item_embeddings.embeddings.item.weight': the checkpoint has shape (40, 8), the model has (42, 8)" in message
     assert "parameter 'encoder.positions': the checkpoint has shape (6, 8), the model has (7, 8)" in message
-    assert "2 picked tensor(s)" in message
+    assert "2 picked tensor(s)" in message and "part" not in message  # picked by key: no roles named
     for key, value in target.state_dict().items():
         assert torch.equal(value, before[key]), key
     with pytest.raises(ValueError, match=r"include pattern\(s\) \['over_arch\.\*'\] match no tensor"):
@@ -162,14 +169,15 @@ def test_the_cli_form_parses_into_the_callback(tmp_path):
 
     config = Path(__file__).resolve().parents[2] / "examples" / "configs" / "synthetic_sequence.yaml"
     cli = build_cli([
-        "--config", str(config), "--model.init_args.sequence_encoder", "sasrec", "--model.init_args.newest_tokens", "null",
+        "--config", str(config), "--model.init_args.encoder", "lightning_recsys.models.encoders.SASRecEncoder",
+        "--model.init_args.encoder.init_args.num_layers", "1", "--model.init_args.newest_tokens", "null",
         "--model.init_args.action_loss_weight", "0", "--model.init_args.positive_actions", "null", "--model.init_args.embedding_dim", "8",
         "--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint", "--trainer.callbacks.path", str(tmp_path / "last.ckpt"),
         "--trainer.callbacks.include", "[encoder.*]",
     ], run=False)  # fmt: skip
     (warm,) = [c for c in cli.trainer.callbacks if isinstance(c, InitFromCheckpoint)]
     assert warm.path == str(tmp_path / "last.ckpt") and warm.include == ["encoder.*"] and warm.rename is None
-    assert cli.model.sequence_encoder == "sasrec"
+    assert isinstance(cli.model.encoder, SASRecEncoder) and len(cli.model.encoder.blocks) == 1 and cli.model.causal_encoder
 
 
 def test_callback_under_a_plain_trainer_loads_once_and_a_later_fit_keeps_what_it_trained(tmp_path, caplog):
@@ -202,3 +210,67 @@ def test_callback_under_a_plain_trainer_loads_once_and_a_later_fit_keeps_what_it
         fit()
     assert torch.equal(seen.positions, trained) and warm.result is None
     assert "an earlier fit already loaded it into this model" in caplog.text
+
+
+def _with_parts(model: object, tmp_path: Path, name: str = "pretrain.ckpt", **replace: WarmStartPart) -> Path:
+    """A checkpoint of ``model`` whose host state records its parts (as ``RecsysModule.on_save_checkpoint`` does)."""
+    parts = {**model.warm_start_parts(), **replace}  # type: ignore[attr-defined]
+    return write_checkpoint(model, tmp_path / name, host_state={WARM_START_PARTS_KEY: parts_record(parts)})  # type: ignore[arg-type]
+
+
+def test_a_model_records_its_parts_in_every_checkpoint_it_saves():
+    checkpoint: dict = {}
+    pretrainer().on_save_checkpoint(checkpoint)
+    assert checkpoint[WARM_START_PARTS_KEY] == {
+        "encoder": {"prefix": "encoder.", "kind": "lightning_recsys.models.encoders.SASRecEncoder"},
+        "item_table": {"prefix": "item_embeddings.embeddings.item.", "kind": "table"},
+    }
+    assert ranker(encoder=TransActEncoder).warm_start_parts()["item_table"].prefix == "sequence_embeddings.embeddings.item."
+
+
+def test_parts_load_by_role_wherever_each_model_holds_them(tmp_path):
+    source = pretrainer()
+    checkpoint = _with_parts(source, tmp_path)
+    warm = ranker(seed=5)
+    result = load_weights_unsharded(checkpoint, warm, parts={r: p for r, p in warm.warm_start_parts().items()})
+    assert set(result.loaded) == {k for k in source.state_dict() if k.startswith(("encoder.", "item_embeddings.embeddings.item."))}
+    for key, value in source.state_dict().items():
+        if key in result.loaded:
+            torch.testing.assert_close(warm.state_dict()[key], value, rtol=0, atol=0, msg=key)
+    assert not torch.equal(warm.item_embeddings.embeddings["action"].weight, source.item_embeddings.embeddings["action"].weight)
+    # The TransAct ranker holds its item table under another attribute: the role finds it there.
+    transact = ranker(seed=6, encoder=TransActEncoder)
+    loaded = load_weights_unsharded(checkpoint, transact, parts={"item_table": transact.warm_start_parts()["item_table"]}).loaded
+    assert loaded == {"sequence_embeddings.embeddings.item.weight": "item_embeddings.embeddings.item.weight"}
+    torch.testing.assert_close(transact.sequence_embeddings.embeddings["item"].weight, source.item_embeddings.embeddings["item"].weight)
+    # A checkpoint that records its parts elsewhere (another attribute name) is read where it says.
+    moved = _with_parts(source, tmp_path, "moved.ckpt", item_table=WarmStartPart("item_embeddings.embeddings.item.", "table"))
+    assert load_weights_unsharded(moved, ranker(seed=7), parts={"item_table": warm.warm_start_parts()["item_table"]}).loaded
+
+
+def test_parts_that_do_not_fit_say_which_and_how(tmp_path):
+    checkpoint = _with_parts(pretrainer(), tmp_path)
+    transact = ranker(encoder=TransActEncoder)
+    with pytest.raises(CheckpointMismatchError, match=r"'encoder' part differs in kind: the checkpoint's is "
+                       r"lightning_recsys\.models\.encoders\.SASRecEncoder, the model's is .*TransActEncoder"):
+        load_weights_unsharded(checkpoint, transact, parts={"encoder": transact.warm_start_parts()["encoder"]})
+    shallow = ranker(encoder=partial(SASRecEncoder, num_layers=3, num_heads=2, dropout=0.0))
+    with pytest.raises(CheckpointMismatchError, match=r"'encoder' part holds other tensors: the checkpoint lacks \['encoder\.blocks\.2\."):
+        load_weights_unsharded(checkpoint, shallow, parts={"encoder": shallow.warm_start_parts()["encoder"]})
+    wider = ranker(item_table_size=ITEMS + 1)
+    with pytest.raises(CheckpointMismatchError, match=r"the 'item_table' part's table 'item' .*\(40, 8\), the model has \(41, 8\)"):
+        load_weights_unsharded(checkpoint, wider, parts=dict(wider.warm_start_parts()))
+    no_encoder = write_checkpoint(pretrainer(), tmp_path / "tables.ckpt", host_state={
+        WARM_START_PARTS_KEY: {"item_table": {"prefix": "item_embeddings.embeddings.item.", "kind": "table"}}})
+    with pytest.raises(ValueError, match=r"the checkpoint has no 'encoder' part; its model recorded \['item_table'\]"):
+        load_weights_unsharded(no_encoder, ranker(), parts=dict(ranker().warm_start_parts()))
+
+
+def test_init_from_checkpoint_parts_are_checked_against_the_model():
+    with pytest.raises(ValueError, match=r"parts=\['encoder'\]\) picks by role; include=\['x\.\*'\]"):
+        InitFromCheckpoint("ckpt", parts=["encoder"], include=["x.*"])
+    with pytest.raises(ValueError, match=r"parts=\[\]\) must be a non-empty list"):
+        InitFromCheckpoint("ckpt", parts=[])
+    warm = InitFromCheckpoint("ckpt", parts=["encoder", "user_tower"])
+    with pytest.raises(ValueError, match=r"SequenceRanker has no \['user_tower'\] part; it has \['encoder', 'item_table'\]"):
+        warm._model_parts(ranker())
