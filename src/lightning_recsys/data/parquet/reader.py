@@ -235,6 +235,12 @@ class PreparedReader:
 
     def _chunk(self, table: pa.Table, segment: Segment, name: str) -> UserChunk:
         where = f"{name}, row group {segment.row_group}"
+        users = _one_chunk(table.column(USER_ID_COLUMN))
+        if users.null_count:
+            row = int(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False))[0])
+            raise PreparedDataError(f"{where}, row {segment.start + row}: user_id is null.")
+        if len(pc.unique(users)) != len(users):
+            _raise_duplicate(users, segment, where)
         items_list = _one_chunk(table.column(ITEM_ROWS_COLUMN))
         if items_list.null_count:
             row = int(np.flatnonzero(items_list.is_null().to_numpy(zero_copy_only=False))[0])
@@ -263,12 +269,6 @@ class PreparedReader:
                 "describe this file. Prepare the directory again (or rerun describe)."
             )
         actions = self._actions(table, lengths, offsets, segment, where) if self.metadata.has_actions else None
-        users = _one_chunk(table.column(USER_ID_COLUMN))
-        if users.null_count:
-            row = int(np.flatnonzero(users.is_null().to_numpy(zero_copy_only=False))[0])
-            raise PreparedDataError(f"{where}, row {segment.start + row}: user_id is null.")
-        if len(pc.unique(users)) != len(users):
-            _raise_duplicate(users, segment, where)
         user_ids = _user_ids(users) if self.with_user_ids else np.zeros(0, dtype=np.int64)
         sequences = UserSequences(
             items=items, offsets=offsets, user_ids=user_ids, num_items=num_items,
