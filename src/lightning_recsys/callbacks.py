@@ -14,6 +14,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_recsys.checkpoint.warm_start import WarmStartResult, load_weights, load_weights_unsharded
+from lightning_recsys.contracts.warm_start import WARM_START_ROLES, WarmStartable, WarmStartPart
 from lightning_recsys.parallel.input import CoordinatedBatches
 from lightning_recsys.strategies import TwoDRecStrategy
 
@@ -251,11 +252,22 @@ class InitFromCheckpoint(Callback):
     resumed state and skips the warm start, with one INFO line saying so; so does a later ``fit`` of
     the same model with the same callback (it would overwrite what the earlier fit trained).
 
+    By role: ``parts=["encoder", "item_table"]`` loads the model's encoder and item table from the
+    checkpoint's, wherever each model holds them (``contracts.warm_start``: a model's
+    ``warm_start_parts()``, which its checkpoints record), e.g. a ``SequenceRanker`` with a causal encoder
+    from a ``SequencePretrainer``. A part that does not fit is named with how: missing in the checkpoint,
+    another kind of encoder (``CheckpointMismatchError``), other tensors (e.g. another number of layers),
+    other shapes.
+
     On the command line: ``--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint
-    --trainer.callbacks.path CKPT`` (add ``--trainer.callbacks.include '[encoder.*]'`` to pick).
+    --trainer.callbacks.path CKPT --trainer.callbacks.parts '[encoder, item_table]'`` (or
+    ``--trainer.callbacks.include '[encoder.*]'`` to pick by key).
 
     Args:
         path: the checkpoint directory (or its name; the newest committed copy is read) or a ``.safetensors`` file.
+        parts: the roles to load (``"encoder"``, ``"item_table"``), in place of ``include`` and ``rename``; the
+            model must state its parts (``warm_start_parts``). A safetensors export records no parts: each is
+            then read where the model holds it.
         include: ``fnmatch`` patterns over the checkpoint's state-dict keys (its module's
             ``state_dict()`` names, e.g. ``"encoder.*"`` or ``"item_embeddings.embeddings.item.weight"``);
             default every tensor of the checkpoint. Each pattern must match at least one.
@@ -266,8 +278,23 @@ class InitFromCheckpoint(Callback):
     """
 
     def __init__(
-        self, path: str, include: list[str] | None = None, rename: dict[str, str] | None = None, trusted: bool = False
+        self,
+        path: str,
+        include: list[str] | None = None,
+        rename: dict[str, str] | None = None,
+        trusted: bool = False,
+        parts: list[str] | None = None,
     ) -> None:
+        if parts is not None:
+            if isinstance(parts, str) or not list(parts) or not all(isinstance(p, str) for p in parts) or len(set(parts)) != len(parts):
+                raise ValueError(
+                    f"InitFromCheckpoint(parts={parts!r}) must be a non-empty list of distinct roles, e.g. {list(WARM_START_ROLES)}."
+                )
+            if include is not None or rename is not None:
+                raise ValueError(
+                    f"InitFromCheckpoint(parts={parts!r}) picks by role; include={include!r} and rename={rename!r} pick by key. "
+                    "Give one or the other."
+                )
         if not isinstance(path, (str, os.PathLike)) or not str(path):
             raise ValueError(f"InitFromCheckpoint(path={path!r}) must be a checkpoint directory or a .safetensors file.")
         if include is not None and (
@@ -290,6 +317,7 @@ class InitFromCheckpoint(Callback):
         self.trusted = trusted
         self.include = None if include is None else list(include)
         self.rename = None if rename is None else dict(rename)
+        self.parts = None if parts is None else list(parts)
         self.result: WarmStartResult | None = None
         self._pending = False
         self._loaded_into: int | None = None  # id() of the module warm-started by an earlier fit
@@ -320,18 +348,39 @@ class InitFromCheckpoint(Callback):
             rank_zero_info(f"InitFromCheckpoint: skipped the warm start from {self.path}: an earlier fit already loaded it into this model.")
             return
         strategy = trainer.strategy
+        parts = self._model_parts(pl_module)
         if isinstance(strategy, TwoDRecStrategy):
             self.result = load_weights(
                 self.path, state=strategy.sharded_checkpoint_state(), topology=strategy.topology, include=self.include, rename=self.rename,
-                trusted=self.trusted,
+                trusted=self.trusted, parts=parts,
             )
             strategy.runtime.restart_sync_cadence()  # every replica loaded the same values
         else:
-            self.result = load_weights_unsharded(self.path, pl_module, include=self.include, rename=self.rename, trusted=self.trusted)
+            self.result = load_weights_unsharded(
+                self.path, pl_module, include=self.include, rename=self.rename, trusted=self.trusted, parts=parts
+            )
         self._loaded_into = id(pl_module)
         into = f" into {strategy.topology.describe()}" if isinstance(strategy, TwoDRecStrategy) else ""
         saved_by = f" (saved by {self.result.saved_by})" if self.result.saved_by else ""
         rank_zero_info(f"InitFromCheckpoint: loaded {len(self.result.loaded)} tensors from {self.result.path}{saved_by}{into}")
+
+
+    def _model_parts(self, pl_module: LightningModule) -> dict[str, WarmStartPart] | None:
+        """The model's part of each role in ``parts`` (None without ``parts``); ``ValueError`` naming a role it lacks."""
+        if self.parts is None:
+            return None
+        if not isinstance(pl_module, WarmStartable):
+            raise ValueError(
+                f"InitFromCheckpoint(parts={self.parts}): {type(pl_module).__name__} states no warm-start parts "
+                "(warm_start_parts(), lightning_recsys.contracts.warm_start); pick tensors by key with include= instead."
+            )
+        own = dict(pl_module.warm_start_parts())
+        lacking = [role for role in self.parts if role not in own]
+        if lacking:
+            raise ValueError(
+                f"InitFromCheckpoint(parts={self.parts}): {type(pl_module).__name__} has no {lacking} part; it has {sorted(own)}."
+            )
+        return {role: own[role] for role in self.parts}
 
 
 def format_summary(summary: dict[str, Any]) -> str:

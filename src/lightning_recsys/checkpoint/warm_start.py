@@ -5,7 +5,9 @@ checkpoint) or a safetensors export of one (``export_safetensors``). Only model 
 no embedding optimizer state and no host state (step counters, callbacks, dense optimizers; its
 ``host_state.pt`` is not opened). A DCP index is read as every load of this package reads it.
 Keys are the source module's ``state_dict()`` names; ``include`` (``fnmatch`` patterns) picks them
-and ``rename`` (key prefixes) maps them onto the target's names. Every pick is checked against the target (name and global shape) before any
+and ``rename`` (key prefixes) maps them onto the target's names. Or ``parts`` picks by role
+(``contracts.warm_start``: "the encoder", "the item table"), wherever each model holds it
+(``warm_start_parts``), and a part that does not fit is named with how it differs. Every pick is checked against the target (name and global shape) before any
 tensor is read. A DCP source is read with DCP itself, each sharding group over its own process
 group, so any saving world size and plan loads into any target plan (as ``load_checkpoint``).
 """
@@ -26,10 +28,11 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_shards
-from lightning_recsys.checkpoint.safe_reading import INDEX_FILE, check_storage, read_index
 from lightning_recsys.checkpoint.directory import read_meta, resolve
+from lightning_recsys.checkpoint.safe_reading import INDEX_FILE, check_storage, read_host_state, read_index
 from lightning_recsys.checkpoint.table_state import table_name
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, CheckpointMismatchError, model_key
+from lightning_recsys.contracts.warm_start import WARM_START_PARTS_KEY, WarmStartPart, parts_from_record
 from lightning_recsys.parallel.sharding import find_embedding_modules
 from lightning_recsys.parallel.topology import ParallelTopology
 
@@ -105,8 +108,9 @@ def load_weights(
     include: Sequence[str] | None = None,
     rename: Mapping[str, str] | None = None,
     trusted: bool = False,
+    parts: Mapping[str, WarmStartPart] | None = None,
 ) -> WarmStartResult:
-    """Load the tensors ``include``/``rename`` pick from checkpoint ``path`` into a sharded model, in place; collective.
+    """Load the tensors ``include``/``rename`` (or ``parts``) pick from checkpoint ``path`` into a sharded model, in place; collective.
 
     Every rank calls it. Every rank checks the picks (``select_weights``) and their global shapes
     before anything is read; a problem on any rank raises on every rank (the one that found it
@@ -114,13 +118,15 @@ def load_weights(
     naming each table or parameter with both shapes. Only ``state.model_state_dict`` changes; the
     embedding optimizer, dense optimizers and any step counter are left as they are. A DCP source is
     read as every load of this package reads one (``checkpoint.safe_reading``; ``trusted`` as there).
+    ``parts``: role -> the model's ``WarmStartPart`` of each role to load (``warm_start_parts()``), in place of
+    ``include`` and ``rename``: each is found in the checkpoint by the parts its model recorded.
     """
     tables = set(state.table_placements())
     model_state = state.model_state_dict
     plan: _Plan | None = None
     error: Exception | None = None
     try:
-        plan = _plan(path, model_state, tables, include, rename, trusted)
+        plan = _plan(path, model_state, tables, include, rename, trusted, parts)
     except Exception as e:  # noqa: BLE001 - every rank must learn about it
         error = e
     _all_ranks_ok(error, action=f"checking warm-start checkpoint {str(path)!r}")
@@ -144,6 +150,7 @@ def load_weights_unsharded(
     include: Sequence[str] | None = None,
     rename: Mapping[str, str] | None = None,
     trusted: bool = False,
+    parts: Mapping[str, WarmStartPart] | None = None,
 ) -> WarmStartResult:
     """``load_weights`` for an unsharded ``module`` in this process, with no process group (real, not meta, storage)."""
     model_state = module.state_dict()
@@ -151,7 +158,7 @@ def load_weights_unsharded(
     if on_meta:
         raise ValueError(f"{type(module).__name__} has tensors on the meta device ({on_meta[:3]}...), which cannot hold loaded values.")
     tables = {f"{fqn}.{k}" if fqn else k for fqn, sub in find_embedding_modules(module).items() for k in sub.state_dict()}
-    plan = _plan(path, model_state, tables, include, rename, trusted)
+    plan = _plan(path, model_state, tables, include, rename, trusted, parts)
     if plan.is_safetensors:
         _copy_from_safetensors(plan, model_state)
     else:
@@ -183,6 +190,7 @@ def _plan(
     include: Sequence[str] | None,
     rename: Mapping[str, str] | None,
     trusted: bool,
+    parts: Mapping[str, WarmStartPart] | None = None,
 ) -> _Plan:
     """Read the source's index (no tensor), pick and rename its keys, and check them against the model."""
     target_keys = {k for k, v in model_state.items() if isinstance(v, torch.Tensor)}
@@ -192,7 +200,7 @@ def _plan(
             raise FileNotFoundError(f"warm-start file {str(file)!r} does not exist (a safetensors export, export_safetensors()).")
         with safe_open(str(file), framework="pt") as reader:
             saved = {k: tuple(reader.get_slice(k).get_shape()) for k in reader.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        source, saved_by = file, None
+        source, saved_by, source_parts = file, None, None
     else:
         source = resolve(path)  # the newest committed copy of this name; refuses uncommitted and foreign directories
         saved_by = _saved_by(read_meta(source))
@@ -204,13 +212,22 @@ def _plan(
             for k, md in metadata.state_dict_metadata.items()
             if k.startswith(prefix) and isinstance(md, TensorStorageMetadata)
         }
+        source_parts = _recorded_parts(source) if parts is not None else None
+    roles: dict[str, str] = {}
+    if parts is not None:
+        include, rename, roles = parts_selection(str(source), parts, source_parts, list(saved), target_keys)
     mapping = select_weights(list(saved), target_keys, include=include, rename=rename)
-    _check_shapes(source, mapping, saved, model_state, tables)
+    _check_shapes(source, mapping, saved, model_state, tables, roles)
     return _Plan(path=source, is_safetensors=source.suffix == SAFETENSORS_SUFFIX, mapping=mapping, saved_by=saved_by)
 
 
 def _check_shapes(
-    source: Path, mapping: Mapping[str, str], saved: Mapping[str, tuple[int, ...]], model_state: Mapping[str, Any], tables: set[str]
+    source: Path,
+    mapping: Mapping[str, str],
+    saved: Mapping[str, tuple[int, ...]],
+    model_state: Mapping[str, Any],
+    tables: set[str],
+    roles: Mapping[str, str] | None = None,
 ) -> None:
     """``CheckpointMismatchError`` naming every picked table/parameter whose saved global shape is not the model's."""
     problems = []
@@ -219,7 +236,8 @@ def _check_shapes(
         if saved[key] != want:
             kind = f"table {table_name(target)!r}" if target in tables else "parameter"
             renamed = "" if target == key else f" (loaded into the model's {target!r})"
-            problems.append(f"{kind} {key!r}{renamed}: the checkpoint has shape {saved[key]}, the model has {want}.")
+            role = next((f"the {r!r} part's " for prefix, r in (roles or {}).items() if target.startswith(prefix)), "")
+            problems.append(f"{role}{kind} {key!r}{renamed}: the checkpoint has shape {saved[key]}, the model has {want}.")
     if problems:
         lines = "\n".join(f"  - {p}" for p in problems)
         raise CheckpointMismatchError(
@@ -255,3 +273,74 @@ def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
                         f"the model's {target!r} is a {type(value).__name__}; a safetensors warm start fills tensors and "
                         "ShardedTensors. Warm-start from the DCP checkpoint directory instead."
                     )
+
+
+def _recorded_parts(directory: Path) -> dict[str, WarmStartPart] | None:
+    """The warm-start parts the checkpoint's model recorded (``contracts.warm_start``), or None.
+
+    Read from its host state with ``torch.load(weights_only=True)``: plain data only, no code runs. A
+    checkpoint without the record (older, or of a model without parts) or whose host state holds more than
+    plain data gives None, and the model's own prefixes are assumed.
+    """
+    try:
+        host_state = read_host_state(directory, weights_only=True)
+    except Exception:  # noqa: BLE001 - the record is optional; the key checks below still speak
+        return None
+    return parts_from_record((host_state or {}).get(WARM_START_PARTS_KEY))
+
+
+def parts_selection(
+    source: str,
+    parts: Mapping[str, WarmStartPart],
+    source_parts: Mapping[str, WarmStartPart] | None,
+    source_keys: Sequence[str],
+    target_keys: Collection[str],
+) -> tuple[list[str], dict[str, str], dict[str, str]]:
+    """``(include, rename, target prefix -> role)`` that load each role of ``parts`` from the checkpoint's part of that role.
+
+    ``source_parts``: the checkpoint's record (None: assume each part sits where the model holds it). Raises
+    ``ValueError`` where a role is missing from the checkpoint or holds other tensors, and
+    ``CheckpointMismatchError`` where its kind (the encoder's class) differs; shapes are checked after.
+    """
+    if not parts:
+        raise ValueError("parts={} names no role; name at least one, e.g. ['encoder', 'item_table'].")
+    assumed = source_parts is None
+    recorded = dict(parts) if source_parts is None else dict(source_parts)
+    include: list[str] = []
+    rename: dict[str, str] = {}
+    roles: dict[str, str] = {}
+    for role, part in parts.items():
+        theirs = recorded.get(role)
+        if theirs is None:
+            raise ValueError(
+                f"warm start from {source!r}: the checkpoint has no {role!r} part; its model recorded {sorted(recorded)}. "
+                "Leave the role out of parts, or start from a checkpoint of a model that has it."
+            )
+        if theirs.kind != part.kind:
+            raise CheckpointMismatchError(
+                f"warm start from {source!r}: the {role!r} part differs in kind: the checkpoint's is {theirs.kind}, the "
+                f"model's is {part.kind}. Build the model with the checkpoint's kind of {role} (its class and options), "
+                "or leave the role out of parts.",
+                ("kind",),
+            )
+        saved = {k[len(theirs.prefix):] for k in source_keys if k.startswith(theirs.prefix)}
+        wanted = {k[len(part.prefix):] for k in target_keys if k.startswith(part.prefix)}
+        where = " (the checkpoint records no parts: looked where the model holds it)" if assumed else ""
+        if not saved:
+            raise ValueError(
+                f"warm start from {source!r}: the checkpoint holds no tensor of the {role!r} part under "
+                f"{theirs.prefix!r}{where}; start from a checkpoint of a model with that part, or leave the role out of parts."
+            )
+        if saved != wanted:
+            lacking, extra = sorted(wanted - saved), sorted(saved - wanted)
+            raise CheckpointMismatchError(
+                f"warm start from {source!r}: the {role!r} part holds other tensors{where}: the checkpoint lacks "
+                f"{[part.prefix + k for k in lacking[:6]]}{' ...' if len(lacking) > 6 else ''} and has "
+                f"{[theirs.prefix + k for k in extra[:6]]}{' ...' if len(extra) > 6 else ''} that the model lacks. Build "
+                f"the model's {role} with the checkpoint's options (e.g. the encoder's num_layers).",
+                ("missing",),
+            )
+        include.append(theirs.prefix + "*")
+        rename[theirs.prefix] = part.prefix
+        roles[part.prefix] = role
+    return include, rename, roles

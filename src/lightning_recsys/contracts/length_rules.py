@@ -1,4 +1,4 @@
-"""Length rules a model states for its jagged features, checked by the input guard with the ids.
+"""Length rules a model states for its jagged features, checked by the model and by the runtime's input guard.
 
 A sequence model reads features that only make sense together: one action type per history item,
 exactly one candidate per example. TorchRec looks each feature up on its own and never compares

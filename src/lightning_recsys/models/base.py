@@ -16,10 +16,10 @@ from torch import nn
 from torchmetrics import Metric
 from typing_extensions import Self
 
-from lightning_recsys.checkpoint import to_lightning_checkpoint
+from lightning_recsys.contracts.model_loading import model_loading
+from lightning_recsys.contracts.warm_start import WARM_START_PARTS_KEY, WarmStartable, parts_record
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models.metrics import AUC, Calibration, LogLoss, NormalizedEntropy
-from lightning_recsys.parallel.sharding import RESHAPE_CHECKPOINT_KEY, apply_recorded_reshape
 
 DenseOptimizerName = Literal["sgd", "adagrad", "adam"]
 
@@ -88,11 +88,11 @@ class RecsysModule(LightningModule):
         hyperparameters (``kwargs`` override them) with every table whole, on the CPU. Tables saved
         with ``embedding_device="meta"`` are built on the CPU instead, since meta tensors hold no values.
         A checkpoint directory is read without running code from it unless ``trusted=True``
-        (``lightning_recsys.checkpoint.to_lightning_checkpoint``).
+        (``lightning_recsys.checkpoint.to_lightning_checkpoint``, reached through ``contracts.model_loading``).
         """
         if isinstance(checkpoint_path, (str, os.PathLike)) and os.path.isdir(checkpoint_path):
             # Lightning's torch.load cannot open a DCP directory: hand it the same checkpoint as one dict.
-            checkpoint = to_lightning_checkpoint(checkpoint_path, weights_only=weights_only, trusted=trusted)
+            checkpoint = model_loading().read_checkpoint_directory(checkpoint_path, weights_only=weights_only, trusted=trusted)
             if checkpoint.get("hyper_parameters", {}).get("embedding_device") == "meta":
                 kwargs.setdefault("embedding_device", None)
             buffer = io.BytesIO()
@@ -109,7 +109,12 @@ class RecsysModule(LightningModule):
         Lightning calls this before it loads ``state_dict`` (``load_from_checkpoint``); a model the
         strategy already sharded, or reshaped, is left as it is.
         """
-        apply_recorded_reshape(self, checkpoint.get(RESHAPE_CHECKPOINT_KEY))
+        model_loading().prepare_module(self, checkpoint)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """A model with warm-start parts records them (``contracts.warm_start``): a warm start finds them by role."""
+        if isinstance(self, WarmStartable):
+            checkpoint[WARM_START_PARTS_KEY] = parts_record(self.warm_start_parts())
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         losses = self.training_losses(batch)

@@ -3,37 +3,46 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torchrec import EmbeddingCollection, EmbeddingConfig
+from torchrec import EmbeddingCollection
 
+from lightning_recsys.contracts.encoder import EncoderFactory, check_encoder
+from lightning_recsys.contracts.length_rules import FeatureLengthRules
+from lightning_recsys.contracts.names import (
+    ACTION_FEATURE,
+    ACTION_TABLE,
+    ITEM_FEATURE,
+    ITEM_TABLE,
+    NEGATIVE_FEATURE,
+    NEXT_ITEM_FEATURE,
+)
+from lightning_recsys.contracts.phases import step_phase
+from lightning_recsys.contracts.ranking import ItemRanking, ItemRankingProvider
+from lightning_recsys.contracts.warm_start import ENCODER_ROLE, ITEM_TABLE_ROLE, WarmStartPart
 from lightning_recsys.data.batch import SequenceBatch
 from lightning_recsys.models import pretrainer_ops as ops
 from lightning_recsys.models import sequence_ops
 from lightning_recsys.models.base import DenseOptimizerName, RecsysModule
+from lightning_recsys.models.encoders import SASRecBlock, SASRecEncoder, encoder_kind, resolve_encoder
+from lightning_recsys.models.item_table import ITEM_INIT_STD, item_table_part, sequence_tables
 from lightning_recsys.models.ranking_metrics import RankingMetrics
-from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
-from lightning_recsys.parallel.ranking import ItemRanking, UnshardedItemRanking
-from lightning_recsys.parallel.step_phases import step_phase
+from lightning_recsys.ranking import UnshardedItemRanking
 
+# The names and SASRecEncoder stay importable from here (they were defined here before contracts/ and encoders/).
 __all__ = [
-    "ACTION_FEATURE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SASRecBlock", "SASRecEncoder", "SequencePretrainer",
+    "ACTION_FEATURE", "ACTION_TABLE", "ITEM_FEATURE", "ITEM_TABLE", "NEGATIVE_FEATURE", "NEXT_ITEM_FEATURE", "SASRecBlock",
+    "SASRecEncoder", "SequencePretrainer",
 ]
 
-ITEM_TABLE = "item"
-ACTION_TABLE = "action"
-ITEM_FEATURE = "item_id"
-NEXT_ITEM_FEATURE = "next_item_id"
-NEGATIVE_FEATURE = "negative_item_id"
-ACTION_FEATURE = "action"
 _OWNER = "SequencePretrainer"
 # torch.profiler ranges of a step (opened only while a profiler records), beside the strategy's recsys:* phases.
-ENCODER_PHASE = "pretrain:encoder"  # padding the looked-up tokens and the transformer
+ENCODER_PHASE = "pretrain:encoder"  # padding the looked-up tokens and the encoder
 LOSS_PHASE = "pretrain:loss"  # padding the targets, scores against targets and negatives, the softmax
 
 
@@ -55,64 +64,15 @@ def _flag(name: str, value: object) -> bool:
     return value
 
 
-class SASRecBlock(nn.Module):
-    """One SASRec block, laid out as SASRec+ (``antklen/sasrec-bert4rec-recsys23``, ``src/models.py``, after pmixer's SASRec.pytorch).
-
-    ``q = LayerNorm(x)``; ``x = q + causal self-attention(query q, keys and values x)``; ``x = LayerNorm(x)``;
-    ``x = x + Dropout(Linear(Dropout(ReLU(Linear(x)))))`` (SASRec's point-wise feed-forward, its
-    kernel-1 convolutions written as ``nn.Linear``).
-    """
-
-    def __init__(self, dim: int, num_heads: int, feedforward_dim: int, dropout: float) -> None:
-        super().__init__()
-        self.attention_norm = nn.LayerNorm(dim, eps=1e-8)
-        self.attention = nn.MultiheadAttention(dim, num_heads, dropout=dropout, batch_first=True)
-        self.feedforward_norm = nn.LayerNorm(dim, eps=1e-8)
-        self.feedforward = nn.Sequential(
-            nn.Linear(dim, feedforward_dim), nn.Dropout(dropout), nn.ReLU(), nn.Linear(feedforward_dim, dim), nn.Dropout(dropout)
+def default_encoder_options(owner: str, encoder: object, **shorthand: Any) -> dict[str, Any]:
+    """The default encoder's options given as the model's own arguments (``num_layers=...``); refused beside ``encoder``."""
+    given = {name: value for name, value in shorthand.items() if value is not None}
+    if given and encoder is not None:
+        raise ValueError(
+            f"{owner}: {', '.join(f'{k}={v!r}' for k, v in given.items())} set the default encoder's options, but encoder= "
+            f"names the encoder: give them as its own options instead (encoder: {{class_path: ..., init_args: {given}}})."
         )
-
-    def forward(self, x: torch.Tensor, causal_mask: torch.Tensor) -> torch.Tensor:
-        query = self.attention_norm(x)
-        attended, _ = self.attention(query, x, x, attn_mask=causal_mask, need_weights=False)
-        x = self.feedforward_norm(query + attended)
-        return x + self.feedforward(x)
-
-
-class SASRecEncoder(nn.Module):
-    """SASRec's encoder over padded item tokens: scale, positions, dropout, causal ``SASRecBlock``s, a final LayerNorm.
-
-    ``forward(tokens [B, max_length, dim], valid [B, max_length])`` returns ``[B, max_length, dim]``:
-    each token is ``sqrt(dim) * tokens + positions[slot]`` (slot 0: the oldest), dropped out and
-    zeroed where not ``valid``, then ``num_layers`` blocks under a causal mask. Tokens must be padded
-    on the right (``pretrainer_ops.oldest_first_padded``), so no valid slot attends to padding.
-    ``SequencePretrainer`` and ``SequenceRanker(sequence_encoder="sasrec")`` hold it as their
-    ``encoder`` attribute, so its parameters have the same names in both and a warm start copies them.
-    Parameters start as SASRec+'s: positions and linear weights ``N(0, init_std)``, zero biases.
-    """
-
-    def __init__(self, dim: int, max_length: int, num_layers: int, num_heads: int, feedforward_dim: int, dropout: float, init_std: float) -> None:
-        super().__init__()
-        self.dim = dim
-        self.max_length = max_length
-        self.positions = nn.Parameter(torch.empty(max_length, dim))
-        self.embedding_dropout = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(SASRecBlock(dim, num_heads, feedforward_dim, dropout) for _ in range(num_layers))
-        self.final_norm = nn.LayerNorm(dim, eps=1e-8)
-        self.register_buffer("_causal_mask", ~torch.ones(max_length, max_length, dtype=torch.bool).tril(), persistent=False)
-        nn.init.normal_(self.positions, std=init_std)
-        for module in self.blocks.modules():  # SASRec+'s _init_weights: linear layers N(0, std), zero bias
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=init_std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-        x = tokens * math.sqrt(self.dim) + self.positions
-        x = self.embedding_dropout(x) * valid[..., None]
-        for block in self.blocks:
-            x = block(x, self._causal_mask)
-        return self.final_norm(x)
+    return given
 
 
 class SequencePretrainer(RecsysModule):
@@ -127,15 +87,14 @@ class SequencePretrainer(RecsysModule):
     ``item_embeddings``, with the ``action`` table beside it), so targets and negatives go through the
     same sharded lookup and all-to-all as the inputs and their gradients reach only their rows.
 
-    Architecture (SASRec+, Klenitskiy & Vasilev, RecSys 2023): each token is ``sqrt(embedding_dim) *
-    (item embedding + action embedding)`` plus a learned position embedding (slot 0: the oldest kept
-    item), dropout, then ``num_layers`` ``SASRecBlock``s under a causal mask and a final LayerNorm:
-    the ``SASRecEncoder`` in attribute ``encoder``, which ``SequenceRanker(sequence_encoder="sasrec")``
-    shares, so a warm start (``lightning_recsys.callbacks.InitFromCheckpoint``) moves it and the item table over.
-    Inputs are padded on the right to ``max_length`` (an example longer than that keeps its newest
-    ``max_length`` items), so with the causal mask no valid position ever attends to padding. The
-    output ``h_t`` at position ``t`` scores item ``j`` as ``h_t · e_j`` with the item table's own rows
-    (tied input and output); with ``l2_normalize`` both are L2-normalised first (as HSTU).
+    Architecture: each token is ``item embedding + action embedding``, padded on the right to
+    ``max_length`` (an example longer than that keeps its newest ``max_length`` items; slot 0: the oldest
+    kept item), and goes through ``encoder``, a causal ``SequenceEncoder`` (``lightning_recsys.contracts.encoder``;
+    default ``SASRecEncoder``, SASRec+ after Klenitskiy & Vasilev, RecSys 2023), in attribute ``encoder``.
+    The output ``h_t`` at position ``t`` scores item ``j`` as ``h_t · e_j`` with the item table's own rows
+    (tied input and output); with ``l2_normalize`` both are L2-normalised first (as HSTU). The encoder and
+    the item table are this model's warm-start parts (``warm_start_parts``): ``SequenceRanker`` with a causal
+    encoder starts from them (``lightning_recsys.callbacks.InitFromCheckpoint(parts=[...])``).
 
     Training (``training_losses``, logged as ``train/loss``): at every valid position, sampled
     softmax over ``[target, pool of negatives]`` (``pretrainer_ops.sampled_softmax_loss``): accidental
@@ -158,18 +117,21 @@ class SequencePretrainer(RecsysModule):
     Args:
         num_items: rows of the item table (item ids ``0 .. num_items - 1``).
         num_action_types: rows of the action table (0: no actions; the batch has no ``action`` feature).
-        embedding_dim: the width of the item table and of the transformer; a multiple of 4 to be
-            sharded (FBGEMM's kernels) and of ``num_heads``.
-        max_length: how many of each user's newest input items the transformer reads.
-        num_layers, num_heads: transformer blocks and attention heads per block.
-        feedforward_dim: the hidden width of each block's feed-forward part; default ``embedding_dim`` (SASRec).
-        dropout: dropout of the embeddings, the attention weights and the feed-forward part, in ``[0, 1)``.
+        embedding_dim: the width of the item table and of the encoder; a multiple of 4 to be sharded
+            (FBGEMM's kernels).
+        max_length: how many of each user's newest input items the encoder reads.
+        encoder: the encoder, a factory called as ``encoder(embedding_dim, max_length)`` (in a config:
+            ``{class_path: lightning_recsys.models.encoders.SASRecEncoder, init_args: {num_layers: 2, ...}}``);
+            it must be causal. Default: ``SASRecEncoder`` with the options below.
+        num_layers, num_heads, feedforward_dim, dropout: shorthand for the default encoder's options
+            (``SASRecEncoder``'s defaults: 2 blocks, 1 head, feed-forward width ``embedding_dim``, dropout 0.1);
+            refused beside ``encoder``, whose own ``init_args`` hold them.
         temperature: the loss's logits are divided by it.
         l2_normalize: score with L2-normalised outputs and item rows (cosine), in training and ranking.
         in_batch_negatives: also use the other positions' targets of the local batch as negatives.
-        init_std: the item (and action) table, position embeddings and linear layers start as
-            ``N(0, init_std)`` (SASRec+'s 0.02); the tables through ``EmbeddingConfig.init_fn``, which
-            TorchRec also applies to the shards of a table built with ``embedding_device="meta"``.
+        init_std: the item (and action) table starts as ``N(0, init_std)`` (SASRec+'s 0.02), through
+            ``EmbeddingConfig.init_fn``, which TorchRec also applies to the shards of a table built with
+            ``embedding_device="meta"``; so does the default encoder (its positions and linear layers).
         eval_k: the cut-offs ``K`` of ``hr@K`` and ``ndcg@K``.
         predict_top_k: how many items ``predict_step`` returns per user (0: only the user vectors).
         embedding_device: where the tables are built; ``"meta"`` allocates nothing and the strategy
@@ -183,14 +145,15 @@ class SequencePretrainer(RecsysModule):
         num_action_types: int = 0,
         embedding_dim: int = 64,
         max_length: int = 50,
-        num_layers: int = 2,
-        num_heads: int = 1,
+        encoder: EncoderFactory | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         feedforward_dim: int | None = None,
-        dropout: float = 0.1,
+        dropout: float | None = None,
         temperature: float = 1.0,
         l2_normalize: bool = False,
         in_batch_negatives: bool = False,
-        init_std: float = 0.02,
+        init_std: float = ITEM_INIT_STD,
         eval_k: Sequence[int] = (10, 100),
         predict_top_k: int = 0,
         embedding_device: str | None = None,
@@ -203,13 +166,9 @@ class SequencePretrainer(RecsysModule):
         _integer("num_action_types", num_action_types, 0)
         _integer("embedding_dim", embedding_dim, 1)
         _integer("max_length", max_length, 1)
-        _integer("num_layers", num_layers, 1)
-        _integer("num_heads", num_heads, 1)
-        if embedding_dim % num_heads:
-            raise ValueError(f"num_heads={num_heads} must divide embedding_dim={embedding_dim}: each head attends over an equal slice.")
-        hidden = embedding_dim if feedforward_dim is None else _integer("feedforward_dim", feedforward_dim, 1)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
+        shorthand = default_encoder_options(
+            _OWNER, encoder, num_layers=num_layers, num_heads=num_heads, feedforward_dim=feedforward_dim, dropout=dropout
+        )
         self.temperature = _positive_float("temperature", temperature)
         self.l2_normalize = _flag("l2_normalize", l2_normalize)
         self.in_batch_negatives = _flag("in_batch_negatives", in_batch_negatives)
@@ -224,33 +183,35 @@ class SequencePretrainer(RecsysModule):
             device = torch.device(embedding_device) if embedding_device else None
         except RuntimeError as err:  # torch's own message does not name our argument
             raise ValueError(f"embedding_device={embedding_device!r} is not a torch device; use e.g. 'cpu', 'cuda' or 'meta'.") from err
+        factory, record = resolve_encoder(encoder, partial(SASRecEncoder, init_std=init_std, **shorthand), _OWNER)
+        if encoder is not None and not isinstance(encoder, Mapping):
+            self.hparams["encoder"] = record  # plain data: the checkpoint reloads with torch.load(weights_only=True)
 
         self.num_items = num_items
         self.max_length = max_length
         self.embedding_dim = embedding_dim
         self.has_actions = num_action_types > 0
-        initial = partial(nn.init.normal_, mean=0.0, std=init_std)
-        tables = [
-            EmbeddingConfig(
-                name=ITEM_TABLE, embedding_dim=embedding_dim, num_embeddings=num_items,
-                feature_names=[ITEM_FEATURE, NEXT_ITEM_FEATURE, NEGATIVE_FEATURE], init_fn=initial,
-            )
-        ]
-        if self.has_actions:
-            tables.append(
-                EmbeddingConfig(
-                    name=ACTION_TABLE, embedding_dim=embedding_dim, num_embeddings=num_action_types,
-                    feature_names=[ACTION_FEATURE], init_fn=initial,
-                )
-            )
-        self.item_embeddings = EmbeddingCollection(tables=tables, device=device)
+        self.item_embeddings = sequence_tables(
+            num_items=num_items, num_action_types=num_action_types, embedding_dim=embedding_dim,
+            item_features=(ITEM_FEATURE, NEXT_ITEM_FEATURE, NEGATIVE_FEATURE), action_features=(ACTION_FEATURE,),
+            init_std=init_std, device=device,
+        )
         self.required_features = [ITEM_FEATURE, NEXT_ITEM_FEATURE, NEGATIVE_FEATURE] + ([ACTION_FEATURE] if self.has_actions else [])
         aligned = (ITEM_FEATURE, NEXT_ITEM_FEATURE) + ((ACTION_FEATURE,) if self.has_actions else ())
         # One target (and one action) per input item: checked here and, sharded, by the strategy's input guard.
         self.sparse_length_rules = FeatureLengthRules(aligned=(aligned,), owner=_OWNER)
-        self.encoder = SASRecEncoder(embedding_dim, max_length, num_layers, num_heads, hidden, float(dropout), init_std)
+        self.encoder = check_encoder(factory(embedding_dim, max_length), embedding_dim=embedding_dim, max_length=max_length, owner=_OWNER)
+        if not self.encoder.causal:
+            raise ValueError(
+                f"{_OWNER}(encoder={type(self.encoder).__name__}): next-item pretraining needs a causal encoder (each output "
+                "may see only the items before it); use e.g. lightning_recsys.models.encoders.SASRecEncoder."
+            )
         self.ranking_metrics = nn.ModuleDict({stage: RankingMetrics(ks) for stage in ("val", "test")})
         self._evaluation_ranking: ItemRanking | None = None
+
+    def warm_start_parts(self) -> dict[str, WarmStartPart]:
+        """The parts another model can start from (``contracts.warm_start``): the encoder and the item table."""
+        return {ENCODER_ROLE: WarmStartPart(prefix="encoder.", kind=encoder_kind(self.encoder)), ITEM_TABLE_ROLE: item_table_part("item_embeddings")}
 
     def forward(self, batch: SequenceBatch) -> torch.Tensor:
         """The output at every position, ``[B, max_length, embedding_dim]`` (right-padded; not L2-normalised)."""
@@ -297,15 +258,15 @@ class SequencePretrainer(RecsysModule):
         return F.normalize(queries, dim=-1) if self.l2_normalize else queries
 
     def item_ranking(self) -> ItemRanking:
-        """The full ranking of the item table: the strategy's (``item_ranking``, sharded) or brute force over the whole table."""
+        """The full ranking of the item table: the strategy's, where it is an ``ItemRankingProvider`` (``contracts.ranking``;
+        ``TwoDRecStrategy``, which ranks a sharded table), else brute force over this process's whole table."""
         strategy = self._trainer.strategy if self._trainer is not None else None
-        sharded = getattr(strategy, "item_ranking", None)
-        if callable(sharded):
-            return sharded(self.item_embeddings, ITEM_TABLE, normalize_rows=self.l2_normalize)
+        if isinstance(strategy, ItemRankingProvider):
+            return strategy.item_ranking(self.item_embeddings, ITEM_TABLE, normalize_rows=self.l2_normalize)
         if not isinstance(self.item_embeddings, EmbeddingCollection):
             raise RuntimeError(
                 f"{_OWNER}: the item table is sharded ({type(self.item_embeddings).__name__}) but the Trainer's strategy "
-                f"{type(strategy).__name__} has no item_ranking(module, table_name, normalize_rows=...); evaluate under "
+                f"{type(strategy).__name__} is no ItemRankingProvider (lightning_recsys.contracts.ranking); evaluate under "
                 "TwoDRecStrategy, or load the model unsharded (SequencePretrainer.load_from_checkpoint)."
             )
         weight = self.item_embeddings.embeddings[ITEM_TABLE].weight.detach()

@@ -3,27 +3,30 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 
+from lightning_recsys.contracts.encoder import EncoderFactory, check_encoder
+from lightning_recsys.contracts.length_rules import FeatureLengthRules
+from lightning_recsys.contracts.names import ACTION_TABLE, ITEM_TABLE
+from lightning_recsys.contracts.warm_start import ENCODER_ROLE, ITEM_TABLE_ROLE, WarmStartPart
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models import sequence_ops as ops
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
-from lightning_recsys.models.pretrainer import SASRecEncoder
+from lightning_recsys.models.encoders import TransActEncoder, declared_causal, encoder_kind, resolve_encoder
+from lightning_recsys.models.item_table import ITEM_INIT_STD, item_table_part, sequence_tables
+from lightning_recsys.models.pretrainer import default_encoder_options
 from lightning_recsys.models.sequence_ops import newest_padded
-from lightning_recsys.parallel.input.length_rules import FeatureLengthRules
 
 __all__ = ["ACTION_TABLE", "ITEM_TABLE", "SequenceEncoderName", "SequenceRanker", "context_table_name", "newest_padded"]
 
-ITEM_TABLE = "item"
-ACTION_TABLE = "action"
 InteractionName = Literal["concat", "dot"]
-SequenceEncoderName = Literal["transact", "sasrec"]
-_SASREC_INIT_STD = 0.02  # SASRec+'s initial std (SequencePretrainer's default init_std)
+SequenceEncoderName = Literal["transact", "sasrec"]  # only to name in the error of the removed sequence_encoder=
+_OWNER = "SequenceRanker"
 
 
 def context_table_name(feature: str) -> str:
@@ -48,14 +51,27 @@ def _positive_int(name: str, value: object, minimum: int = 1) -> None:
 
 
 def _refuse_transact_options(**given_and_default: tuple[object, object]) -> None:
-    """``ValueError`` naming each TransAct-only option set away from its default under ``sequence_encoder="sasrec"``."""
+    """``ValueError`` naming each TransAct-only option set away from its default under a causal encoder."""
     changed = {name: given for name, (given, default) in given_and_default.items() if given != default}
     if changed:
         raise ValueError(
-            f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}: TransAct encoder option(s), which "
-            "sequence_encoder='sasrec' (the pretrainer's encoder) does not read; leave them at their defaults or use "
-            "sequence_encoder='transact'."
+            f"{', '.join(f'{k}={v!r}' for k, v in changed.items())}: option(s) of the TransAct-style ranker, which a causal "
+            "encoder (the candidate appended to the history, e.g. SASRecEncoder) does not read; leave them at their defaults "
+            "or use encoder=lightning_recsys.models.encoders.TransActEncoder."
         )
+
+
+def _removed_sequence_encoder(value: Any) -> None:
+    """``sequence_encoder="transact"|"sasrec"`` was replaced by ``encoder=``: say how to write it now."""
+    if value is None:
+        return
+    name = {"sasrec": "SASRecEncoder", "transact": "TransActEncoder"}.get(value, "SASRecEncoder")
+    raise ValueError(
+        f"{_OWNER}(sequence_encoder={value!r}) was replaced by encoder=, an encoder module by class_path: "
+        f"encoder: {{class_path: lightning_recsys.models.encoders.{name}, init_args: {{num_layers: 2, num_heads: 1}}}} "
+        f"(in Python: encoder=functools.partial(lightning_recsys.models.encoders.{name}, num_layers=2)); "
+        "the default is TransActEncoder."
+    )
 
 
 class SequenceRanker(RankerModule):
@@ -86,39 +102,39 @@ class SequenceRanker(RankerModule):
     the newest ``max_history`` are cut: the lookup reads the batch's own features, which keeps the
     sparse-distribution pipeline on. Histories no longer than ``max_history`` send nothing extra.
 
-    With ``sequence_encoder="sasrec"`` the sequence part is instead ``SequencePretrainer``'s own
-    encoder (``SASRecEncoder``, attribute ``encoder``) over the newest ``max_history - 1`` history
-    items with the candidate appended as the last token (as PinFM); its output at the candidate's
-    token, the candidate embedding, the pooled context embeddings and the dense features feed the
-    MLP. Each history token is ``item embedding + action embedding`` (the candidate's: its item
-    embedding), as the pretrainer's. The item and action tables are then the pretrainer's too:
-    one ``EmbeddingCollection`` in attribute ``item_embeddings`` with tables ``item`` (history and
-    candidate) and ``action`` (none with ``num_action_types=0``), so a warm start from a
-    ``SequencePretrainer`` checkpoint (``lightning_recsys.callbacks.InitFromCheckpoint``) copies the
-    encoder and the tables by their own names. Build it with the pretrainer's ``embedding_dim``,
-    ``num_layers``, ``num_heads``, ``feedforward_dim`` and ``max_length`` (as ``max_history``), and
-    its ``num_items`` (as ``item_table_size``). The TransAct-only options (``newest_tokens``,
-    ``action_means``, ``history_dropout``, ``action_loss_weight``, ``interaction="dot"``) are refused with it.
+    The encoder is a module (``encoder=``, a factory called as ``encoder(embedding_dim, max_history)``;
+    ``lightning_recsys.contracts.encoder``); the above is the default, ``TransActEncoder``. With a causal
+    encoder (``SASRecEncoder``, or any whose ``causal`` is True) the sequence part is instead a
+    ``SequencePretrainer``'s: the encoder reads the newest ``max_history - 1`` history items with the
+    candidate appended as the last token (as PinFM); its output at the candidate's token, the candidate
+    embedding, the pooled context embeddings and the dense features feed the MLP. Each history token is
+    ``item embedding + action embedding`` (the candidate's: its item embedding), as the pretrainer's, and
+    the tables are built as the pretrainer's (one ``EmbeddingCollection`` in ``item_embeddings`` with
+    tables ``item`` and ``action``, none with ``num_action_types=0``). The encoder and the item table are
+    this model's warm-start parts (``warm_start_parts``), so ``InitFromCheckpoint(parts=["encoder",
+    "item_table"])`` starts them from a ``SequencePretrainer`` checkpoint: build it with the pretrainer's
+    ``embedding_dim``, encoder and its options, ``max_length`` (as ``max_history``) and ``num_items`` (as
+    ``item_table_size``). The TransAct-only options (``newest_tokens``, ``action_means``,
+    ``history_dropout``, ``action_loss_weight``, ``interaction="dot"``) are refused with it.
 
     Args:
         item_table_size: rows of the item table (ids ``0 .. item_table_size - 1``), shared by the
             history and the candidate.
         num_action_types: rows of the action-type table (ids ``0 .. num_action_types - 1``); 0 only
-            with ``sequence_encoder="sasrec"``: no action table, and no action feature is read.
+            with a causal encoder: no action table, and no action feature is read.
         context_feature_names: the pooled context features, one table each; default none.
         context_table_sizes: rows of each context table, in the order of ``context_feature_names``.
         num_dense_features: width of ``batch.dense`` (0: no dense features).
         embedding_dim: the dimension of the item, action and context tables (one ``EmbeddingCollection``
             has one dimension); a multiple of 4 to be sharded (FBGEMM's kernels).
         max_history: how many of each history's newest actions the encoder reads.
-        num_layers: transformer encoder layers.
-        num_heads: attention heads; must divide the token width (``3 * embedding_dim``; ``embedding_dim``
-            with "sasrec").
-        feedforward_dim: the hidden width of each layer's feed-forward block; default 4x the token
-            width (``embedding_dim`` with "sasrec", as SASRec).
-        dropout: the encoder's dropout probability, in ``[0, 1)``.
+        encoder: the sequence encoder's factory (in a config: ``{class_path: lightning_recsys.models.encoders.TransActEncoder,
+            init_args: {num_layers: 2, num_heads: 2}}``); default ``TransActEncoder`` with the options below.
+        num_layers, num_heads, feedforward_dim, dropout: shorthand for the default encoder's options
+            (``TransActEncoder``'s defaults: 2 layers, 2 heads, feed-forward 4x the token width, dropout 0.1);
+            refused beside ``encoder``, whose own ``init_args`` hold them.
         newest_tokens: how many of the newest encoded tokens are kept beside the max-pool
-            (``0 .. max_history``; 0: the max-pool only); default (None) 10. Left unset with "sasrec".
+            (``0 .. max_history``; 0: the max-pool only); default (None) 10. Left unset with a causal encoder.
         action_means: also summarize the kept history by action type: for each action type the
             mean item embedding of the history items with that action (zeros if none), beside the
             encoder; ``num_action_types`` vectors of ``embedding_dim``. They reach the MLP and, with
@@ -154,8 +170,7 @@ class SequenceRanker(RankerModule):
         over_arch_layer_sizes: the top MLP, ending in 1 (the logit); default ``[128, 32, 1]``.
         history_item_feature, history_action_feature, candidate_item_feature: the names of the
             three sequence features in the batch; all distinct, and distinct from the context features.
-        sequence_encoder: ``"transact"`` (the default): the TransAct encoder above. ``"sasrec"``:
-            ``SequencePretrainer``'s encoder over the history with the candidate appended (see above).
+        sequence_encoder: removed; raises an error that shows the ``encoder=`` to write instead.
         embedding_device: where the tables are built. ``"meta"`` allocates nothing: the sharding
             strategy materializes only this rank's shards (randomly initialized by TorchRec).
         dense_optimizer, dense_lr: see ``RankerModule``.
@@ -170,10 +185,11 @@ class SequenceRanker(RankerModule):
         num_dense_features: int = 0,
         embedding_dim: int = 32,
         max_history: int = 100,
-        num_layers: int = 2,
-        num_heads: int = 2,
+        encoder: EncoderFactory | None = None,
+        num_layers: int | None = None,
+        num_heads: int | None = None,
         feedforward_dim: int | None = None,
-        dropout: float = 0.1,
+        dropout: float | None = None,
         newest_tokens: int | None = None,
         action_means: bool = False,
         history_dropout: float = 0.0,
@@ -184,20 +200,31 @@ class SequenceRanker(RankerModule):
         history_item_feature: str = "history_item_id",
         history_action_feature: str = "history_action",
         candidate_item_feature: str = "candidate_item_id",
-        sequence_encoder: SequenceEncoderName = "transact",
         embedding_device: str | None = None,
         dense_optimizer: DenseOptimizerName = "adagrad",
         dense_lr: float = 0.05,
+        sequence_encoder: str | None = None,
     ) -> None:
         super().__init__(dense_optimizer=dense_optimizer, dense_lr=dense_lr)
         self.save_hyperparameters()
+        _removed_sequence_encoder(sequence_encoder)
+        shorthand = default_encoder_options(
+            _OWNER, encoder, num_layers=num_layers, num_heads=num_heads, feedforward_dim=feedforward_dim, dropout=dropout
+        )
+        factory, record = resolve_encoder(encoder, partial(TransActEncoder, **shorthand), _OWNER)
+        if encoder is not None and not isinstance(encoder, dict):
+            self.hparams["encoder"] = record  # plain data: the checkpoint reloads with torch.load(weights_only=True)
         context_names = [] if context_feature_names is None else list(context_feature_names)
         context_sizes = [] if context_table_sizes is None else list(context_table_sizes)
         over_sizes = [128, 32, 1] if over_arch_layer_sizes is None else list(over_arch_layer_sizes)
-        if sequence_encoder not in ("transact", "sasrec"):
-            raise ValueError(f"sequence_encoder={sequence_encoder!r} is not one of ['transact', 'sasrec'].")
-        sasrec = sequence_encoder == "sasrec"
-        if sasrec:
+        _positive_int("max_history", max_history)
+        _positive_int("embedding_dim", embedding_dim)
+        built = None
+        causal = declared_causal(factory)
+        if causal is None:  # a factory that is no class: build it to learn its layout
+            built = factory(embedding_dim, max_history)
+            causal = bool(getattr(built, "causal", False))
+        if causal:
             _refuse_transact_options(
                 newest_tokens=(newest_tokens, None), action_means=(action_means, False), history_dropout=(history_dropout, 0.0),
                 action_loss_weight=(action_loss_weight, 0.0), interaction=(interaction, "concat"),
@@ -206,23 +233,14 @@ class SequenceRanker(RankerModule):
         elif newest_tokens is None:
             newest_tokens = 10
         _positive_int("item_table_size", item_table_size)
-        _positive_int("num_action_types", num_action_types, minimum=0 if sasrec else 1)
+        _positive_int("num_action_types", num_action_types, minimum=0 if causal else 1)
         _positive_int("num_dense_features", num_dense_features, minimum=0)
-        _positive_int("embedding_dim", embedding_dim)
-        _positive_int("max_history", max_history)
-        _positive_int("num_layers", num_layers)
-        _positive_int("num_heads", num_heads)
         if not isinstance(action_means, bool):
             raise ValueError(f"action_means={action_means!r} must be True or False.")
         if interaction not in ("concat", "dot"):
             raise ValueError(f"interaction={interaction!r} is not one of ['concat', 'dot'].")
-        token_width = embedding_dim if sasrec else 3 * embedding_dim
-        if feedforward_dim is not None:
-            _positive_int("feedforward_dim", feedforward_dim)
         if isinstance(newest_tokens, bool) or not isinstance(newest_tokens, int) or not 0 <= newest_tokens <= max_history:
             raise ValueError(f"newest_tokens={newest_tokens!r} must be an integer in [0, max_history={max_history}].")
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
-            raise ValueError(f"dropout={dropout!r} must be a probability in [0, 1).")
         if isinstance(history_dropout, bool) or not isinstance(history_dropout, (int, float)) or not 0 <= history_dropout < 1:
             raise ValueError(f"history_dropout={history_dropout!r} must be a probability in [0, 1).")
         if isinstance(action_loss_weight, bool) or not isinstance(action_loss_weight, (int, float)) or not action_loss_weight >= 0:
@@ -236,12 +254,6 @@ class SequenceRanker(RankerModule):
             raise ValueError(
                 f"action_loss_weight={action_loss_weight} needs positive_actions: the action ids that count as a positive "
                 "action on a history item (e.g. [3, 4] for MovieLens ratings 4 and 5)."
-            )
-        if token_width % num_heads:
-            source = f"embedding_dim={embedding_dim} with sequence_encoder='sasrec'" if sasrec else f"3 * embedding_dim={token_width}"
-            raise ValueError(
-                f"num_heads={num_heads} must divide the token width ({source}): each head attends over an equal "
-                "slice. Change num_heads or embedding_dim."
             )
         if len(context_names) != len(context_sizes):
             raise ValueError(
@@ -275,9 +287,9 @@ class SequenceRanker(RankerModule):
         self.sparse_length_rules = FeatureLengthRules(
             aligned=((history_item_feature, history_action_feature),) if has_actions else (),
             one_per_example=(candidate_item_feature,),
-            owner="SequenceRanker",
+            owner=_OWNER,
         )
-        self.sequence_encoder = sequence_encoder
+        self.causal_encoder = causal
         self.has_actions = has_actions
         self.max_history = max_history
         self.history_dropout = float(history_dropout)
@@ -298,40 +310,41 @@ class SequenceRanker(RankerModule):
             if context_names
             else None
         )
-        if sasrec:
-            self._build_sasrec(
-                item_table_size, num_action_types, embedding_dim, max_history, num_layers, num_heads,
-                embedding_dim if feedforward_dim is None else feedforward_dim, float(dropout), device,
+        # The tables before the encoder: the order the parameters draw their initial values in.
+        if causal:
+            self.item_embeddings = sequence_tables(
+                num_items=item_table_size, num_action_types=num_action_types, embedding_dim=embedding_dim,
+                item_features=(history_item_feature, candidate_item_feature), action_features=(history_action_feature,),
+                init_std=ITEM_INIT_STD, device=device,
             )
-            self.context_embeddings = context_embeddings
-            over_in = (2 + len(context_names)) * embedding_dim + num_dense_features
-            self.over_arch = _mlp(over_in, over_sizes)
-            return
-        self.sequence_embeddings = EmbeddingCollection(
-            tables=[
-                EmbeddingConfig(
-                    name=ITEM_TABLE, embedding_dim=embedding_dim, num_embeddings=item_table_size,
-                    feature_names=[history_item_feature, candidate_item_feature],
-                ),
-                EmbeddingConfig(
-                    name=ACTION_TABLE, embedding_dim=embedding_dim, num_embeddings=num_action_types,
-                    feature_names=[history_action_feature],
-                ),
-            ],
-            device=device,
-        )
+        else:
+            self.sequence_embeddings = EmbeddingCollection(
+                tables=[
+                    EmbeddingConfig(
+                        name=ITEM_TABLE, embedding_dim=embedding_dim, num_embeddings=item_table_size,
+                        feature_names=[history_item_feature, candidate_item_feature],
+                    ),
+                    EmbeddingConfig(
+                        name=ACTION_TABLE, embedding_dim=embedding_dim, num_embeddings=num_action_types,
+                        feature_names=[history_action_feature],
+                    ),
+                ],
+                device=device,
+            )
         self.context_embeddings = context_embeddings
-        self.positions = nn.Parameter(torch.zeros(max_history, token_width))  # each slot's (its recency's) embedding
-        nn.init.normal_(self.positions, std=0.02)
-        layer = nn.TransformerEncoderLayer(
-            d_model=token_width,
-            nhead=num_heads,
-            dim_feedforward=4 * token_width if feedforward_dim is None else feedforward_dim,
-            dropout=float(dropout),
-            batch_first=True,
+        self.encoder = check_encoder(
+            built if built is not None else factory(embedding_dim, max_history), embedding_dim=embedding_dim, max_length=max_history, owner=_OWNER
         )
-        # No nested tensors: the fast path would turn padding into a nested tensor in evaluation only.
-        self.encoder = nn.TransformerEncoder(layer, num_layers=num_layers, enable_nested_tensor=False)
+        token_width = embedding_dim if causal else 3 * embedding_dim
+        if bool(self.encoder.causal) != causal or self.encoder.token_dim != token_width:
+            raise ValueError(
+                f"{_OWNER}(encoder={type(self.encoder).__name__}) reads {self.encoder.token_dim}-wide tokens "
+                f"(causal={self.encoder.causal}); the ranker builds {token_width}-wide ones for a "
+                f"{'causal' if causal else 'non-causal'} encoder (lightning_recsys.contracts.encoder)."
+            )
+        if causal:
+            self.over_arch = _mlp((2 + len(context_names)) * embedding_dim + num_dense_features, over_sizes)
+            return
         over_in = (1 + newest_tokens) * token_width + (1 + len(context_names)) * embedding_dim + num_dense_features
         self.action_means = action_means
         self._reads_action_ids = action_means or action_loss_weight > 0
@@ -350,18 +363,10 @@ class SequenceRanker(RankerModule):
             over_in += len(rows)
         self.over_arch = _mlp(over_in, over_sizes)
 
-    def _build_sasrec(
-        self, item_rows: int, action_rows: int, dim: int, max_history: int, num_layers: int, num_heads: int,
-        feedforward_dim: int, dropout: float, device: torch.device | None,
-    ) -> None:
-        """The pretrainer's item table(s) and encoder, under its attribute and table names (``SequencePretrainer``)."""
-        history_name, action_name, candidate_name = self._sequence_names
-        initial = partial(nn.init.normal_, mean=0.0, std=_SASREC_INIT_STD)
-        tables = [EmbeddingConfig(name=ITEM_TABLE, embedding_dim=dim, num_embeddings=item_rows, feature_names=[history_name, candidate_name], init_fn=initial)]
-        if action_rows:
-            tables.append(EmbeddingConfig(name=ACTION_TABLE, embedding_dim=dim, num_embeddings=action_rows, feature_names=[action_name], init_fn=initial))
-        self.item_embeddings = EmbeddingCollection(tables=tables, device=device)
-        self.encoder = SASRecEncoder(dim, max_history, num_layers, num_heads, feedforward_dim, dropout, _SASREC_INIT_STD)
+    def warm_start_parts(self) -> dict[str, WarmStartPart]:
+        """The parts a warm start finds by role (``contracts.warm_start``): the encoder and the item table."""
+        table = item_table_part("item_embeddings" if self.causal_encoder else "sequence_embeddings")
+        return {ENCODER_ROLE: WarmStartPart(prefix="encoder.", kind=encoder_kind(self.encoder)), ITEM_TABLE_ROLE: table}
 
     def _sasrec_logits(self, batch: RecBatch) -> torch.Tensor:
         """The encoder's output at the appended candidate, with the candidate, context and dense features, through the MLP."""
@@ -394,7 +399,7 @@ class SequenceRanker(RankerModule):
 
     def _logits_and_action_loss(self, batch: RecBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The logits, and in training with ``action_loss_weight > 0`` the action-prediction loss (else None)."""
-        if self.sequence_encoder == "sasrec":
+        if self.causal_encoder:
             return self._sasrec_logits(batch), None
         history_name, action_name, candidate_name = self._sequence_names
         ops.check_lengths(batch.sparse, self.sparse_length_rules)
@@ -412,8 +417,7 @@ class SequenceRanker(RankerModule):
             padding = ops.drop_histories(padding, self.history_dropout)
             tokens = tokens.masked_fill(padding[..., None], 0.0)
         candidates = candidate_embedding.unsqueeze(1).expand(-1, self.max_history, -1)
-        fused = torch.cat([tokens, candidates], dim=2) + self.positions
-        encoded = self.encoder(fused, src_key_padding_mask=ops.attendable(padding))
+        encoded = self.encoder(torch.cat([tokens, candidates], dim=2), ~padding)
         pooled = ops.pool_tokens(encoded, padding, self.newest_tokens)
         features: list[torch.Tensor] = [pooled, candidate_embedding]
         means = None

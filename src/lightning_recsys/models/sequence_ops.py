@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from lightning_recsys.parallel.input.length_rules import FeatureLengthRules, length_rule_problems
+from lightning_recsys.contracts.length_rules import FeatureLengthRules, length_rule_problems
 
 
 @torch.fx.wrap  # data-dependent shapes: TorchRec's pipeline fx-traces forward, and keeps this call whole

@@ -14,12 +14,13 @@ module off ``nn.Module``'s fast path (no hooks: ``_call_impl`` calls ``forward``
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torchrec.distributed.types import Awaitable
+
+from lightning_recsys.contracts.phases import profiling, step_phase
 
 INPUT_DIST = "recsys:input_dist"
 LOOKUP = "recsys:lookup"
@@ -46,16 +47,6 @@ STEP_PHASES: dict[str, str] = {
     DENSE_ALL_REDUCE: "DDP's gradient all-reduce, launched per bucket from its comm hook during backward",
     BATCH_HANDSHAKE: "the per-batch agreement between ranks (input check results, skip and stop requests)",
 }
-
-
-def profiling() -> bool:
-    """Whether a profiler (``torch.profiler`` or the legacy one) is recording now."""
-    return torch._C._autograd._profiler_enabled()  # torch's own check (torch/autograd/profiler.py); no public one
-
-
-def step_phase(label: str) -> AbstractContextManager[Any]:
-    """A ``record_function`` range named ``label`` while a profiler records; otherwise nothing."""
-    return torch.autograd.profiler.record_function(label) if profiling() else nullcontext()
 
 
 class _Range:

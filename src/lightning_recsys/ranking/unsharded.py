@@ -1,5 +1,8 @@
 """Brute-force full ranking over an item table held whole in this process: the reference for the sharded one.
 
+Single-device code, below ``models/`` and ``parallel/``: a model ranks its own table with it, and
+``parallel.ranking`` checks its sharded ranking against it.
+
 The protocol (what every ``ItemRanking`` computes):
 
 - A user's score for item ``j`` is ``query · table[j]`` (``table[j] / ||table[j]||`` with
@@ -23,11 +26,11 @@ an item scores within that rounding of the target.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 
-from lightning_recsys.parallel.ranking.chunks import (
+from lightning_recsys.contracts.ranking import ItemRanking
+from lightning_recsys.ranking.chunks import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_ROWS,
     RunningTopK,
@@ -46,22 +49,6 @@ __all__ = [
     "DEFAULT_BLOCK_BYTES", "DEFAULT_CHUNK_ROWS", "ItemRanking", "SeenItems", "UnshardedItemRanking", "chunk_candidates",
     "merge_top_k", "ranking_input_problem", "seen_mask",
 ]
-
-
-class ItemRanking(Protocol):
-    """Exact full ranking of an item table for query vectors ``[B, D]`` (see this module's protocol)."""
-
-    def target_ranks(
-        self, queries: torch.Tensor, target_ids: torch.Tensor, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
-    ) -> torch.Tensor:
-        """``[B]`` int64: how many unseen items other than the target score at least the target's score."""
-        ...
-
-    def top_k(
-        self, queries: torch.Tensor, k: int, seen_ids: torch.Tensor, seen_lengths: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(scores, ids)``, each ``[B, min(k, num_items)]``: the best unseen items, best first (ties: lower id first)."""
-        ...
 
 
 def seen_mask(

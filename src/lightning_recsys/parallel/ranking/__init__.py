@@ -6,7 +6,7 @@ the same results; ``make_item_ranking`` picks the one a module needs.
 """
 
 from lightning_recsys.parallel.ranking.sharded import ShardedItemRanking, make_item_ranking
-from lightning_recsys.parallel.ranking.unsharded import (
+from lightning_recsys.ranking.unsharded import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_ROWS,
     ItemRanking,

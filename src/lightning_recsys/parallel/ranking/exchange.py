@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_recsys.parallel.ranking.table_shards import ShardedTableLayout
-from lightning_recsys.parallel.ranking.unsharded import ranking_input_problem
+from lightning_recsys.ranking.unsharded import ranking_input_problem
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from lightning_recsys.parallel.ranking.exchange import (
     top_k_to_owners,
 )
 from lightning_recsys.parallel.ranking.table_shards import ColumnSlicedRows, ShardedTableLayout, read_table
-from lightning_recsys.parallel.ranking.chunks import (
+from lightning_recsys.ranking.chunks import (
     DEFAULT_BLOCK_BYTES,
     DEFAULT_CHUNK_ROWS,
     RunningTopK,
@@ -50,7 +50,7 @@ from lightning_recsys.parallel.ranking.chunks import (
     scored_rows,
     target_scores,
 )
-from lightning_recsys.parallel.ranking.unsharded import ItemRanking, UnshardedItemRanking, check_k
+from lightning_recsys.ranking.unsharded import ItemRanking, UnshardedItemRanking, check_k
 
 
 class ShardedItemRanking:
