@@ -275,7 +275,7 @@ def test_trusted_must_be_a_bool_on_the_load_functions(tmp_path: Path) -> None:
         load_unsharded(path, ranker(seed=1), trusted="false")  # type: ignore[arg-type]
 
 
-def test_a_crafted_tensor_record_is_refused_by_dcp_and_never_runs(tmp_path: Path) -> None:
+def test_a_crafted_tensor_record_is_refused_before_the_load_and_never_runs(tmp_path: Path) -> None:
     # The index points a tensor chunk at a torch.save record of a payload appended to the shard.
     marker = tmp_path / "the_payload_ran"
     source = ranker(seed=0)
@@ -293,6 +293,9 @@ def test_a_crafted_tensor_record_is_refused_by_dcp_and_never_runs(tmp_path: Path
             f.write(payload)
 
     edit_index(data, point_at_payload)
-    with pytest.raises(CheckpointError, match="(?s)Weights only load failed.*partly overwritten"):
-        load_unsharded(path, ranker(seed=1))
-    assert not marker.exists(), "DCP ran the payload of a tensor record"
+    target = ranker(seed=1)
+    before = _weights(target)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.distcp: refused to unpickle the global posix\.makedirs|os\.makedirs"):
+        load_unsharded(path, target)
+    assert not marker.exists(), "the payload of a tensor record ran"
+    assert _unchanged(target, before)

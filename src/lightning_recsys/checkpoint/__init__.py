@@ -11,9 +11,7 @@ from lightning_recsys.checkpoint.dcp_io import (
     ShardedState,
     default_storage_writer,
     load_checkpoint,
-    load_unsharded,
     save_checkpoint,
-    to_lightning_checkpoint,
 )
 from lightning_recsys.checkpoint.directory import (
     FORMAT_VERSION,
@@ -25,6 +23,7 @@ from lightning_recsys.checkpoint.directory import (
 )
 from lightning_recsys.checkpoint.safe_reading import CheckpointCorruptError, UnsafeCheckpointError
 from lightning_recsys.checkpoint.safetensors_export import export_safetensors
+from lightning_recsys.checkpoint.unsharded import load_unsharded, to_lightning_checkpoint
 from lightning_recsys.checkpoint.table_state import NORMALIZED_STATES
 from lightning_recsys.checkpoint.validation import CheckpointMismatchError
 from lightning_recsys.checkpoint.write_errors import CheckpointDiskFullError

@@ -17,10 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import CheckpointException, FileSystemWriter
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.storage import StorageWriter
 
 from lightning_recsys.checkpoint.directory import (
@@ -38,6 +36,8 @@ from lightning_recsys.checkpoint.directory import (
 )
 from lightning_recsys.checkpoint.safe_reading import (
     INDEX_FILE,
+    CheckpointCorruptError,
+    UnsafeCheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
     check_storage,
@@ -47,7 +47,6 @@ from lightning_recsys.checkpoint.safe_reading import (
 )
 from lightning_recsys.checkpoint.table_state import EmbeddingOptimizerState, StateReads, TablePlacement, table_name
 from lightning_recsys.checkpoint.validation import (
-    MODEL_NAMESPACE,
     check_entries,
     model_entries,
     model_key,
@@ -55,14 +54,7 @@ from lightning_recsys.checkpoint.validation import (
     saved_tensors,
 )
 from lightning_recsys.checkpoint.write_errors import explain_write_error
-from lightning_recsys.parallel.sharding import (
-    RESHAPE_CHECKPOINT_KEY,
-    EmbeddingOptimizerConfig,
-    ShardedModel,
-    apply_recorded_reshape,
-    find_embedding_modules,
-    plan_rows,
-)
+from lightning_recsys.parallel.sharding import EmbeddingOptimizerConfig, ShardedModel, plan_rows
 from lightning_recsys.parallel.topology import ParallelTopology
 
 StorageWriterFactory = Callable[[Path], StorageWriter]
@@ -335,7 +327,7 @@ def load_checkpoint(
         error = e
     _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
     assert meta is not None
-    _read_shards(targets, directory, trusted=trusted, process_group=group)
+    _read_shards(targets, directory, trusted=trusted, metadata=metadata, process_group=group)
     for key, value in state.model_state_dict.items():
         if not isinstance(value, torch.Tensor) and model_key(key) in targets:
             state.model_state_dict[key] = targets[model_key(key)]  # DCP replaces non-tensor values
@@ -344,120 +336,33 @@ def load_checkpoint(
     return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
 
 
-def _read_shards(targets: dict[str, Any], directory: Path, *, trusted: bool, **kwargs: Any) -> None:
+def _read_shards(
+    targets: dict[str, Any], directory: Path, *, trusted: bool, metadata: Metadata | None = None, **kwargs: Any
+) -> None:
     """``dcp.load`` through the safe reader and planner; a failure becomes one error naming the checkpoint (on every rank).
 
-    ``check_storage`` has held the files against the index already, so this fails only if a file
-    changes in between, or a record is damaged inside.
+    ``check_storage`` has held every record against the index already, so this fails only if a file
+    changes in between or cannot be read. ``metadata``: the checked index, handed to DCP as it is.
     """
+    reader = SafeFileSystemReader(directory, trusted=trusted, metadata=metadata)
     try:
-        dcp.load(
-            targets,
-            storage_reader=SafeFileSystemReader(directory, trusted=trusted),
-            planner=SafeLoadPlanner(trusted=trusted),
-            **kwargs,
-        )
+        dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(trusted=trusted), **kwargs)
     except CheckpointException as error:
         # DCP keeps (exception, traceback) per failed rank.
         causes = {r: f[0] if isinstance(f, tuple) else f for r, f in sorted(error.failures.items())}
+        ours = [e for e in causes.values() if isinstance(e, (CheckpointCorruptError, UnsafeCheckpointError))]
+        if reader.copied == 0 and ours and len(ours) == len(causes):
+            raise ours[0] from error  # refused before this rank's model changed: the refusal names file and field
         failures = "; ".join(f"rank {r}: {type(e).__name__}: {e}" for r, e in causes.items())
+        state = (
+            "The model is partly overwritten: load another checkpoint."
+            if reader.copied
+            else "Nothing was copied into this rank's model; other ranks may have loaded part of theirs."
+        )
         raise CheckpointError(
             f"reading the shards of checkpoint {str(directory)!r} failed ({failures}); the checkpoint is damaged (a "
-            "truncated or deleted .distcp file). The model is partly overwritten: load another checkpoint."
+            f"truncated or deleted .distcp file, or one changed during the load). {state}"
         ) from error
-
-
-# ----------------------------------------------------------------- export
-def load_unsharded(
-    path: str | os.PathLike[str],
-    module: nn.Module,
-    *,
-    strict: bool = True,
-    weights_only: bool | None = None,
-    trusted: bool = False,
-) -> LoadedCheckpoint:
-    """Load a checkpoint's model state into an unsharded ``module`` in this process, with no process group.
-
-    For offline evaluation and serving: the tables are read whole (any saving topology), the
-    optimizer state is not read. ``module`` must have the saved model's structure, with real (not
-    meta) storage. Validation and ``strict`` are as in ``load_checkpoint``. A checkpoint saved with
-    ``PlanningConfig(reshape_tables=True)`` records its reshaped tables; ``module`` (built with the
-    original tables) is reshaped the same way, in place, before it loads. ``trusted`` and the errors of
-    a crafted or damaged checkpoint are as in ``load_checkpoint``.
-    """
-    directory = resolve(path)  # the newest committed copy of this name (see directory.py)
-    meta = read_meta(directory)
-    metadata = read_index(directory / INDEX_FILE, trusted=trusted)
-    check_storage(metadata, directory)
-    host_state = read_host_state(directory, weights_only)
-    # Saved with reshape_tables=True: rebuild the original tables as they were reshaped for training.
-    apply_recorded_reshape(module, (host_state or {}).get(RESHAPE_CHECKPOINT_KEY))
-    model_state = module.state_dict()
-    on_meta = sorted(k for k, v in model_state.items() if isinstance(v, torch.Tensor) and v.is_meta)
-    if on_meta:
-        raise ValueError(
-            f"{type(module).__name__} has tensors on the meta device ({on_meta[:3]}...), which cannot hold loaded "
-            "values; build the module for export without device='meta'."
-        )
-    if any(isinstance(v, ShardedTensor) for v in model_state.values()):
-        raise ValueError(
-            "load_unsharded() needs an unsharded module, but this one has ShardedTensors; use load_checkpoint() "
-            "on every rank for a sharded model."
-        )
-    tables = {
-        f"{fqn}.{k}" if fqn else k
-        for fqn, sub in find_embedding_modules(module).items()
-        for k in sub.state_dict()
-    }
-    expected = model_entries(model_state, tables)
-    preload_byte_items(metadata, directory, keys={e.key for e in expected}, trusted=trusted)
-    to_load = check_entries(
-        expected,
-        metadata,
-        path=directory,
-        strict=strict,
-        optimizer_name=None,
-        saved_optimizer=None,
-    )
-    targets = {e.key: model_state[e.key.removeprefix("model.")] for e in to_load}
-    _read_shards(targets, directory, trusted=trusted, no_dist=True)
-    # In case a module's state_dict() returns copies rather than views of its storage.
-    module.load_state_dict({k.removeprefix("model."): v for k, v in targets.items()}, strict=False)
-    return LoadedCheckpoint(path=directory, meta=meta, host_state=host_state)
-
-
-def to_lightning_checkpoint(
-    path: str | os.PathLike[str], *, weights_only: bool | None = None, trusted: bool = False
-) -> dict[str, Any]:
-    """The checkpoint ``path`` in Lightning's one-dict form, read in this process with no process group.
-
-    Its host state (epoch, global step, loops, callbacks, dense optimizers, hyperparameters, ...)
-    plus ``"state_dict"``: the model state with every table whole, as the unsharded module's
-    ``state_dict()`` names it. ``torch.save`` it to a file and any ``LightningModule.load_from_checkpoint``
-    (which cannot open a DCP directory) reads it; the embedding optimizer state is left out. Needs
-    memory for the whole model. ``trusted`` and the errors of a crafted or damaged checkpoint are as
-    in ``load_checkpoint``.
-    """
-    directory = resolve(path)  # the newest committed copy of this name (see directory.py)
-    read_meta(directory)  # refuses uncommitted, damaged and foreign directories
-    metadata = read_index(directory / INDEX_FILE, trusted=trusted)
-    check_storage(metadata, directory)
-    host_state = read_host_state(directory, weights_only) or {}
-    prefix = MODEL_NAMESPACE + "."
-    targets: dict[str, Any] = {}
-    for key, item in metadata.state_dict_metadata.items():
-        # DCP saves a nested value (a module's extra state dict) flattened; its index keeps the path.
-        path = (metadata.planner_data or {}).get(key, (key,))
-        if not str(path[0]).startswith(prefix):
-            continue
-        node = targets
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        # Whole tensors of the saved global shapes; DCP replaces a non-tensor value as it reads it.
-        node[path[-1]] = torch.empty(tuple(item.size), dtype=item.properties.dtype) if isinstance(item, TensorStorageMetadata) else None
-    preload_byte_items(metadata, directory, keys=set(targets), trusted=trusted)
-    _read_shards(targets, directory, trusted=trusted, no_dist=True)
-    return {**host_state, "state_dict": {k.removeprefix(prefix): v for k, v in targets.items()}}
 
 
 # ----------------------------------------------------------------- agreement between ranks
@@ -493,7 +398,5 @@ __all__ = [
     "ShardedState",
     "default_storage_writer",
     "load_checkpoint",
-    "load_unsharded",
     "save_checkpoint",
-    "to_lightning_checkpoint",
 ]

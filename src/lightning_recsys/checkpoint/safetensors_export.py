@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from lightning_recsys.checkpoint.dcp_io import to_lightning_checkpoint
+from lightning_recsys.checkpoint.unsharded import to_lightning_checkpoint
 from lightning_recsys.checkpoint.directory import read_meta, resolve
 
 

@@ -105,6 +105,14 @@ class ShardedCheckpointHooks:
             data_parallel_table_optimizer=self.data_parallel_table_optimizer,
         )
 
+    def checkpoint_folders(self) -> Optional[list[str]]:
+        """The folders of the Trainer's checkpoint callbacks: the only places a checkpoint is removed from (None: unknown)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is None:
+            return None
+        folders = [str(cb.dirpath) for cb in getattr(trainer, "checkpoint_callbacks", []) if getattr(cb, "dirpath", None)]
+        return folders or None
+
     def load_strictly(self) -> bool:
         return bool(getattr(self.lightning_module, "strict_loading", True))
 

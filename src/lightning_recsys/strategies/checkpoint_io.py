@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional, Protocol
 
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_recsys.checkpoint import (
@@ -20,7 +20,9 @@ from lightning_recsys.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from lightning_recsys.checkpoint.directory import checkpoint_path, remove_checkpoint
+from lightning_recsys.checkpoint.directory import checkpoint_path
+from lightning_recsys.checkpoint.host_state_checks import drop_foreign_checkpoint_paths
+from lightning_recsys.checkpoint.removal import remove_checkpoint
 from lightning_recsys.checkpoint.safe_reading import require_trusted_bool
 from lightning_recsys.parallel.topology import ParallelTopology
 
@@ -36,6 +38,8 @@ class ShardedCheckpointSource(Protocol):
     def load_strictly(self) -> bool: ...
 
     def restores_optimizer_state(self) -> bool: ...
+
+    def checkpoint_folders(self) -> Optional[list[str]]: ...
 
 
 class DCPCheckpointIO(CheckpointIO):
@@ -123,6 +127,13 @@ class DCPCheckpointIO(CheckpointIO):
             remedies = _trainer_remedies(path, state.embedding_optimizer.name, error)
             raise CheckpointMismatchError(f"{error}\n{remedies}" if remedies else str(error), error.kinds) from error
         assert loaded.host_state is not None
+        dropped = drop_foreign_checkpoint_paths(loaded.host_state)
+        if dropped:
+            # Lightning would restore them into ModelCheckpoint and later delete "the previous best" by that path.
+            rank_zero_warn(
+                f"DCPCheckpointIO: the checkpoint {path} names checkpoint paths outside its callback's folder "
+                f"({'; '.join(dropped[:5])}); they were dropped, so ModelCheckpoint starts its top-k list afresh."
+            )
         data = "" if loaded.path.name == path.name else f" (data directory {loaded.path.name}, the newest committed copy of that name)"
         rank_zero_info(
             f"DCPCheckpointIO: loaded the committed checkpoint {path}{data} at step {loaded.meta.step}, "
@@ -132,8 +143,15 @@ class DCPCheckpointIO(CheckpointIO):
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
-        """Delete the name, the data directory it points to, and that name's leftovers of interrupted saves."""
-        remove_checkpoint(path)
+        """Delete the name, the data directory it points to, and that name's leftovers of interrupted saves.
+
+        Only a committed checkpoint of this package, inside a folder of the Trainer's checkpoint callbacks
+        (when the strategy knows them), is removed; anything else is skipped with one warning naming it.
+        """
+        folders = None
+        if self._source is not None and hasattr(self._source, "checkpoint_folders"):
+            folders = self._source.checkpoint_folders()
+        remove_checkpoint(path, folders=folders)
 
     def wait(self) -> Optional[Path]:
         """Commit the pending background save, if any (collective: every rank)."""
