@@ -136,6 +136,36 @@ def time_output(duck_type: str | None) -> str:
     return "CAST(floor(ts) AS BIGINT)" if base in {"FLOAT", "DOUBLE"} or base.startswith("DECIMAL") else "CAST(ts AS BIGINT)"
 
 
+def _types_option(types: dict[str, str]) -> str:
+    if not types:
+        return ""
+    return ", types = {" + ", ".join(f"{quote_literal(k)}: {quote_literal(v)}" for k, v in types.items()) + "}"
+
+
+def _text_time_type(con: duckdb.DuckDBPyConnection, relation: str, column: str) -> str:
+    as_int, as_time, values = con.execute(
+        f"SELECT count(TRY_CAST({quote_identifier(column)} AS BIGINT)), count(TRY_CAST({quote_identifier(column)} AS TIMESTAMP)), "
+        f"count({quote_identifier(column)}) FROM {relation}"
+    ).fetchone()
+    if max(as_int, as_time) == 0:
+        example = con.execute(f"SELECT {quote_identifier(column)} FROM {relation} WHERE {quote_identifier(column)} IS NOT NULL LIMIT 1").fetchone()
+        raise PrepareError(f"--time-column {column!r} holds neither integers nor times (e.g. {example[0] if example else None!r}).")
+    return "BIGINT" if as_int >= as_time else "TIMESTAMP"
+
+
+def _rejected_lines(con: duckdb.DuckDBPyConnection, on_bad_line: str) -> int:
+    """Malformed CSV lines of the staging read: raise naming them (``error``) or return their count (``skip``)."""
+    count = con.execute("SELECT count(DISTINCT (scan_id, file_id, line)) FROM prepare_rejects").fetchone()[0]
+    if count and on_bad_line == "error":
+        examples = con.execute(
+            "SELECT s.file_path, r.line, r.error_message, r.csv_line FROM prepare_rejects r "
+            "JOIN prepare_reject_scans s ON r.scan_id = s.scan_id AND r.file_id = s.file_id ORDER BY r.file_id, r.line LIMIT 3"
+        ).fetchall()
+        shown = "; ".join(f"{path}, line {line}: {message} ({text!r})" for path, line, message, text in examples)
+        raise PrepareError(f"{count} malformed CSV line(s): {shown}. Use --on-bad-line skip to skip and count them.")
+    return int(count)
+
+
 def stage_table_source(
     con: duckdb.DuckDBPyConnection, files: Sequence[str], input_format: str, columns: Columns, id_type: str,
     on_bad_line: str, csv_delimiter: str, csv_header: bool,
@@ -149,22 +179,29 @@ def stage_table_source(
         # A file's index in the list, times a stride above any file's row count, plus its row number.
         ordinal = f"(list_position({file_list}, filename)::BIGINT << 40) + file_row_number"
     else:
-        options = f"header = {str(csv_header).lower()}, delim = {quote_literal(csv_delimiter)}, union_by_name = true, max_line_size = {_MAX_LINE_BYTES}"
-        if on_bad_line == "skip":
-            options += ", ignore_errors = true, store_rejects = true"
-        types = {}
-        for name in (columns.user, columns.item):
-            if id_type == "string":
-                types[name] = "VARCHAR"
-        if types:
-            options += ", types = {" + ", ".join(f"{quote_literal(k)}: {quote_literal(v)}" for k, v in types.items()) + "}"
-        found = _columns(con, f"read_csv({file_list}, {options})")
+        # Malformed lines are always collected in a rejects table (DuckDB records each one's file and
+        # line); on_bad_line decides whether they fail the run or are skipped and counted.
+        options = (
+            f"header = {str(csv_header).lower()}, delim = {quote_literal(csv_delimiter)}, "
+            f"max_line_size = {_MAX_LINE_BYTES}, ignore_errors = true"
+        )
+        types = {name: "VARCHAR" for name in (columns.user, columns.item)} if id_type == "string" else {}
+        found = _columns(con, f"read_csv({file_list}, {options}{_types_option(types)})")
         _check_columns(found, {"--user-column": columns.user, "--item-column": columns.item, "--time-column": columns.time, "--action-column": columns.action}, files)
+        if columns.time is not None and found[columns.time] == "VARCHAR":
+            # The sniffer saw a value that is not a time: type the column as most values are, so the
+            # odd lines become rejected lines (with their file and line) instead of a text column.
+            time_type = _text_time_type(con, f"read_csv({file_list}, {options}{_types_option(types)})", columns.time)
+            types[columns.time] = time_type
+            found[columns.time] = time_type
         wanted = [c for c in (columns.user, columns.item, columns.time, columns.action) if c is not None]
         # CSV has no row number: stage the rows in input order and use the table's rowid.
-        con.execute(f"CREATE OR REPLACE TABLE raw_events AS SELECT {', '.join(quote_identifier(c) for c in dict.fromkeys(wanted))} FROM read_csv({file_list}, {options})")
-        if on_bad_line == "skip":
-            skipped = con.execute("SELECT count(DISTINCT (scan_id, file_id, line)) FROM reject_errors").fetchone()[0]
+        con.execute(
+            f"CREATE OR REPLACE TABLE raw_events AS SELECT {', '.join(quote_identifier(c) for c in dict.fromkeys(wanted))} "
+            f"FROM read_csv({file_list}, {options}{_types_option(types)}, store_rejects = true, "
+            "rejects_table = 'prepare_rejects', rejects_scan = 'prepare_reject_scans')"
+        )
+        skipped = _rejected_lines(con, on_bad_line)
         reader, ordinal = "raw_events", "rowid"
     _check_columns(found, {"--user-column": columns.user, "--item-column": columns.item, "--time-column": columns.time, "--action-column": columns.action}, files)
     user_sql, user_type = _normalize_id(quote_identifier(columns.user), found[columns.user], id_type, columns.user)
