@@ -273,3 +273,26 @@ def test_synthetic_events_lengths_ids_and_bounded_chunks(tmp_path: Path) -> None
     assert top > 20 * np.median(list(items.values()))  # Zipf: a head far above the median
     long = generate_events(tmp_path / "long.parquet", SyntheticEventsConfig(num_events=40_000, mean_length=200.0, length_sigma=0.5))
     assert 150 < 40_000 / long["users"] < 260
+
+
+def test_the_documented_duckdb_query_writes_what_prepare_writes(tmp_path: Path) -> None:
+    """The DuckDB grouping query of docs/datasets.md, then --describe, equals prepare's output."""
+    import duckdb
+
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "datasets.md").read_text()
+    section = docs[docs.index("### Writing the contract with another engine"):]
+    query = section[section.index("```sql") + len("```sql"): section.index("```", section.index("```sql") + 6)]
+    events = _random_events(3_000, seed=4, string_ids=True)
+    (tmp_path / "events").mkdir()
+    _write_parquet(tmp_path / "events" / "0.parquet", events[:1000])
+    _write_parquet(tmp_path / "events" / "1.parquet", events[1000:])
+    (tmp_path / "DIR" / "users").mkdir(parents=True)
+    query = query.replace("'events/*.parquet'", f"'{tmp_path}/events/*.parquet'").replace("'DIR/", f"'{tmp_path}/DIR/")
+    con = duckdb.connect()
+    con.execute(query)
+    con.close()
+    assert prepare_main(["--describe", str(tmp_path / "DIR")]) == 0
+    prepare(PrepareConfig(inputs=(str(tmp_path / "events"),), output=str(tmp_path / "P"), time_column="ts"))
+    assert _users(tmp_path / "DIR") == _users(tmp_path / "P")
+    assert _items(tmp_path / "DIR") == _items(tmp_path / "P")
+    assert _raw_sequences(tmp_path / "P") == _expected(events)
