@@ -34,12 +34,12 @@ is never a checkpoint (``is_committed``).
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import hashlib
 import json
 import os
 import shutil
+import stat
 import sys
 import uuid
 from dataclasses import MISSING, asdict, dataclass, field
@@ -47,6 +47,8 @@ from datetime import datetime, timezone
 from importlib import metadata as importlib_metadata
 from pathlib import Path
 from typing import Any
+
+from lightning_recsys.checkpoint.atomic_swap import exchange as _exchange
 
 FORMAT = "lightning_recsys.dcp"
 FORMAT_VERSION = 1
@@ -68,6 +70,10 @@ _VERSIONED_DISTRIBUTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
 
 class UncommittedCheckpointError(ValueError):
     """The directory is not a committed checkpoint (missing, partial, or from an interrupted save)."""
+
+
+class CheckpointCorruptError(UncommittedCheckpointError):
+    """A checkpoint file is missing, cut short, crafted or disagrees with the index; it was refused before anything was loaded."""
 
 
 @dataclass(kw_only=True)
@@ -135,6 +141,10 @@ class CheckpointMeta:
         for name in ("world_size", "sharding_group_size", "num_replicas"):
             if not _is_int(data[name]) or data[name] < 1:
                 raise UncommittedCheckpointError(f"{source / META_FILE} has {name}={data[name]!r}, not an integer >= 1; {damaged}.")
+        for name, kind in (("plan", list), ("tables", dict), ("embedding_optimizer", dict), ("versions", dict), ("extra", dict),
+                           ("written_by_ranks", list), ("layout", str), ("saved_at", str)):
+            if name in data and not isinstance(data[name], kind):
+                raise CheckpointCorruptError(f"{source / META_FILE} has {name} of type {type(data[name]).__name__}, not {kind.__name__}; {damaged}.")
         return cls(**{k: v for k, v in data.items() if k in fields})
 
 
@@ -201,10 +211,15 @@ def _read_meta_at(path: Path) -> CheckpointMeta:
             "finished (a crash or a save still in progress). Load an earlier checkpoint, e.g. "
             "latest_checkpoint(parent_directory), which skips uncommitted directories."
         )
-    try:
-        data = json.loads((path / META_FILE).read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise UncommittedCheckpointError(f"{path / META_FILE} cannot be read ({error}); the checkpoint is damaged.") from error
+    try:  # a regular file, never followed or waited on (a FIFO), bounded; deep nesting and huge numbers are damage too
+        fd = os.open(path / META_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise OSError(errno.EINVAL, "not a regular file")
+            data = json.loads(f.read(1 << 24))
+    except (OSError, ValueError, RecursionError) as error:
+        raise CheckpointCorruptError(f"{path / META_FILE} cannot be read ({type(error).__name__}: {str(error)[:200]}); "
+                                     "the checkpoint is damaged and nothing was loaded.") from error
     return CheckpointMeta.from_dict(data, source=path)
 
 
@@ -453,31 +468,9 @@ def _discard(path: Path) -> None:
         shutil.rmtree(path)
 
 
-_RENAME_EXCHANGE = 2
-_AT_FDCWD = -100
-
-
-def _exchange(a: Path, b: Path) -> bool:
-    """Swap two paths atomically (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
-    except (AttributeError, OSError):
-        return False  # glibc older than 2.28
-    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
-        return True
-    error = ctypes.get_errno()
-    if error in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EXDEV):  # the filesystem cannot swap
-        return False
-    raise OSError(error, os.strerror(error), str(a), None, str(b))
-
-
 def _write_synced(path: Path, text: str) -> None:
     with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
+        f.write(text), f.flush(), os.fsync(f.fileno())
 
 
 def _fsync_directory(path: Path) -> None:
@@ -489,6 +482,6 @@ def _fsync_directory(path: Path) -> None:
     try:
         os.fsync(fd)
     except OSError:
-        pass
+        pass  # e.g. a filesystem that cannot sync directories
     finally:
         os.close(fd)

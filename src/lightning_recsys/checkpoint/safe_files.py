@@ -16,11 +16,7 @@ import pickle
 import stat
 from pathlib import Path
 
-from lightning_recsys.checkpoint.directory import UncommittedCheckpointError
-
-
-class CheckpointCorruptError(UncommittedCheckpointError):
-    """A checkpoint file is missing, cut short or disagrees with the index; it was refused before anything was loaded."""
+from lightning_recsys.checkpoint.directory import CheckpointCorruptError
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
