@@ -102,10 +102,11 @@ class UserChunk:
 
 
 class ByteCounter:
-    """Bytes read from disk by the readers that share it."""
+    """Bytes read from disk (``value``) and events decoded (``events``) by the readers that share it."""
 
     def __init__(self) -> None:
         self.value = 0
+        self.events = 0
 
 
 class _CountingFile(io.FileIO):
@@ -256,6 +257,7 @@ class PreparedReader:
             position = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
             raise PreparedDataError(f"{where}, row {segment.start + _row_of(offsets, position)}: item_rows holds a null row.")
         items = flat.to_numpy().astype(np.int64, copy=False)
+        self.counter.events += len(items)
         num_items = self.metadata.num_items
         if len(items) and (items.min() < 0 or items.max() >= num_items):
             position = int(np.flatnonzero((items < 0) | (items >= num_items))[0])
