@@ -296,3 +296,19 @@ def test_the_documented_duckdb_query_writes_what_prepare_writes(tmp_path: Path) 
     assert _users(tmp_path / "DIR") == _users(tmp_path / "P")
     assert _items(tmp_path / "DIR") == _items(tmp_path / "P")
     assert _raw_sequences(tmp_path / "P") == _expected(events)
+
+
+def test_integer_actions_are_kept_and_negative_ones_refused(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"user_id": [1, 1, 2], "item_id": [5, 6, 5], "ts": [2, 1, 1], "act": [0, 3, 1]}), tmp_path / "e.parquet")
+    metadata = prepare(PrepareConfig(inputs=(str(tmp_path / "e.parquet"),), output=str(tmp_path / "out"), time_column="ts", action_column="act"))
+    assert metadata.num_action_types == 4 and metadata.action_values is None
+    assert {u["user_id"]: u["actions"] for u in _users(tmp_path / "out")} == {1: [3, 0], 2: [1]}
+    pq.write_table(pa.table({"user_id": [1], "item_id": [5], "act": [-1]}), tmp_path / "neg.parquet")
+    with pytest.raises(PrepareError, match="actions must be integers >= 0"):
+        prepare(PrepareConfig(inputs=(str(tmp_path / "neg.parquet"),), output=str(tmp_path / "o2"), action_column="act"))
+
+
+def test_id_type_int_on_string_ids_fails_clearly(tmp_path: Path) -> None:
+    (tmp_path / "seq.txt").write_text("1 a\n2 b\n")
+    with pytest.raises(PrepareError, match="--id-type"):
+        prepare(PrepareConfig(inputs=(str(tmp_path / "seq.txt"),), output=str(tmp_path / "out"), input_format="user-item-lines", id_type="int"))

@@ -11,11 +11,12 @@ order inside a file, then item order inside a ``user item1 item2 ...`` line.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning_recsys.data.parquet.contract import PreparedDataError
 
@@ -84,11 +85,15 @@ def translate_error(error: Exception, temp_directory: Path, memory_limit: str) -
             f"while spilling past --memory-limit {memory_limit}. Point --temp-directory at a disk with more free space, "
             f"raise --max-temp-size, or raise --memory-limit. DuckDB said: {message.splitlines()[0]}"
         )
-    if "no space left" in lowered or "disk full" in lowered or "could not write" in lowered and "temp" in lowered:
+    if "no space left" in lowered or "disk full" in lowered or ("could not write" in lowered and "temp" in lowered):
         return PrepareError(
             f"the disk of the temporary directory {temp_directory} is full. Point --temp-directory at a disk with "
             f"more free space (or raise --memory-limit {memory_limit}). DuckDB said: {message.splitlines()[0]}"
         )
+    if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+        return PrepareError(f"the disk is full while writing {error.filename or 'the output'}: {error.strerror}. Free space or choose another --output.")
+    if isinstance(error, duckdb.ConversionException):
+        return PrepareError(f"a value does not convert to its column's type (check --id-type and the columns' types). DuckDB said: {message}")
     if isinstance(error, duckdb.OutOfMemoryException):
         return PrepareError(f"DuckDB ran out of memory under --memory-limit {memory_limit}; raise it or lower --threads. DuckDB said: {message}")
     if isinstance(error, duckdb.InvalidInputException) and ("CSV Error" in message or "Error when sniffing" in message or "Conversion Error" in message):
@@ -96,15 +101,12 @@ def translate_error(error: Exception, temp_directory: Path, memory_limit: str) -
     return error
 
 
-def _normalize_id(expression: str, duck_type: str, id_type: str, column: str) -> tuple[str, str]:
+def _normalize_id(expression: str, duck_type: str, id_type: str) -> tuple[str, str]:
     """``(sql, "int64"|"string")``: integer ids become BIGINT, anything else VARCHAR (``--id-type`` forces one)."""
     base = duck_type.upper().split("(")[0]
     if id_type == "string" or (id_type == "auto" and base not in _INTEGER_TYPES):
         return f"CAST({expression} AS VARCHAR)", "string"
-    if id_type == "int" and base not in _INTEGER_TYPES:
-        # The cast fails with DuckDB's message naming the value; say which flag asked for it.
-        return f"CAST({expression} AS BIGINT)", "int64"
-    return f"CAST({expression} AS BIGINT)", "int64"
+    return f"CAST({expression} AS BIGINT)", "int64"  # --id-type int on text: DuckDB's cast error names the value
 
 
 def _columns(con: duckdb.DuckDBPyConnection, relation_sql: str) -> dict[str, str]:
@@ -146,16 +148,16 @@ def _text_time_type(con: duckdb.DuckDBPyConnection, relation: str, column: str) 
     as_int, as_time, values = con.execute(
         f"SELECT count(TRY_CAST({quote_identifier(column)} AS BIGINT)), count(TRY_CAST({quote_identifier(column)} AS TIMESTAMP)), "
         f"count({quote_identifier(column)}) FROM {relation}"
-    ).fetchone()
+    ).fetchall()[0]
     if max(as_int, as_time) == 0:
-        example = con.execute(f"SELECT {quote_identifier(column)} FROM {relation} WHERE {quote_identifier(column)} IS NOT NULL LIMIT 1").fetchone()
-        raise PrepareError(f"--time-column {column!r} holds neither integers nor times (e.g. {example[0] if example else None!r}).")
+        rows = con.execute(f"SELECT {quote_identifier(column)} FROM {relation} WHERE {quote_identifier(column)} IS NOT NULL LIMIT 1").fetchall()
+        raise PrepareError(f"--time-column {column!r} holds neither integers nor times (e.g. {rows[0][0] if rows else None!r}).")
     return "BIGINT" if as_int >= as_time else "TIMESTAMP"
 
 
 def _rejected_lines(con: duckdb.DuckDBPyConnection, on_bad_line: str) -> int:
     """Malformed CSV lines of the staging read: raise naming them (``error``) or return their count (``skip``)."""
-    count = con.execute("SELECT count(DISTINCT (scan_id, file_id, line)) FROM prepare_rejects").fetchone()[0]
+    count = con.execute("SELECT count(DISTINCT (scan_id, file_id, line)) FROM prepare_rejects").fetchall()[0][0]
     if count and on_bad_line == "error":
         examples = con.execute(
             "SELECT s.file_path, r.line, r.error_message, r.csv_line FROM prepare_rejects r "
@@ -204,8 +206,8 @@ def stage_table_source(
         skipped = _rejected_lines(con, on_bad_line)
         reader, ordinal = "raw_events", "rowid"
     _check_columns(found, {"--user-column": columns.user, "--item-column": columns.item, "--time-column": columns.time, "--action-column": columns.action}, files)
-    user_sql, user_type = _normalize_id(quote_identifier(columns.user), found[columns.user], id_type, columns.user)
-    item_sql, item_type = _normalize_id(quote_identifier(columns.item), found[columns.item], id_type, columns.item)
+    user_sql, user_type = _normalize_id(quote_identifier(columns.user), found[columns.user], id_type)
+    item_sql, item_type = _normalize_id(quote_identifier(columns.item), found[columns.item], id_type)
     time_sql, time_type = ("NULL", None) if columns.time is None else (quote_identifier(columns.time), found[columns.time])
     action_sql, action_type = "NULL", None
     if columns.action is not None:
@@ -223,7 +225,7 @@ def stage_text_source(con: duckdb.DuckDBPyConnection, files: Sequence[str], inpu
     """The academic layouts, read a line at a time in file order; the line's place is its time."""
     con.execute("CREATE OR REPLACE TABLE lines (file_index INTEGER, first_rowid BIGINT, parts VARCHAR[])")
     for index, path in enumerate(files):
-        start = con.execute("SELECT count(*) FROM lines").fetchone()[0]
+        start = con.execute("SELECT count(*) FROM lines").fetchall()[0][0]
         # One VARCHAR column per line (a separator no text line holds), blank lines kept as NULL so
         # that rowid - first_rowid + 1 is the line number.
         con.execute(
@@ -234,7 +236,7 @@ def stage_text_source(con: duckdb.DuckDBPyConnection, files: Sequence[str], inpu
     blank = "parts IS NULL OR parts = ['']"
     bad = f"NOT ({blank}) AND " + ("len(parts) <> 2" if input_format == "user-item-lines" else "len(parts) < 2")
     rule = "'user item' (2 fields)" if input_format == "user-item-lines" else "'user item1 item2 ...' (2 or more fields)"
-    blank_lines, bad_lines = con.execute(f"SELECT count(*) FILTER ({blank}), count(*) FILTER ({bad}) FROM lines").fetchone()
+    blank_lines, bad_lines = con.execute(f"SELECT count(*) FILTER ({blank}), count(*) FILTER ({bad}) FROM lines").fetchall()[0]
     if bad_lines and on_bad_line == "error":
         examples = con.execute(f"SELECT file_index, rowid - first_rowid + 1, array_to_string(parts, ' ') FROM lines WHERE {bad} ORDER BY rowid LIMIT 3").fetchall()
         shown = "; ".join(f"{files[f]}, line {n}: {text!r}" for f, n, text in examples)
@@ -250,7 +252,7 @@ def stage_text_source(con: duckdb.DuckDBPyConnection, files: Sequence[str], inpu
         else:
             source = "parts[1]" if name == "user" else ("parts[2]" if input_format == "user-item-lines" else "unnest(parts[2:])")
             query = f"SELECT bool_and(TRY_CAST(x AS BIGINT) IS NOT NULL) FROM (SELECT {source} AS x FROM lines WHERE {keep})"
-            is_int = bool(con.execute(query).fetchone()[0])
+            is_int = bool(con.execute(query).fetchall()[0][0])
         id_sql[name] = f"CAST({expression} AS BIGINT)" if is_int else expression
         id_types[name] = "int64" if is_int else "string"
     if input_format == "user-item-lines":
@@ -281,7 +283,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, min_item_count: int, source
     nulls = con.execute(
         "SELECT count(*), count(*) FILTER (user IS NULL), count(*) FILTER (item IS NULL), "
         f"count(*) FILTER ({'ts IS NULL' if source.time_type else 'false'}), count(DISTINCT user) FROM events"
-    ).fetchone()
+    ).fetchall()[0]
     num_events, null_users, null_items, null_times, num_users = (int(n) for n in nulls)
     if num_events == 0:
         raise PrepareError("the inputs hold no events.")
@@ -293,14 +295,14 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, min_item_count: int, source
         "CREATE OR REPLACE TABLE vocab AS SELECT item, (row_number() OVER (ORDER BY n DESC, item ASC) - 1)::BIGINT AS row, n "
         f"FROM item_counts WHERE n >= {int(min_item_count)}"
     )
-    size, = con.execute("SELECT count(*) FROM vocab").fetchone()
-    oov_items, oov_events = con.execute(f"SELECT count(*), coalesce(sum(n), 0) FROM item_counts WHERE n < {int(min_item_count)}").fetchone()
+    size, = con.execute("SELECT count(*) FROM vocab").fetchall()[0]
+    oov_items, oov_events = con.execute(f"SELECT count(*), coalesce(sum(n), 0) FROM item_counts WHERE n < {int(min_item_count)}").fetchall()[0]
     con.execute(
         f"COPY (SELECT item AS item_id, row, n::BIGINT AS count FROM vocab ORDER BY row) TO {quote_literal(str(items_path))} (FORMAT parquet)"
     )
     num_action_types, action_values = 0, None
     if source.action_type == "int":
-        low, high, null_actions = con.execute("SELECT min(action), max(action), count(*) FILTER (action IS NULL) FROM events").fetchone()
+        low, high, null_actions = con.execute("SELECT min(action), max(action), count(*) FILTER (action IS NULL) FROM events").fetchall()[0]
         if null_actions or low < 0:
             raise PrepareError(f"--action-column: actions must be integers >= 0 without nulls; found min {low} and {null_actions} null(s).")
         num_action_types = int(high) + 1
@@ -368,8 +370,3 @@ def detect_format(files: Sequence[str]) -> str:
     if len(kinds) > 1:
         raise PrepareError(f"--input mixes {sorted(kinds)} files; prepare one format at a time.")
     return kinds.pop()
-
-
-def describe_settings(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    names = ("memory_limit", "threads", "temp_directory", "max_temp_directory_size")
-    return {name: con.execute(f"SELECT current_setting({quote_literal(name)})").fetchone()[0] for name in names}
