@@ -28,8 +28,9 @@ RANKER = [
     "--data.init_args.config.num_items", str(ITEMS), "--data.init_args.config.global_batch_size", "64",
     "--data.init_args.config.train_batches", "3", "--data.init_args.config.val_batches", "1", "--data.init_args.config.test_batches", "2",
     "--data.init_args.config.max_history_length", "12",
-    "--model.init_args.item_table_size", str(ITEMS), "--model.init_args.sequence_encoder", "sasrec", "--model.init_args.embedding_dim", str(DIM), "--model.init_args.max_history", str(LENGTH),
-    "--model.init_args.num_layers", "2", "--model.init_args.num_heads", "2", "--model.init_args.feedforward_dim", "null",
+    "--model.init_args.item_table_size", str(ITEMS), "--model.init_args.embedding_dim", str(DIM), "--model.init_args.max_history", str(LENGTH),
+    "--model.init_args.encoder", "lightning_recsys.models.encoders.SASRecEncoder", "--model.init_args.encoder.init_args.num_layers", "2",
+    "--model.init_args.encoder.init_args.num_heads", "2", "--model.init_args.encoder.init_args.feedforward_dim", "null",
     "--model.init_args.newest_tokens", "null", "--model.init_args.action_loss_weight", "0", "--model.init_args.positive_actions", "null",
 ]  # fmt: skip
 
@@ -47,7 +48,10 @@ def test_pretrain_then_fine_tune_with_a_warm_start_then_test(tmp_path):
     pretrained = tmp_path / "checkpoints" / "synthetic_pretrain" / "last.ckpt"
     assert pretrained.exists()
     ranker = ["--config", str(CONFIGS / "synthetic_sequence.yaml"), *RANKER]
-    warm = ["--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint", "--trainer.callbacks.path", str(pretrained)]
+    warm = [
+        "--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint", "--trainer.callbacks.path", str(pretrained),
+        "--trainer.callbacks.parts", "[encoder, item_table]",  # by role: the checkpoint recorded where its model holds them
+    ]  # fmt: skip
     fit = _run([CLI, "fit", *ranker, "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *warm], tmp_path)
     # The item table and the encoder: the pretrainer has no action table (its num_action_types is 0).
     match = re.search(r"InitFromCheckpoint: loaded (\d+) tensors from (\S+)", fit)

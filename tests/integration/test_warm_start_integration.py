@@ -5,6 +5,7 @@ every rank before anything is read; a resumed fit keeps its own state."""
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from sequence_oracle import ACTIONS, CONTEXT, NUM_DENSE, SequenceDataModule, Seq
 from lightning_recsys.callbacks import InitFromCheckpoint
 from lightning_recsys.checkpoint import export_safetensors, to_lightning_checkpoint
 from lightning_recsys.models import SequenceRanker
+from lightning_recsys.models.encoders import SASRecEncoder
 from lightning_recsys.parallel.sharding.sharded_model import local_shards
 
 ITEM_KEY = "item_embeddings.embeddings.item.weight"  # the same name in the pretrainer and the ranker
@@ -30,8 +32,8 @@ def make_ranker(seed: int = 7, **overrides: object) -> SequenceRanker:
     torch.manual_seed(seed)
     arguments = dict(
         item_table_size=ITEMS, num_action_types=ACTIONS, context_feature_names=list(CONTEXT), context_table_sizes=list(CONTEXT.values()),
-        num_dense_features=NUM_DENSE, embedding_dim=8, max_history=MAX_LENGTH, num_layers=2, num_heads=2, dropout=0.0,
-        over_arch_layer_sizes=[8, 1], dense_optimizer="sgd", dense_lr=0.1, sequence_encoder="sasrec",
+        num_dense_features=NUM_DENSE, embedding_dim=8, max_history=MAX_LENGTH,
+        encoder=partial(SASRecEncoder, num_layers=2, num_heads=2, dropout=0.0), over_arch_layer_sizes=[8, 1], dense_optimizer="sgd", dense_lr=0.1,
     )
     return SequenceRanker(**{**arguments, **overrides})  # type: ignore[arg-type]
 

@@ -230,3 +230,67 @@ def test_no_module_is_over_500_lines_and_the_strategy_is_at_most_400():
     too_long = {name: n for name, n in lines.items() if n > MAX_MODULE_LINES}
     assert not too_long, f"modules over {MAX_MODULE_LINES} lines (split them by role): {too_long}"
     assert lines["lightning_recsys.strategies.twod_rec"] <= MAX_STRATEGY_LINES
+
+
+# ----------------------------------------------------------------------------------- layers
+# Contracts at the bottom; the single-device ranking above them; the models import neither the runtime
+# (parallel/) nor the storage (checkpoint/): what they need from there comes through contracts/.
+LAYER_RULES: dict[str, tuple[str, ...]] = {
+    # layer -> the package layers it may import (besides itself)
+    "lightning_recsys.contracts": (),
+    "lightning_recsys.ranking": ("lightning_recsys.contracts",),
+}
+MODELS_MUST_NOT_IMPORT = ("lightning_recsys.parallel", "lightning_recsys.checkpoint", "lightning_recsys.strategies", "lightning_recsys.cli")
+
+
+def _inside(module: str, layer: str) -> bool:
+    return module == layer or module.startswith(layer + ".")
+
+
+def _layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    found = []
+    for name, targets in graph.items():
+        for layer, allowed in LAYER_RULES.items():
+            if not _inside(name, layer):
+                continue
+            for target in targets:
+                if target != PACKAGE and not _inside(target, layer) and not any(_inside(target, a) for a in allowed):
+                    found.append(f"{name} imports {target} ({layer} may import only {list(allowed) or 'itself'})")
+        if _inside(name, "lightning_recsys.models"):
+            found += [f"{name} imports {t} (models/ imports no runtime or storage layer)" for t in targets if any(_inside(t, b) for b in MODELS_MUST_NOT_IMPORT)]
+    return sorted(found)
+
+
+def test_models_import_no_runtime_and_contracts_import_no_other_layer():
+    # Every import counts: module level, under TYPE_CHECKING and inside functions.
+    graph = _import_graph(_every_import)
+    assert "lightning_recsys.contracts.encoder" in graph["lightning_recsys.models.pretrainer"]
+    assert _layer_violations(graph) == []
+
+
+def test_contracts_import_nothing_heavier_than_torch():
+    out = _python(
+        """
+        import sys
+        import lightning_recsys.contracts
+        print(sorted(m for m in sys.modules if m.startswith(("lightning", "pytorch_lightning", "torchrec", "fbgemm"))
+                     and not m.startswith("lightning_recsys")))
+        """
+    )
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_the_layer_rules_catch_an_upward_import(tmp_path, monkeypatch):
+    package = tmp_path / PACKAGE
+    for sub in ("contracts", "models", "parallel"):
+        (package / sub).mkdir(parents=True)
+        (package / sub / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "contracts" / "names.py").write_text("from lightning_recsys.models import x\n")
+    (package / "models" / "m.py").write_text("def f():\n    from lightning_recsys.parallel import y\n")
+    monkeypatch.setattr(sys.modules[__name__], "SRC", tmp_path)
+    problems = _layer_violations(_import_graph(_every_import))
+    assert problems == [
+        "lightning_recsys.contracts.names imports lightning_recsys.models (lightning_recsys.contracts may import only itself)",
+        "lightning_recsys.models.m imports lightning_recsys.parallel (models/ imports no runtime or storage layer)",
+    ]

@@ -3,6 +3,7 @@ leave-one-out targets, negatives never touched by the user and fixed by the seed
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 
 from lightning_recsys.data import SequenceFileRankingDataModule
 from lightning_recsys.models import SequenceRanker
+from lightning_recsys.models.encoders import SASRecEncoder
 
 ITEMS = 30
 
@@ -90,7 +92,7 @@ def test_train_user_fraction_keeps_evaluation_whole_and_batches_feed_the_ranker(
     full, part = _module(tmp_path / "seq.txt"), _module(tmp_path / "seq.txt", train_user_fraction=0.25)
     assert part.pairs.num_pairs("train") < full.pairs.num_pairs("train")
     assert part.pairs.num_pairs("test") == full.pairs.num_pairs("test")
-    model = SequenceRanker(item_table_size=ITEMS, num_action_types=0, embedding_dim=8, max_history=4, num_heads=2, sequence_encoder="sasrec")
+    model = SequenceRanker(item_table_size=ITEMS, num_action_types=0, embedding_dim=8, max_history=4, encoder=partial(SASRecEncoder, num_heads=2))
     batch = next(iter(full._dataset("train", 0, 1)))
     assert model.training_losses(batch)["loss"].isfinite()
     with pytest.raises(ValueError, match=r"train_user_fraction=0 must be a number in \(0, 1\]"):

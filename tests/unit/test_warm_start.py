@@ -225,7 +225,7 @@ def test_a_model_records_its_parts_in_every_checkpoint_it_saves():
         "encoder": {"prefix": "encoder.", "kind": "lightning_recsys.models.encoders.SASRecEncoder"},
         "item_table": {"prefix": "item_embeddings.embeddings.item.", "kind": "table"},
     }
-    assert ranker(encoder=TransActEncoder).warm_start_parts()["item_table"].prefix == "sequence_embeddings.embeddings.item."
+    assert ranker(encoder=TransActEncoder, newest_tokens=2).warm_start_parts()["item_table"].prefix == "sequence_embeddings.embeddings.item."
 
 
 def test_parts_load_by_role_wherever_each_model_holds_them(tmp_path):
@@ -239,7 +239,7 @@ def test_parts_load_by_role_wherever_each_model_holds_them(tmp_path):
             torch.testing.assert_close(warm.state_dict()[key], value, rtol=0, atol=0, msg=key)
     assert not torch.equal(warm.item_embeddings.embeddings["action"].weight, source.item_embeddings.embeddings["action"].weight)
     # The TransAct ranker holds its item table under another attribute: the role finds it there.
-    transact = ranker(seed=6, encoder=TransActEncoder)
+    transact = ranker(seed=6, encoder=TransActEncoder, newest_tokens=2)
     loaded = load_weights_unsharded(checkpoint, transact, parts={"item_table": transact.warm_start_parts()["item_table"]}).loaded
     assert loaded == {"sequence_embeddings.embeddings.item.weight": "item_embeddings.embeddings.item.weight"}
     torch.testing.assert_close(transact.sequence_embeddings.embeddings["item"].weight, source.item_embeddings.embeddings["item"].weight)
@@ -250,7 +250,7 @@ def test_parts_load_by_role_wherever_each_model_holds_them(tmp_path):
 
 def test_parts_that_do_not_fit_say_which_and_how(tmp_path):
     checkpoint = _with_parts(pretrainer(), tmp_path)
-    transact = ranker(encoder=TransActEncoder)
+    transact = ranker(encoder=TransActEncoder, newest_tokens=2)
     with pytest.raises(CheckpointMismatchError, match=r"'encoder' part differs in kind: the checkpoint's is "
                        r"lightning_recsys\.models\.encoders\.SASRecEncoder, the model's is .*TransActEncoder"):
         load_weights_unsharded(checkpoint, transact, parts={"encoder": transact.warm_start_parts()["encoder"]})
