@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 
 from lightning_recsys.checkpoint.safe_files import corrupt
+from lightning_recsys.parallel.sharding import RESHAPE_CHECKPOINT_KEY
 
 _RECORD_FIELDS = {"table": str, "rows": int, "dim": int, "new_rows": int, "new_dim": int, "id_mapping": str, "restore_dim": bool}
 _REQUIRED = {"table", "rows", "dim", "new_rows", "new_dim"}

@@ -36,7 +36,16 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.futures import Future
 
 from lightning_recsys.checkpoint.directory import HOST_STATE_FILE
-from lightning_recsys.checkpoint.index_reader import INDEX_FILE, INDEX_GLOBALS, IndexUnpickler, read_index, require_trusted_bool
+from lightning_recsys.checkpoint.host_state_checks import RESHAPE_CHECKPOINT_KEY, check_reshape_record
+from lightning_recsys.checkpoint.host_state_checks import RESHAPE_CHECKPOINT_KEY, check_reshape_record
+from lightning_recsys.checkpoint.index_reader import (
+    _TRUSTED_HOW,
+    INDEX_FILE,
+    INDEX_GLOBALS,
+    IndexUnpickler,
+    read_index,
+    require_trusted_bool,
+)
 from lightning_recsys.checkpoint.pickle_guard import PickleRefused, scan
 from lightning_recsys.checkpoint.records import BYTE_ITEM_PICKLE, check_byte_record, members, read_tensor_record
 from lightning_recsys.checkpoint.safe_files import (
@@ -134,16 +143,10 @@ def load_byte_item(data: IO[bytes], *, name: str, where: str, trusted: bool = Fa
         raise UnsafeCheckpointError(
             f"{where}: refused to load the item {name!r} (a non-tensor value, e.g. a module's extra state): "
             f"{reason} Loading it could run code chosen by whoever wrote the file; nothing was loaded. Allow a class "
-            f"it needs with torch.serialization.add_safe_globals([...]), or: {_trusted_how()}"
+            f"it needs with torch.serialization.add_safe_globals([...]), or: {_TRUSTED_HOW}"
         ) from error
     except Exception as error:  # noqa: BLE001 - whatever reading cut or overwritten bytes raises
         raise corrupt(where, f"the item {name!r} cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
-
-
-def _trusted_how() -> str:
-    from lightning_recsys.checkpoint.index_reader import _TRUSTED_HOW
-
-    return _TRUSTED_HOW
 
 
 # torch's weights-only unpickler words its refusals (torch/_weights_only_unpickler.py) with these; an
@@ -221,6 +224,7 @@ def read_host_state(directory: Path, weights_only: bool | None) -> dict[str, Any
         raise corrupt(host_path, f"the file cannot be read ({type(error).__name__}: {str(error)[:300]})") from error
     if not isinstance(state, dict) or not all(isinstance(k, str) for k in state):
         raise corrupt(host_path, f"the file holds a {type(state).__name__}, not the trainer state's dict of named entries")
+    check_reshape_record(state.get(RESHAPE_CHECKPOINT_KEY), host_path)  # every reader, before anyone reshapes by it
     return state
 
 
