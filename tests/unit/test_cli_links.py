@@ -25,7 +25,7 @@ def test_the_pretraining_model_reads_num_items_and_max_length_from_the_data():
 def test_a_sequence_file_gives_its_largest_item_id_to_the_model(tmp_path):
     path = tmp_path / "seq.txt"
     path.write_text("".join(f"{user} {item}\n" for user in (1, 2) for item in (3, 7, 5)))
-    cli = _build("beauty_pretrain.yaml", "--data.path", str(path))
+    cli = _build("beauty_pretrain.yaml", "--data.path", str(path), "--data.init_args.num_items", "null")
     assert cli.datamodule.num_items == cli.model.hparams.num_items == 7
 
 

@@ -83,6 +83,11 @@ def check(command: str, tmp_path: Path) -> None:
         result = subprocess.run([sys.executable, "-m", "lightning_recsys.cli", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
         return
+    if words[0] == "lightning-recsys" and words[1] == "prepare":  # parsed, not run: it reads and writes data
+        from lightning_recsys.cli.prepare import _parser
+
+        _parser().parse_args(shlex.split(re.sub(r"\[[^\]]*\]", "", command))[2:])  # "[--flag N]": an optional part
+        return
     if words[0] == "lightning-recsys":
         args = [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
         if "--summary-json" in args:
