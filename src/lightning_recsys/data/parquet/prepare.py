@@ -210,7 +210,7 @@ def prepare(config: PrepareConfig, report: Callable[[str], None] | None = None) 
             phases.done(f"read {len(files)} {input_format} file(s)")
             vocabulary = build_vocabulary(con, config.min_item_count, source, output / ITEMS_FILE)
             phases.done(
-                f"{vocabulary.num_events} events, {vocabulary.num_users} users, {vocabulary.size} items in the vocabulary, "
+                f"{vocabulary.num_events} events, {vocabulary.size} items in the vocabulary, "
                 f"{vocabulary.oov_items} items ({vocabulary.oov_events} events) out of it; wrote {ITEMS_FILE}"
             )
             schema = user_schema(source.user_type, source.action_type is not None, source.time_type is not None)
@@ -259,11 +259,8 @@ def prepare(config: PrepareConfig, report: Callable[[str], None] | None = None) 
             ),
             action_values=vocabulary.action_values,
         )
-        if metadata.num_events != vocabulary.num_events or metadata.num_users != vocabulary.num_users:
-            raise PrepareError(
-                f"internal check failed: wrote {metadata.num_events} events of {metadata.num_users} users, "
-                f"but the inputs hold {vocabulary.num_events} events of {vocabulary.num_users} users."
-            )
+        if metadata.num_events != vocabulary.num_events:
+            raise PrepareError(f"internal check failed: wrote {metadata.num_events} events, but the inputs hold {vocabulary.num_events}.")
         write_metadata(output, metadata)
         phases.done(
             f"wrote {metadata.num_users} users ({metadata.users_with_one_event} with one event) in {len(files_written)} file(s), "

@@ -273,24 +273,28 @@ class Vocabulary:
     oov_items: int
     oov_events: int
     num_events: int
-    num_users: int
     num_action_types: int
     action_values: tuple[str, ...] | None
 
 
 def build_vocabulary(con: duckdb.DuckDBPyConnection, min_item_count: int, source: Source, items_path: Path) -> Vocabulary:
     """Count the items, number the frequent ones by count (ties: raw id), write items.parquet; check nulls."""
-    nulls = con.execute(
-        "SELECT count(*), count(*) FILTER (user IS NULL), count(*) FILTER (item IS NULL), "
-        f"count(*) FILTER ({'ts IS NULL' if source.time_type else 'false'}), count(DISTINCT user) FROM events"
+    # One pass over the events: the item counts, with the null checks folded into the same GROUP BY.
+    null_time = "ts IS NULL" if source.time_type else "false"
+    con.execute(
+        "CREATE OR REPLACE TABLE item_counts AS SELECT item, count(*) AS n, count(*) FILTER (user IS NULL) AS null_users, "
+        f"count(*) FILTER ({null_time}) AS null_times FROM events GROUP BY item"
+    )
+    totals = con.execute(
+        "SELECT coalesce(sum(n), 0), coalesce(sum(null_users), 0), coalesce(sum(n) FILTER (item IS NULL), 0), "
+        "coalesce(sum(null_times), 0) FROM item_counts"
     ).fetchall()[0]
-    num_events, null_users, null_items, null_times, num_users = (int(n) for n in nulls)
+    num_events, null_users, null_items, null_times = (int(n) for n in totals)
     if num_events == 0:
         raise PrepareError("the inputs hold no events.")
     for what, count in (("user", null_users), ("item", null_items), ("time", null_times)):
         if count:
             raise PrepareError(f"{count} of {num_events} events have a null {what}; filter them out first (nothing is dropped silently).")
-    con.execute("CREATE OR REPLACE TABLE item_counts AS SELECT item, count(*) AS n FROM events GROUP BY item")
     con.execute(
         "CREATE OR REPLACE TABLE vocab AS SELECT item, (row_number() OVER (ORDER BY n DESC, item ASC) - 1)::BIGINT AS row, n "
         f"FROM item_counts WHERE n >= {int(min_item_count)}"
@@ -312,7 +316,7 @@ def build_vocabulary(con: duckdb.DuckDBPyConnection, min_item_count: int, source
             raise PrepareError("--action-column: some events have a null action; filter them out first.")
         con.execute("CREATE OR REPLACE TABLE action_codes AS SELECT action, (row_number() OVER (ORDER BY action) - 1)::INTEGER AS code FROM (SELECT DISTINCT action FROM events)")
         num_action_types, action_values = len(values), tuple(values)
-    return Vocabulary(int(size), int(oov_items), int(oov_events), num_events, num_users, num_action_types, action_values)
+    return Vocabulary(int(size), int(oov_items), int(oov_events), num_events, num_action_types, action_values)
 
 
 def sorted_events(con: duckdb.DuckDBPyConnection, source: Source, vocabulary: Vocabulary, batch_rows: int) -> pa.RecordBatchReader:
