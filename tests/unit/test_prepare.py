@@ -312,3 +312,17 @@ def test_id_type_int_on_string_ids_fails_clearly(tmp_path: Path) -> None:
     (tmp_path / "seq.txt").write_text("1 a\n2 b\n")
     with pytest.raises(PrepareError, match="--id-type"):
         prepare(PrepareConfig(inputs=(str(tmp_path / "seq.txt"),), output=str(tmp_path / "out"), input_format="user-item-lines", id_type="int"))
+
+
+def test_glob_input_and_timestamp_column_stored_as_unix_seconds(tmp_path: Path) -> None:
+    import datetime
+
+    base = datetime.datetime(2024, 1, 1, tzinfo=None)
+    times = [base + datetime.timedelta(seconds=s) for s in (30, 10, 20)]
+    for index, (user, item, when) in enumerate(zip([1, 1, 2], ["a", "b", "a"], times)):
+        pq.write_table(pa.table({"user_id": [user], "item_id": [item], "ts": pa.array([when], pa.timestamp("us"))}), tmp_path / f"e{index}.parquet")
+    metadata = prepare(PrepareConfig(inputs=(str(tmp_path / "e*.parquet"),), output=str(tmp_path / "out"), time_column="ts"))
+    assert metadata.num_events == 3 and len(metadata.prepared_by.inputs) == 1
+    epoch = int(base.replace(tzinfo=datetime.timezone.utc).timestamp())
+    assert {u["user_id"]: u["timestamps"] for u in _users(tmp_path / "out")} == {1: [epoch + 10, epoch + 30], 2: [epoch + 20]}
+    assert _raw_sequences(tmp_path / "out") == {1: ["b", "a"], 2: ["a"]}
