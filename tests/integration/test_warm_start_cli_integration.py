@@ -29,8 +29,8 @@ RANKER = [
     "--data.init_args.config.train_batches", "3", "--data.init_args.config.val_batches", "1", "--data.init_args.config.test_batches", "2",
     "--data.init_args.config.max_history_length", "12",
     "--model.init_args.item_table_size", str(ITEMS), "--model.init_args.embedding_dim", str(DIM), "--model.init_args.max_history", str(LENGTH),
-    "--model.init_args.encoder", "lightning_recsys.models.encoders.SASRecEncoder", "--model.init_args.encoder.init_args.num_layers", "2",
-    "--model.init_args.encoder.init_args.num_heads", "2", "--model.init_args.encoder.init_args.feedforward_dim", "null",
+    "--model.init_args.encoder",  # the pretrainer's encoder and options, in place of the config's TransActEncoder
+    '{"class_path": "lightning_recsys.models.encoders.SASRecEncoder", "init_args": {"num_layers": 2, "num_heads": 2, "feedforward_dim": null}}',
     "--model.init_args.newest_tokens", "null", "--model.init_args.action_loss_weight", "0", "--model.init_args.positive_actions", "null",
 ]  # fmt: skip
 
