@@ -8,14 +8,20 @@ host_state.pt, in DCP's index (.metadata) and in a byte item of a .distcp file; 
 
 from __future__ import annotations
 
+import os
 import re
+import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from crafted_checkpoints import (
     CONFIG,
     DAMAGES,
+    HOSTILE,
+    edit_index,
     SideEffect,
     corrupt_error_pattern,
     craft_byte_item,
@@ -26,6 +32,7 @@ from crafted_checkpoints import (
     write_checkpoint,
 )
 from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_recsys.testing.processes import run_ranks
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
@@ -153,3 +160,161 @@ def test_damage_is_named_on_every_rank_with_every_model_untouched(tmp_path: Path
             assert kind == "CheckpointCorruptError", (rank, name, kind, message[:500])
             assert re.search(corrupt_error_pattern(damages[name]), message, re.S), (rank, name, message[:500])
             assert untouched, (rank, name, "the model changed")
+
+
+# ----------------------------------------------------------------- hostile kinds on 2 ranks, one world for all
+# One process group runs a representative part of the hostile catalogue (crafted_checkpoints.HOSTILE)
+# through fit(ckpt_path=...) and validate(ckpt_path=...), the collective load_checkpoint with every
+# rank's model compared before and after, and a resume whose crafted ModelCheckpoint state names a
+# directory outside the checkpoint folder as the previous best.
+TRAINER_KINDS = (
+    "index nested a million deep", "index BUILD sets a class attribute", "index memo reuse of a large list",
+    "index chunks leave a gap", "shard a symlink", "record compressed", "host state reshape record grows a table", "meta.json a FIFO",
+)
+
+
+def _first_tensor(metadata: Any) -> tuple[str, Any]:
+    return next((k, v) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "chunks") and len(v.size) == 2 and v.size[0] > 1)
+
+
+def _gap_in_first_tensor(metadata: Any) -> None:
+    _, item = _first_tensor(metadata)
+    chunk = item.chunks[0]
+    chunk.sizes = type(chunk.sizes)([chunk.sizes[0] - 1, *chunk.sizes[1:]])
+
+
+def _collective_kinds(data_root: Path) -> dict[str, tuple[Any, str]]:
+    """Kinds for the Trainer-free sharded model (other keys than the ranker's): how to apply each, its message."""
+    hostile = {k.name: k for k in HOSTILE}
+    return {
+        "index nested a million deep": (hostile["index nested a million deep"].apply, hostile["index nested a million deep"].pattern),
+        "index BUILD sets a class attribute": (hostile["index BUILD sets a class attribute"].apply, r"BUILD on the class"),
+        "index a FIFO": (hostile["index a FIFO"].apply, r"\.metadata: .*FIFO"),
+        "index chunks leave a gap": (lambda d: edit_index(d, _gap_in_first_tensor), r"\.metadata: .*cover \d+ of its \d+ elements"),
+        "meta.json a FIFO": (hostile["meta.json a FIFO"].apply, r"meta\.json cannot be read"),
+        "host state compressed": (hostile["host state compressed"].apply, r"host_state\.pt: .*compressed"),
+    }
+
+
+def _resume_with_a_foreign_best(rank: int, world_size: int, root: Path) -> dict[str, Any]:
+    """fit with ModelCheckpoint(save_top_k=1), craft its state's best_model_path to ../../precious, resume and save again."""
+    import torch as _torch
+
+    folder, victim = root / "resume" / "checkpoints", root / "precious"
+    if rank == 0:
+        victim.mkdir(parents=True, exist_ok=True)
+        (victim / "thesis.tex").write_text("years of work")
+
+    def trainer(max_epochs: int) -> Trainer:
+        return Trainer(
+            accelerator="cpu", devices=world_size, strategy=TwoDRecStrategy(process_group_timeout=60),
+            logger=False, enable_progress_bar=False, enable_model_summary=False, max_epochs=max_epochs,
+            limit_train_batches=1, limit_val_batches=1, num_sanity_val_steps=0,
+            callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=1, filename="{epoch}")],
+        )
+
+    first = trainer(1)
+    first.fit(ranker(seed=0), datamodule=SyntheticClickLogDataModule(CONFIG))
+    saved = folder / "epoch=0.ckpt"
+    flag = root / "resume" / "edited"
+    if rank == 0:
+        data = saved.resolve()
+        state = _torch.load(data / "host_state.pt", weights_only=True)
+        for callback_state in state["callbacks"].values():
+            if "best_model_path" in callback_state:
+                callback_state["best_model_path"] = str(folder / ".." / ".." / "precious")
+                callback_state.pop("dirpath", None)
+        _torch.save(state, data / "host_state.pt")
+        flag.write_text("done")
+    for _ in range(600):  # the fit's process group is gone: wait for rank 0's edit by a file
+        if flag.exists():
+            break
+        time.sleep(0.1)
+    second = trainer(2)
+    second.fit(ranker(seed=0), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=str(saved))
+    return {"victim": (victim / "thesis.tex").exists(), "saved": sorted(os.listdir(folder))}
+
+
+def _hostile_world(rank: int, world_size: int, root_text: str) -> dict[str, Any]:
+    from test_checkpoint_integration import build, init  # the Trainer-free sharded setup of the checkpoint tests
+
+    root = Path(root_text)
+    out: dict[str, Any] = {"trainer": {}, "collective": {}}
+    # The collective load first, in a process group of its own; the Trainers below start theirs.
+    init(rank, world_size)
+    run = build(rank, world_size, group_size=world_size, sharding_type="table_wise", seed=0)
+    kinds = _collective_kinds(root)
+    paths = {name: root / "collective" / name.replace(" ", "_") for name in kinds}
+    for path in paths.values():
+        save_checkpoint(path, state=run.state(), topology=run.topology, host_state={"global_step": 3}, step=3)
+    if rank == 0:
+        for name, path in paths.items():
+            kinds[name][0](path.resolve())
+    dist.barrier()
+    target = build(rank, world_size, group_size=world_size, sharding_type="table_wise", seed=1)
+    for name, path in paths.items():
+        before = _local_weights(target.sharded.dmp.module.state_dict())
+        try:
+            load_checkpoint(path, state=target.state(), topology=target.topology)
+            outcome = ("loaded", "")
+        except Exception as error:  # noqa: BLE001 - the refusal is the result
+            outcome = (type(error).__name__, str(error)[:2000])
+        after = _local_weights(target.sharded.dmp.module.state_dict())
+        out["collective"][name] = (*outcome, before.keys() == after.keys() and all(_torch_equal(before[k], after[k]) for k in before))
+    dist.barrier()
+    dist.destroy_process_group()
+    for name in TRAINER_KINDS:
+        path = root / "trainer" / name.replace(" ", "_") / "last.ckpt"
+        for entry in ("fit", "validate"):
+            trainer = _trainer(world_size)
+            try:
+                getattr(trainer, entry)(ranker(seed=1), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=str(path))
+                out["trainer"][(name, entry)] = ("loaded", "")
+            except Exception as error:  # noqa: BLE001 - the refusal is the result
+                out["trainer"][(name, entry)] = (type(error).__name__, str(error)[:2000])
+    out["resume"] = _resume_with_a_foreign_best(rank, world_size, root)
+    return out
+
+
+def _torch_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return bool(torch.equal(a, b))
+
+
+@pytest.fixture(scope="module")
+def hostile_world(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict[str, Any]], Path]:
+    root = tmp_path_factory.mktemp("hostile")
+    hostile = {k.name: k for k in HOSTILE}
+    for name in TRAINER_KINDS:  # the crafted ranker checkpoints, written in this process before the world starts
+        source = ranker(seed=0)
+        path = write_checkpoint(source, root / "trainer" / name.replace(" ", "_") / "last.ckpt", host_state(source))
+        hostile[name].apply(path.resolve())
+    return run_ranks(_hostile_world, 2, str(root), timeout=600), root
+
+
+def test_hostile_kinds_are_refused_by_fit_and_validate_on_every_rank(hostile_world: tuple[list[dict[str, Any]], Path]) -> None:
+    results, _ = hostile_world
+    hostile = {k.name: k for k in HOSTILE}
+    for rank, result in enumerate(results):
+        for (name, entry), (kind, message) in result["trainer"].items():
+            # The rank that found it raises it; a rank that did not names the rank that did (CheckpointError).
+            assert kind in (hostile[name].error.__name__, "CheckpointError"), (rank, name, entry, kind, message[:500])
+            assert re.search(hostile[name].pattern, message, re.S), (rank, name, entry, message[:500])
+    assert len(results[0]["trainer"]) == 2 * len(TRAINER_KINDS)
+
+
+def test_hostile_kinds_are_refused_by_the_collective_load_with_every_model_untouched(hostile_world: tuple[list[dict[str, Any]], Path]) -> None:
+    results, root = hostile_world
+    kinds = _collective_kinds(root)
+    for rank, result in enumerate(results):
+        assert result["collective"].keys() == kinds.keys()
+        for name, (kind, message, untouched) in result["collective"].items():
+            assert kind in ("CheckpointCorruptError", "CheckpointError"), (rank, name, kind, message[:500])
+            assert re.search(kinds[name][1], message, re.S), (rank, name, message[:500])
+            assert untouched, (rank, name, "the model changed")
+
+
+def test_a_resume_whose_crafted_state_names_a_directory_outside_as_best_deletes_nothing(hostile_world: tuple[list[dict[str, Any]], Path]) -> None:
+    results, _ = hostile_world
+    for rank, result in enumerate(results):
+        assert result["resume"]["victim"], (rank, "the directory outside the checkpoint folder was deleted")
+    assert "epoch=1.ckpt" in results[0]["resume"]["saved"], results[0]["resume"]  # the resumed fit did save again
