@@ -126,6 +126,14 @@ def _resumed(rank: int, world_size: int, root: str) -> list:
     return _fit(world_size, os.path.join(root, "good"), os.path.join(root, "killed_ckpts"), [], ckpt_path="last").train
 
 
+def _resumed_elsewhere(rank: int, world_size: int, root: str, ckpt_path: str) -> str | None:
+    try:
+        _fit(world_size, os.path.join(root, "good"), os.path.join(root, "elsewhere_ckpts"), [], ckpt_path=ckpt_path)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 @pytest.fixture(scope="module")
 def world(prepared):
     return run_ranks(_everything, WORLD_SIZE, str(prepared), timeout=420)
@@ -174,3 +182,8 @@ def test_a_run_killed_mid_epoch_resumes_with_the_uninterrupted_runs_batches(worl
     for rank in range(WORLD_SIZE):
         assert resumed[rank][0][0] == resumed_from
         assert resumed[rank] == world[rank]["train"][resumed_from:], rank
+    # The same mid-epoch checkpoint on another number of processes: refused, saying why and what to do.
+    mid_epoch = prepared / "killed_ckpts" / f"epoch=1-step={resumed_from}.ckpt"
+    assert mid_epoch.exists()
+    (error,) = run_ranks(_resumed_elsewhere, 1, str(prepared), str(mid_epoch), timeout=300)
+    assert error is not None and "saved in the middle of an epoch under other settings (world_size: saved 2, now 1)" in error, error

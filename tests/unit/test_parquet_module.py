@@ -105,7 +105,7 @@ def test_evaluation_examples_equal_the_text_paths(same_data, split):
         assert torch.equal(expected[key][1], actual[key][1]), key
 
 
-def test_unshuffled_training_batches_equal_the_text_paths_negatives_included(same_data):
+def test_unshuffled_training_batches_equal_the_text_paths_but_for_the_negatives_drawn(same_data):
     root, _ = same_data
     text = SequenceFileDataModule(str(root / "events.txt"), max_length=4, num_negatives=5, global_batch_size=4, shuffle=False,
                                   num_items=NUM_ITEMS, num_action_types=3)
@@ -115,9 +115,11 @@ def test_unshuffled_training_batches_equal_the_text_paths_negatives_included(sam
     actual = list(stream)
     assert len(actual) == len(expected) == len(stream) > 3
     for mine, theirs in zip(actual, expected):
-        for key in (ITEM_FEATURE, NEXT_ITEM_FEATURE, ACTION_FEATURE, NEGATIVE_FEATURE):
+        for key in (ITEM_FEATURE, NEXT_ITEM_FEATURE, ACTION_FEATURE):
             assert torch.equal(mine.sparse[key].values(), theirs.sparse[key].values()), key
             assert torch.equal(mine.sparse[key].lengths(), theirs.sparse[key].lengths()), key
+        assert torch.equal(mine.sparse[NEGATIVE_FEATURE].lengths(), theirs.sparse[NEGATIVE_FEATURE].lengths())
+        assert len(mine.sparse[NEGATIVE_FEATURE].values()) == 5
 
 
 def test_the_metadata_alone_gives_the_sizes(same_data):

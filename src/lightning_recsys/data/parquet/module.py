@@ -12,8 +12,9 @@ is cut between ranks and ordered:
   dealt to the workers in turn. Every rank runs the same number of batches per epoch, computed from
   the metadata: the fewest any rank is sure to fill (a rank's last incomplete batch, and the
   examples a worker has left over, wait for the next epoch's different order). Negatives as in
-  ``SequenceFileDataModule``: ``num_negatives`` uniform rows per local batch, from ``seed``, the
-  epoch, the batch and the rank.
+  ``SequenceFileDataModule``: ``num_negatives`` uniform rows per local batch, spread over its
+  examples; drawn in turn from one generator per epoch, rank and worker (seeded by ``seed``), so
+  the pools differ from the text path's, which seeds one generator per batch.
 - Validation and test: every user with >= 3 events, exactly once over all ranks, in user order.
   Every rank runs the same number ``K`` of batches, the most any rank needs for at most
   ``global_batch_size / W`` examples per batch (from the metadata), and spreads its own examples
@@ -40,6 +41,7 @@ from lightning_recsys.data.parquet.reader import PreparedReader, Segment, open_p
 from lightning_recsys.data.parquet.streams import (
     EpochLoader,
     EvaluationStream,
+    TrainingLoader,
     TrainingStream,
     View,
     chunk_examples,
@@ -216,7 +218,22 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         trainer = self.trainer
         rank, world = (trainer.global_rank, trainer.world_size) if trainer is not None else (0, 1)
         extra = {"prefetch_factor": self.prefetch_factor} if self.num_workers else {}
-        return EpochLoader(self.stream(split, rank, world), batch_size=None, num_workers=self.num_workers, **extra)
+        if split != "train":
+            return EpochLoader(self.stream(split, rank, world), batch_size=None, num_workers=self.num_workers, **extra)
+        loader = TrainingLoader(self.stream(split, rank, world), batch_size=None, num_workers=self.num_workers, **extra)
+        if trainer is not None:
+            loader.progress = lambda: trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        loader.identity = self.epoch_identity(world)
+        return loader
+
+    def epoch_identity(self, world_size: int) -> dict[str, object]:
+        """What fixes an epoch's training batches on every rank; a mid-epoch resume must find the same."""
+        meta = self.metadata
+        return {
+            "world_size": world_size, "global_batch_size": self.global_batch_size, "num_workers": self.num_workers,
+            "shuffle": self.shuffle, "shuffle_buffer": self.shuffle_buffer, "seed": self.seed, "max_length": self.max_length,
+            "num_users": meta.num_users, "num_events": meta.num_events,
+        }
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict")

@@ -12,7 +12,7 @@ group's, so memory does not grow with the data.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -154,6 +154,41 @@ class EpochLoader(DataLoader):
         return (batch for batch in super().__iter__() if batch is not None)
 
 
+class TrainingLoader(EpochLoader):
+    """The training loader, with its own position for mid-epoch checkpoints.
+
+    ``progress()`` (set by the DataModule): the training steps run in the current epoch. Every step
+    of this loader runs on every rank (its batches are full and equally many on every rank, so
+    none is skipped), so that count is also the batches to pass over on resume, which the stream
+    does without building them. ``identity``: the settings that fix an epoch's batches; a mid-epoch
+    position saved under others is refused (see ``load_state_dict``).
+    """
+
+    progress: Callable[[], int] | None = None
+    identity: dict[str, Any] | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.progress is None:
+            return {}
+        trained = int(self.progress())
+        return {"trained_batches": trained, "epoch_done": trained >= len(self.dataset), **(self.identity or {})}  # type: ignore[arg-type]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not state or state.get("epoch_done", True):
+            return  # an epoch's end: the next epoch starts afresh under any settings
+        if "trained_batches" not in state:
+            raise ValueError(f"SequenceParquetDataModule: the checkpoint's loader state {state!r} has no 'trained_batches'.")
+        differing = {k: (state.get(k), v) for k, v in (self.identity or {}).items() if state.get(k) != v}
+        if differing:
+            listed = ", ".join(f"{k}: saved {saved!r}, now {now!r}" for k, (saved, now) in sorted(differing.items()))
+            raise ValueError(
+                f"SequenceParquetDataModule: this checkpoint was saved in the middle of an epoch under other settings ({listed}). "
+                "Those settings decide which users each rank reads and in what order, so the rest of that epoch cannot be "
+                "continued exactly. Resume with the saved settings, or from a checkpoint saved at the end of an epoch."
+            )
+        self.dataset.skip = int(state["trained_batches"])  # type: ignore[attr-defined]
+
+
 class TrainingStream(IterableDataset):
     """Rank ``rank``'s training batches of ``local_batch_size`` examples, ``num_batches`` of them per epoch.
 
@@ -178,9 +213,11 @@ class TrainingStream(IterableDataset):
         self.epoch = epoch  # the next pass's epoch
         self.current_epoch = epoch
         self.skip = 0  # batches of the next pass to hand out unbuilt (a resumed epoch's trained ones)
+        self.current_skip = 0
 
     def begin_epoch(self) -> None:
         self.current_epoch, self.epoch = self.epoch, self.epoch + 1
+        self.current_skip, self.skip = self.skip, 0
 
     def __len__(self) -> int:
         return self.num_batches
@@ -201,24 +238,25 @@ class TrainingStream(IterableDataset):
             raise RuntimeError(f"rank {self.rank}: its segments hold fewer training batches than the {self.num_batches} planned.")
         return dealt, quotas
 
-    def negatives(self, epoch: int, index: int) -> torch.Tensor:
+    def negatives(self, rng: np.random.Generator) -> torch.Tensor:
+        """The next batch's pool from the worker's stream of draws (one generator per epoch, rank and worker:
+        seeding a generator per batch cost as much as building the batch)."""
         num_items = self.reader.metadata.num_items
         if self.num_negatives == "all":
             return torch.arange(num_items, dtype=torch.long)
-        rng = np.random.default_rng([self.seed, 0, epoch, index, self.rank])
         return torch.from_numpy(rng.integers(0, num_items, size=int(self.num_negatives), dtype=np.int64))
 
     def __iter__(self) -> Iterator[SequenceBatch]:
-        worker, workers = _worker()
+        worker, _ = _worker()
         epoch = self.current_epoch
         dealt, quotas = self.plan(epoch)
         mine, quota = dealt[worker], quotas[worker]
-        skip = _worker_skip(self.skip, quotas, worker)
-        self.skip = 0
+        skip = _worker_skip(self.current_skip, quotas, worker)
         meta = self.reader.metadata
         pool = _Pool(meta.num_items, meta.num_action_types, keep=self.max_length + 1, full=False, with_ids=False)
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1 + worker]) if self.shuffle else None
         hold = self.shuffle_buffer if self.shuffle else 0
+        draws = np.random.default_rng([self.seed, 0, epoch, self.rank, worker])
         produced, segments = 0, iter(mine)
         while produced < quota:
             segment = next(segments, None)
@@ -227,9 +265,9 @@ class TrainingStream(IterableDataset):
                 users, ends = chunk_examples(chunk, "train")
                 pool.add(chunk.sequences, users, ends, rng)
             while produced < quota and pool.pending >= self.local_batch_size + (hold if segment is not None else 0):
-                index = produced * workers + worker
                 build = produced >= skip
-                negatives = self.negatives(epoch, index) if build else None
+                negatives = self.negatives(draws)  # drawn for skipped batches too: the later pools stay the same
+                negatives = negatives if build else None
                 batch = pool.take(self.local_batch_size, negatives, self.max_length, build=build)
                 produced += 1
                 yield batch  # type: ignore[misc]  # None when skipped (EpochLoader drops it)
