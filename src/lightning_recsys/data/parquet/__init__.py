@@ -30,6 +30,9 @@ from lightning_recsys.data.parquet.contract import (
     read_metadata,
     write_metadata,
 )
+from lightning_recsys.data.parquet.prepare import PrepareConfig, prepare  # DuckDB itself is imported on use
+from lightning_recsys.data.parquet.prepare_sql import PrepareError
+from lightning_recsys.data.parquet.synthetic_events import SyntheticEventsConfig, generate_events
 
 __all__ = [
     "ACTIONS_COLUMN",
@@ -47,11 +50,16 @@ __all__ = [
     "FileInfo",
     "PreparedBy",
     "PreparedDataError",
+    "PrepareConfig",
+    "PrepareError",
     "PreparedMetadata",
     "RowGroupInfo",
     "RowGroupRef",
+    "SyntheticEventsConfig",
     "describe",
+    "generate_events",
     "part_file_name",
+    "prepare",
     "read_metadata",
     "write_metadata",
 ]
