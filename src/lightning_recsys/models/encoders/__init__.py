@@ -19,13 +19,14 @@ from typing import Any
 from torch import nn
 
 from lightning_recsys.contracts.encoder import EncoderFactory
+from lightning_recsys.models.encoders.hstu import HSTUEncoder
 from lightning_recsys.models.encoders.sasrec import SASRecBlock, SASRecEncoder
 from lightning_recsys.models.encoders.transact import TransActEncoder
 
-__all__ = ["ENCODERS", "SASRecBlock", "SASRecEncoder", "TransActEncoder", "declared_causal", "encoder_kind", "resolve_encoder"]
+__all__ = ["ENCODERS", "HSTUEncoder", "SASRecBlock", "SASRecEncoder", "TransActEncoder", "declared_causal", "encoder_kind", "resolve_encoder"]
 
 # The encoders this package ships, by the short name the docs use.
-ENCODERS: dict[str, type[nn.Module]] = {"sasrec": SASRecEncoder, "transact": TransActEncoder}
+ENCODERS: dict[str, type[nn.Module]] = {"hstu": HSTUEncoder, "sasrec": SASRecEncoder, "transact": TransActEncoder}
 
 
 def _class_path(cls: type) -> str:
