@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pickletools
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 # Scalar opcodes -> kind of the value they push.
@@ -47,18 +47,25 @@ class PickleRefused(Exception):
     """The pickle breaks ``Policy``; the message says how (the caller names the file)."""
 
 
-@dataclass
 class Value:
     """An abstract value on the stack or in the memo: what it is, how deep and how large as a tree."""
 
-    kind: str  # int, str, bytes, list, dict, tuple, set, frozenset, global, instance, called, pid, ...
-    depth: int = 0
-    weight: int = 1
-    text: str | None = None  # a str's value (for globals and BUILD state keys)
-    name: tuple[str, str] | None = None  # a global's (module, name); an instance's or call result's class/callable
-    keys: list[Value] = field(default_factory=list)  # a dict's keys; a tuple's items (for BUILD state shapes)
-    placed: bool = False  # inside another object (or a call's argument): no longer changeable
-    built: bool = False
+    __slots__ = ("kind", "depth", "weight", "text", "name", "keys", "placed", "built")
+
+    def __init__(self, kind: str, depth: int = 0, weight: int = 1, text: str | None = None,
+                 name: tuple[str, str] | None = None, keys: list[Value] | None = None) -> None:
+        self.kind = kind  # int, str, bytes, list, dict, tuple, set, frozenset, global, instance, called, pid, ...
+        self.depth = depth
+        self.weight = weight
+        self.text = text  # a str's value (for globals and BUILD state keys)
+        self.name = name  # a global's (module, name); an instance's class or a call result's callable
+        self.keys: list[Value] = keys if keys is not None else []  # a dict's keys; a tuple's items
+        self.placed = False  # inside another object (or a call's argument): no longer changeable
+        self.built = False
+
+
+# Scalars other than strings are immutable and weigh 1: one shared abstract value each (most opcodes push one).
+_SHARED_SCALARS = {kind: Value(kind) for kind in ("int", "none", "bool", "float")}
 
 
 @dataclass(frozen=True)
@@ -173,10 +180,22 @@ class _Scan:
         raise PickleRefused("the pickle has no STOP opcode")
 
     def _step(self, name: str, arg: Any) -> bool:  # noqa: C901 - one branch per opcode family
-        if name in _SCALARS:
+        if name in _PUT:  # the most frequent opcodes first
+            if not isinstance(arg, int) or arg < 0:
+                raise PickleRefused(f"a memo index {arg!r}")
+            self.memo[arg] = self._top()
+        elif name in _GET:
+            if arg not in self.memo:
+                raise PickleRefused(f"a memo reference {arg!r} to nothing")
+            self.stack.append(self.memo[arg])
+        elif name in _SCALARS:
             kind = _SCALARS[name]
-            value = Value(kind, weight=_scalar_weight(kind, arg), text=arg if kind == "str" else None)
-            self._charge(value.weight, "a value")
+            if kind in _SHARED_SCALARS and (kind != "int" or -(1 << 63) <= arg < (1 << 63)):
+                value = _SHARED_SCALARS[kind]
+                self.spent += 1
+            else:
+                value = Value(kind, weight=_scalar_weight(kind, arg), text=arg if kind == "str" else None)
+                self._charge(value.weight, "a value")
             self.stack.append(value)
         elif name in _EMPTY:
             self.stack.append(self._new(_EMPTY[name], []))
@@ -212,15 +231,8 @@ class _Scan:
             self._pop_mark()
         elif name == "DUP":
             self.stack.append(self._top())
-        elif name in _PUT or name == "MEMOIZE":
-            index = len(self.memo) if name == "MEMOIZE" else arg
-            if not isinstance(index, int) or index < 0:
-                raise PickleRefused(f"a memo index {index!r}")
-            self.memo[index] = self._top()
-        elif name in _GET:
-            if arg not in self.memo:
-                raise PickleRefused(f"a memo reference {arg!r} to nothing")
-            self.stack.append(self.memo[arg])
+        elif name == "MEMOIZE":
+            self.memo[len(self.memo)] = self._top()
         elif name in ("GLOBAL", "STACK_GLOBAL"):
             self.stack.append(Value("global", name=self._global_name(name, arg)))
         elif name == "REDUCE":
