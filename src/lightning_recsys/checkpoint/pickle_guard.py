@@ -83,7 +83,7 @@ class Policy:
     check_build: Callable[[tuple[str, str], Value], str | None] | None = None
     build_on_calls: bool = False
     persistent_ids: bool = False
-    mutable_calls: bool = False  # APPENDS/SETITEMS on a call's result (an OrderedDict of torch.save)
+    mutable_calls: bool = False  # APPENDS/SETITEMS on a call's or NEWOBJ's result (an OrderedDict of torch.save)
 
 
 def _scalar_weight(kind: str, arg: Any) -> int:
@@ -151,7 +151,8 @@ class _Scan:
         return value
 
     def _grow(self, target: Value, items: list[Value], kind: str) -> None:
-        allowed = target.kind == kind or (self.policy.mutable_calls and target.kind == "called")
+        # An OrderedDict (or a dict subclass an allow-list admits) is a call's or NEWOBJ's result filled by SETITEMS.
+        allowed = target.kind == kind or (self.policy.mutable_calls and target.kind in ("called", "instance"))
         if not allowed:
             raise PickleRefused(f"items are added to a {target.kind}, not a {kind}")
         if target.placed or any(i is target for i in items):
