@@ -268,8 +268,10 @@ def prepare(config: PrepareConfig, report: Callable[[str], None] | None = None) 
         )
         return metadata
     finally:
+        closing = time.perf_counter()
         con.close()
         database.unlink(missing_ok=True)
         database.with_name(database.name + ".wal").unlink(missing_ok=True)
         if own_temp:
             shutil.rmtree(temp, ignore_errors=True)
+        log.debug("prepare: closed DuckDB and removed %s in %.1f s", temp, time.perf_counter() - closing)
