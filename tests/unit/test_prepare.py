@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("duckdb")
 
 from lightning_recsys.cli.prepare import prepare_main  # noqa: E402
-from lightning_recsys.data.parquet.contract import PreparedDataError, read_metadata  # noqa: E402
+from lightning_recsys.data.parquet.contract import PreparedDataError, read_metadata, row_group_bounds  # noqa: E402
 from lightning_recsys.data.parquet.prepare import PrepareConfig, prepare  # noqa: E402
 from lightning_recsys.data.parquet.prepare_sql import PrepareError, translate_error  # noqa: E402
 from lightning_recsys.data.parquet.synthetic_events import SyntheticEventsConfig, generate_events  # noqa: E402
@@ -85,7 +85,9 @@ def test_parquet_events_group_by_user_in_time_order_with_input_order_ties(tmp_pa
     for info in metadata.files:  # the metadata agrees with the parquet footers
         footer = pq.ParquetFile(out / info.path).metadata
         assert [footer.row_group(i).num_rows for i in range(footer.num_row_groups)] == [g.num_rows for g in info.row_groups]
-        assert all(g.num_events < 150 + 2_000 for g in info.row_groups)
+    # Row groups close at the first user that brings them to 150 events (the contract's rule).
+    lengths = [len(u["item_rows"]) for u in users]
+    assert [g.num_rows for f in metadata.files for g in f.row_groups] == list(np.diff(row_group_bounds(lengths, 150)))
     assert not (out / ".prepare-tmp").exists()
 
 
