@@ -329,6 +329,21 @@ def _point_at_byte_item(metadata: Any) -> None:
     mine.offset, mine.length = item.offset, item.length
 
 
+def _rename_nested_item(consistently: bool) -> Callable[[Any], None]:
+    """Rename the extra state's nested item in the index: everywhere (a consistent index the model disagrees with), or
+    only its entry (what a fuzzer's bit flip did: the planner data's path no longer names the entry)."""
+    def edit(metadata: Any) -> None:
+        old = next(k for k in metadata.state_dict_metadata if "_extra_state" in k)
+        new = old.replace("vocab_version", "vocab_versioo")
+        metadata.state_dict_metadata[new] = metadata.state_dict_metadata.pop(old)
+        path = metadata.planner_data.pop(old)
+        metadata.planner_data[new] = (path[0], "vocab_versioo") if consistently else path
+        if consistently:
+            index = next(i for i in metadata.storage_data if i.fqn == old)
+            metadata.storage_data[type(index)(new)] = metadata.storage_data.pop(index)
+    return edit
+
+
 def _meta_json(data: Path, text: str) -> None:
     (data / "meta.json").write_text(text)
 
@@ -373,6 +388,9 @@ HOSTILE: tuple[Hostile, ...] = (
     Hostile("index declares a huge tensor", lambda d: edit_index(d, _huge_tensor), _INDEX + "cover 44 of its"),
     Hostile("index points at a record of another shape", lambda d: edit_index(d, _other_records_range), _SHARD + r"holds a tensor of shape \[7, 4\].*\[11, 4\]"),
     Hostile("index points a tensor at a byte item", lambda d: edit_index(d, _point_at_byte_item), _SHARD + "(not a tensor|not a plain tensor record|holds a)"),
+    Hostile("index planner path not its entry's", lambda d: edit_index(d, _rename_nested_item(False)), _INDEX + "planner_data.*not that entry's"),
+    Hostile("index renames a nested item", lambda d: edit_index(d, _rename_nested_item(True)), _INDEX + r"lacks \['model\._extra_state\.vocab_version'\]",
+            paths=("load_unsharded",)),
     # files that are not what they seem
     Hostile("index a symlink", lambda d: _swap_for(d, ".metadata", "symlink"), _INDEX + "symbolic link"),
     Hostile("index a FIFO", lambda d: _swap_for(d, ".metadata", "fifo"), _INDEX + "FIFO"),

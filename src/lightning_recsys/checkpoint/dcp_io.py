@@ -40,6 +40,7 @@ from lightning_recsys.checkpoint.safe_reading import (
     UnsafeCheckpointError,
     SafeFileSystemReader,
     SafeLoadPlanner,
+    check_flattened_keys,
     check_storage,
     preload_byte_items,
     read_host_state,
@@ -323,6 +324,7 @@ def load_checkpoint(
             saved = {k: v for k, v in saved_tensors(metadata).items() if k in loadable}  # strict=False may skip some
             reads = optimizer_state.plan_reads(saved, default_step=float(meta.step or 0))
             targets.update(reads.targets)
+        check_flattened_keys(targets, metadata, directory)  # on every rank before any read, as DCP's planner will ask
     except Exception as e:  # noqa: BLE001
         error = e
     _all_ranks_ok(error, action=f"validating checkpoint {str(directory)!r}")
@@ -344,6 +346,8 @@ def _read_shards(
     ``check_storage`` has held every record against the index already, so this fails only if a file
     changes in between or cannot be read. ``metadata``: the checked index, handed to DCP as it is.
     """
+    if metadata is not None:
+        check_flattened_keys(targets, metadata, directory)
     reader = SafeFileSystemReader(directory, trusted=trusted, metadata=metadata)
     try:
         dcp.load(targets, storage_reader=reader, planner=SafeLoadPlanner(trusted=trusted), **kwargs)

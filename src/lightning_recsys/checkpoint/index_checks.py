@@ -73,7 +73,7 @@ def check_index(metadata: Any, where: Path, *, trusted: bool = False) -> None:
         if type(index) is not MetadataIndex or type(info) is not _StorageInfo:
             raise corrupt(where, f"the index's storage entry {str(index)[:80]!r} is not DCP's file storage info")
         _check_storage_entry(index, info, where)
-    _check_planner_data(_field(metadata, "planner_data", where, "Metadata"), where)
+    _check_planner_data(_field(metadata, "planner_data", where, "Metadata"), entries, where)
     version = _field(metadata, "version", where, "Metadata")
     if version is not None and type(version) is not str:
         raise corrupt(where, f"the index field Metadata.version is a {type(version).__name__}, not a string")
@@ -122,7 +122,8 @@ def _check_storage_entry(index: MetadataIndex, info: _StorageInfo, where: Path) 
         raise corrupt(where, f"the index field {label}.transform_descriptors is {str(descriptors)[:80]!r}; this reader reads untransformed records only")
 
 
-def _check_planner_data(planner_data: Any, where: Path) -> None:
+def _check_planner_data(planner_data: Any, entries: dict[str, Any], where: Path) -> None:
+    """DCP's flattening: each entry's key is its path joined with dots (``_nested_dict.flatten_state_dict``)."""
     if planner_data is None:
         return
     if type(planner_data) is not dict:
@@ -131,6 +132,8 @@ def _check_planner_data(planner_data: Any, where: Path) -> None:
         ok = type(key) is str and type(path) in (tuple, list) and 0 < len(path) <= 64
         if not ok or not all(type(p) in (str, int) for p in path):
             raise corrupt(where, f"the index field Metadata.planner_data[{str(key)[:80]!r}] is not a path of names")
+        if key not in entries or key != ".".join(map(str, path)):
+            raise corrupt(where, f"the index field Metadata.planner_data[{key[:80]!r}] gives the path {list(path)[:8]}, which is not that entry's")
 
 
 def _check_storage_meta(meta: Any, where: Path, *, trusted: bool) -> None:

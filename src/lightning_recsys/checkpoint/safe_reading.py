@@ -57,7 +57,7 @@ from lightning_recsys.checkpoint.safe_files import (
     read_at,
     read_whole,
 )
-from lightning_recsys.checkpoint.storage_checks import check_storage
+from lightning_recsys.checkpoint.storage_checks import check_flattened_keys, check_storage
 
 MAX_HOST_STATE_BYTES = 1 << 36
 
@@ -242,6 +242,7 @@ __all__ = [
     "SafeFileSystemReader",
     "SafeLoadPlanner",
     "UnsafeCheckpointError",
+    "check_flattened_keys",
     "check_storage",
     "corrupt",
     "load_byte_item",

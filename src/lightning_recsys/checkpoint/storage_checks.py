@@ -21,6 +21,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, MetadataIndex, TensorStorageMetadata
 
@@ -150,3 +151,15 @@ def check_storage(metadata: Metadata, directory: Path) -> None:
                 )
     finally:
         shards.close()
+
+
+def check_flattened_keys(targets: dict[str, Any], metadata: Metadata, directory: Path) -> None:
+    """Every key DCP will look up for ``targets`` (a nested value's items flattened, as its planner does) is in the index.
+
+    Otherwise DCP's planner stops with a bare ``RuntimeError`` (a nested item renamed in the index); the
+    model is not touched either way, but this names the item.
+    """
+    flat, _ = flatten_state_dict(targets)
+    missing = sorted(k for k in flat if k not in metadata.state_dict_metadata)
+    if missing:
+        raise corrupt(data_root(directory) / INDEX_FILE, f"the index lacks {missing[:5]}, which the state to load holds (renamed or dropped entries)")
