@@ -121,3 +121,10 @@ def test_lightning_cli_instantiates_an_encoder_named_by_class_path():
     assert isinstance(cli.model.encoder, SASRecEncoder) and len(cli.model.encoder.blocks) == 1
     assert cli.model.encoder.embedding_dropout.p == 0.2
     assert cli.model.hparams["encoder"]["class_path"] == "lightning_recsys.models.encoders.SASRecEncoder"
+
+
+def test_the_strategy_hands_models_its_ranking_through_the_contract():
+    from lightning_recsys.contracts.ranking import ItemRankingProvider
+    from lightning_recsys.strategies import TwoDRecStrategy
+
+    assert issubclass(TwoDRecStrategy, ItemRankingProvider)

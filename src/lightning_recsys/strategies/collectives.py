@@ -36,7 +36,8 @@ class ProcessGroupCollectives:
         chunk_rows: int = DEFAULT_CHUNK_ROWS,
         block_bytes: int = DEFAULT_BLOCK_BYTES,
     ) -> ItemRanking:
-        """The exact full ranking of ``table_name`` in ``module`` (``lightning_recsys.parallel.ranking``).
+        """The exact full ranking of ``table_name`` in ``module`` (``lightning_recsys.parallel.ranking``): the strategy is an
+        ``ItemRankingProvider`` (``lightning_recsys.contracts.ranking``), which is how a model's evaluation reaches it.
 
         ``module``: the model's ``EmbeddingCollection`` attribute; once sharded, the ``ShardedEmbeddingCollection``
         in its place, ranked inside this rank's sharding group, where every rank calls it with its own users.
