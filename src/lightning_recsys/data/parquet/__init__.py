@@ -67,6 +67,7 @@ __all__ = [
 # ---- DataModule / reader exports (owned by the reader's author; append below this line) ----
 from lightning_recsys.data.parquet.embedding_writer import UserEmbeddingWriter  # noqa: E402
 from lightning_recsys.data.parquet.module import SequenceParquetDataModule  # noqa: E402
+from lightning_recsys.data.parquet.ranking import SequenceParquetRankingDataModule  # noqa: E402
 from lightning_recsys.data.parquet.reader import PreparedReader, open_prepared, plan_rank  # noqa: E402
 from lightning_recsys.data.parquet.streams import UserSequenceBatch  # noqa: E402
 from lightning_recsys.data.parquet.writing import PreparedWriter  # noqa: E402
@@ -75,6 +76,7 @@ __all__ += [
     "PreparedReader",
     "PreparedWriter",
     "SequenceParquetDataModule",
+    "SequenceParquetRankingDataModule",
     "UserEmbeddingWriter",
     "UserSequenceBatch",
     "open_prepared",

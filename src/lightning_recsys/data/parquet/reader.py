@@ -157,6 +157,7 @@ class PreparedReader:
         self.directory, self.metadata, self.with_user_ids = Path(directory), metadata, with_user_ids
         self.counter = counter if counter is not None else ByteCounter()
         self._files: dict[str, tuple[pq.ParquetFile, _CountingFile]] = {}
+        self._footers: dict[str, pq.FileMetaData] = {}  # a few KiB per file of this rank
         self._columns = [USER_ID_COLUMN, ITEM_ROWS_COLUMN] + ([ACTIONS_COLUMN] if metadata.has_actions else [])
 
     @property
@@ -170,7 +171,7 @@ class PreparedReader:
 
     def __getstate__(self) -> dict:  # open files stay behind when a worker process gets a copy
         state = dict(self.__dict__)
-        state["_files"] = {}
+        state["_files"], state["_footers"] = {}, {}
         return state
 
     def _open(self, segment: Segment) -> pq.ParquetFile:
@@ -183,16 +184,20 @@ class PreparedReader:
         if not full.is_file():
             raise PreparedDataError(f"{full}: listed in {METADATA_FILE} (files[{segment.file_index}]) but missing.")
         handle = _CountingFile(str(full), self.counter)
+        footer = self._footers.get(segment.path)
         try:
-            parquet = pq.ParquetFile(handle)
+            # A file opened again (the shuffled order revisits files) reuses its parsed footer instead of reading it.
+            parquet = pq.ParquetFile(handle, metadata=footer)
         except (pa.ArrowException, OSError) as error:
             handle.close()
             raise PreparedDataError(f"{full}: not a readable parquet file (not parquet, or truncated): {error}") from None
-        try:
-            self._check_file(parquet, segment, str(full))
-        except PreparedDataError:
-            handle.close()
-            raise
+        if footer is None:
+            try:
+                self._check_file(parquet, segment, str(full))
+            except PreparedDataError:
+                handle.close()
+                raise
+            self._footers[segment.path] = parquet.metadata
         self._files[segment.path] = (parquet, handle)
         return parquet
 
