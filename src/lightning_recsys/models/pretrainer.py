@@ -1,4 +1,4 @@
-"""SequencePretrainer: a SASRec causal transformer over a user's items, trained by next-item prediction with sampled negatives."""
+"""SequencePretrainer: a causal sequence encoder (SASRec by default) over a user's items, trained by next-item prediction with sampled negatives."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def default_encoder_options(owner: str, encoder: object, **shorthand: Any) -> di
 
 
 class SequencePretrainer(RecsysModule):
-    """Next-item pretraining of a SASRec transformer with a tied, sharded item table; evaluated by exact full ranking.
+    """Next-item pretraining of a sequence encoder (SASRec by default) with a tied, sharded item table; evaluated by exact full ranking.
 
     Batches are ``SequenceBatch`` (``lightning_recsys.data.batch``). Its KeyedJaggedTensor holds
     ``item_id`` (each user's input items, oldest first), ``next_item_id`` (the item after each input,
