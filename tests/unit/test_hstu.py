@@ -185,8 +185,10 @@ def test_the_pretrainer_trains_with_it():
 
 def test_a_pretraining_checkpoint_warm_starts_an_hstu_ranker_by_role(tmp_path: Path):
     source = pretrainer()
-    record = {WARM_START_PARTS_KEY: parts_record(source.warm_start_parts())}
-    checkpoint = write_checkpoint(source, tmp_path / "pretrain.ckpt", host_state=record)  # type: ignore[arg-type]
+    host_state: dict = {}
+    source.on_save_checkpoint(host_state)  # what a Trainer's checkpoint of it holds beside the weights
+    assert host_state[WARM_START_PARTS_KEY]["encoder"]["kind"] == "lightning_recsys.models.encoders.HSTUEncoder"
+    checkpoint = write_checkpoint(source, tmp_path / "pretrain.ckpt", host_state=host_state)  # type: ignore[arg-type]
     torch.manual_seed(3)
     ranker = SequenceRanker(item_table_size=ITEMS, num_action_types=0, embedding_dim=DIM, max_history=6, encoder=HSTU,
                             over_arch_layer_sizes=[8, 1])  # fmt: skip
