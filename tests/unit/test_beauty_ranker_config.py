@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from lightning_recsys.checkpoint.warm_start import select_weights
+from lightning_recsys.checkpoint.warm_start import parts_selection, select_weights
 from lightning_recsys.cli import build_cli
 from lightning_recsys.data import SequenceFileRankingDataModule
 from lightning_recsys.models import SequencePretrainer, SequenceRanker
@@ -42,3 +42,6 @@ def test_the_beauty_pretrainer_warm_starts_the_beauty_ranker_without_include():
     mapping = select_weights(list(source), set(target))  # every pretrainer tensor has a place in the ranker
     assert len(mapping) == len(source)
     assert all(target[t].shape == source[s].shape for t, s in mapping.items())
+    # By role too (the config's command uses --trainer.callbacks.parts '[encoder, item_table]'): same kinds, same tensors.
+    include, rename, _ = parts_selection("beauty_pretrain", ranker.warm_start_parts(), pretrain.warm_start_parts(), list(source), set(target))
+    assert len(select_weights(list(source), set(target), include=include, rename=rename)) == len(source)
