@@ -328,3 +328,14 @@ def test_glob_input_and_timestamp_column_stored_as_unix_seconds(tmp_path: Path) 
     epoch = int(base.replace(tzinfo=datetime.timezone.utc).timestamp())
     assert {u["user_id"]: u["timestamps"] for u in _users(tmp_path / "out")} == {1: [epoch + 10, epoch + 30], 2: [epoch + 20]}
     assert _raw_sequences(tmp_path / "out") == {1: ["b", "a"], 2: ["a"]}
+
+
+def test_compressed_csv_and_tsv(tmp_path: Path) -> None:
+    import gzip
+
+    with gzip.open(tmp_path / "e.csv.gz", "wt") as handle:
+        handle.write("user_id,item_id,ts\n1,a,2\n1,b,1\n2,a,1\n")
+    (tmp_path / "e.tsv").write_text("user_id\titem_id\tts\n1\ta\t2\n1\tb\t1\n2\ta\t1\n")
+    for name in ("e.csv.gz", "e.tsv"):
+        prepare(PrepareConfig(inputs=(str(tmp_path / name),), output=str(tmp_path / name.replace(".", "_")), time_column="ts"))
+        assert _raw_sequences(tmp_path / name.replace(".", "_")) == {1: ["b", "a"], 2: ["a"]}

@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--row-group-events", type=int, default=1_000_000, help="events per row group of the user files (default 1e6)")
     prep.add_argument("--file-events", type=int, default=50_000_000, help="events per user file (default 5e7)")
     prep.add_argument("--on-bad-line", default="error", choices=("error", "skip"), help="malformed CSV/text lines: fail (default) or skip and count")
-    prep.add_argument("--csv-delimiter", default=",")
+    prep.add_argument("--csv-delimiter", default=",", help="default ',' (a tab for .tsv files); '\\t' is a tab")
     prep.add_argument("--no-csv-header", dest="csv_header", action="store_false", help="CSV files have no header line")
     prep.add_argument("--overwrite", action="store_true", help="replace a prepared directory at --output")
 
@@ -99,7 +99,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         item_column=args.item_column, time_column=args.time_column, action_column=args.action_column, id_type=args.id_type,
         min_item_count=args.min_item_count, memory_limit=args.memory_limit, temp_directory=args.temp_directory,
         threads=args.threads, max_temp_size=args.max_temp_size, row_group_events=args.row_group_events,
-        file_events=args.file_events, on_bad_line=args.on_bad_line, csv_delimiter=args.csv_delimiter,
+        file_events=args.file_events, on_bad_line=args.on_bad_line, csv_delimiter="\t" if args.csv_delimiter == "\\t" else args.csv_delimiter,
         csv_header=args.csv_header, overwrite=args.overwrite,
     )
     prepare(config, report=lambda line: print(line, flush=True))

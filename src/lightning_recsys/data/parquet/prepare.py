@@ -137,6 +137,13 @@ class PrepareConfig:
             raise fail("csv_delimiter", "must be one character")
 
 
+def _delimiter(config: PrepareConfig, files: list[str]) -> str:
+    """The CSV delimiter: ``.tsv`` files are tab-separated unless ``csv_delimiter`` says otherwise."""
+    if config.csv_delimiter == "," and all(re.sub(r"\.(gz|zst|zstd)$", "", f.lower()).endswith(".tsv") for f in files):
+        return "\t"
+    return config.csv_delimiter
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
@@ -201,7 +208,7 @@ def prepare(config: PrepareConfig, report: Callable[[str], None] | None = None) 
             else:
                 columns = Columns(config.user_column, config.item_column, config.time_column, config.action_column)
                 source = stage_table_source(
-                    con, files, input_format, columns, config.id_type, config.on_bad_line, config.csv_delimiter, config.csv_header
+                    con, files, input_format, columns, config.id_type, config.on_bad_line, _delimiter(config, files), config.csv_header
                 )
             if source.skipped_lines:
                 say(f"prepare: skipped {source.skipped_lines} malformed line(s) (--on-bad-line skip)")
