@@ -274,3 +274,15 @@ def test_init_from_checkpoint_parts_are_checked_against_the_model():
     warm = InitFromCheckpoint("ckpt", parts=["encoder", "user_tower"])
     with pytest.raises(ValueError, match=r"SequenceRanker has no \['user_tower'\] part; it has \['encoder', 'item_table'\]"):
         warm._model_parts(ranker())
+
+
+def test_a_safetensors_export_records_no_parts_so_each_is_looked_for_where_the_model_holds_it(tmp_path):
+    source = pretrainer()
+    exported = export_safetensors(_with_parts(source, tmp_path), tmp_path / "pretrain.safetensors")
+    warm = ranker(seed=5)
+    loaded = load_weights_unsharded(exported, warm, parts=dict(warm.warm_start_parts())).loaded
+    assert set(loaded) == {k for k in source.state_dict() if k.startswith(("encoder.", "item_embeddings.embeddings.item."))}
+    transact = ranker(encoder=TransActEncoder, newest_tokens=2)
+    with pytest.raises(ValueError, match=r"no tensor of the 'item_table' part under 'sequence_embeddings\.embeddings\.item\.' "
+                       r"\(the checkpoint records no parts: looked where the model holds it\)"):  # fmt: skip
+        load_weights_unsharded(exported, transact, parts={"item_table": transact.warm_start_parts()["item_table"]})
