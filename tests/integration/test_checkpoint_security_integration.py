@@ -47,7 +47,7 @@ ENTRY_POINTS = ("fit", "validate", "test", "predict")
 def _trainer(world_size: int, *, trusted: bool = False) -> Trainer:
     return Trainer(
         accelerator="cpu", devices=world_size,
-        strategy=TwoDRecStrategy(process_group_timeout=60, checkpoint_io=DCPCheckpointIO(trusted=trusted)),
+        strategy=TwoDRecStrategy(process_group_timeout=300, checkpoint_io=DCPCheckpointIO(trusted=trusted)),
         logger=False, enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
         max_epochs=1, limit_train_batches=1, limit_val_batches=1, limit_test_batches=1, limit_predict_batches=1,
     )
@@ -207,7 +207,7 @@ def _resume_with_a_foreign_best(rank: int, world_size: int, root: Path) -> dict[
 
     def trainer(max_epochs: int) -> Trainer:
         return Trainer(
-            accelerator="cpu", devices=world_size, strategy=TwoDRecStrategy(process_group_timeout=60),
+            accelerator="cpu", devices=world_size, strategy=TwoDRecStrategy(process_group_timeout=300),
             logger=False, enable_progress_bar=False, enable_model_summary=False, max_epochs=max_epochs,
             limit_train_batches=1, limit_val_batches=1, num_sanity_val_steps=0,
             callbacks=[ModelCheckpoint(dirpath=folder, save_top_k=1, filename="{epoch}")],
