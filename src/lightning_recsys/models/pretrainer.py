@@ -29,7 +29,7 @@ from lightning_recsys.data.batch import SequenceBatch
 from lightning_recsys.models import pretrainer_ops as ops
 from lightning_recsys.models import sequence_ops
 from lightning_recsys.models.base import DenseOptimizerName, RecsysModule
-from lightning_recsys.models.encoders import SASRecBlock, SASRecEncoder, encoder_kind, resolve_encoder
+from lightning_recsys.models.encoders import SASRecBlock, SASRecEncoder, default_encoder_options, encoder_kind, resolve_encoder
 from lightning_recsys.models.item_table import ITEM_INIT_STD, item_table_part, sequence_tables
 from lightning_recsys.models.ranking_metrics import RankingMetrics
 from lightning_recsys.ranking import UnshardedItemRanking
@@ -62,17 +62,6 @@ def _flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} must be True or False.")
     return value
-
-
-def default_encoder_options(owner: str, encoder: object, **shorthand: Any) -> dict[str, Any]:
-    """The default encoder's options given as the model's own arguments (``num_layers=...``); refused beside ``encoder``."""
-    given = {name: value for name, value in shorthand.items() if value is not None}
-    if given and encoder is not None:
-        raise ValueError(
-            f"{owner}: {', '.join(f'{k}={v!r}' for k, v in given.items())} set the default encoder's options, but encoder= "
-            f"names the encoder: give them as its own options instead (encoder: {{class_path: ..., init_args: {given}}})."
-        )
-    return given
 
 
 class SequencePretrainer(RecsysModule):

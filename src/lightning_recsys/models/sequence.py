@@ -17,9 +17,8 @@ from lightning_recsys.contracts.warm_start import ENCODER_ROLE, ITEM_TABLE_ROLE,
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.models import sequence_ops as ops
 from lightning_recsys.models.base import DenseOptimizerName, RankerModule
-from lightning_recsys.models.encoders import TransActEncoder, declared_causal, encoder_kind, resolve_encoder
+from lightning_recsys.models.encoders import TransActEncoder, declared_causal, default_encoder_options, encoder_kind, resolve_encoder
 from lightning_recsys.models.item_table import ITEM_INIT_STD, item_table_part, sequence_tables
-from lightning_recsys.models.pretrainer import default_encoder_options
 from lightning_recsys.models.sequence_ops import newest_padded
 
 __all__ = ["ACTION_TABLE", "ITEM_TABLE", "SequenceEncoderName", "SequenceRanker", "context_table_name", "newest_padded"]

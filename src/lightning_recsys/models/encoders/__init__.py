@@ -23,7 +23,7 @@ from lightning_recsys.models.encoders.hstu import HSTUEncoder
 from lightning_recsys.models.encoders.sasrec import SASRecBlock, SASRecEncoder
 from lightning_recsys.models.encoders.transact import TransActEncoder
 
-__all__ = ["ENCODERS", "HSTUEncoder", "SASRecBlock", "SASRecEncoder", "TransActEncoder", "declared_causal", "encoder_kind", "resolve_encoder"]
+__all__ = ["ENCODERS", "HSTUEncoder", "SASRecBlock", "SASRecEncoder", "TransActEncoder", "declared_causal", "default_encoder_options", "encoder_kind", "resolve_encoder"]
 
 # The encoders this package ships, by the short name the docs use.
 ENCODERS: dict[str, type[nn.Module]] = {"hstu": HSTUEncoder, "sasrec": SASRecEncoder, "transact": TransActEncoder}
@@ -105,3 +105,14 @@ def resolve_encoder(encoder: Any, default: EncoderFactory, owner: str) -> tuple[
     found = _class_and_options(encoder)
     record = encoder if found is None else {"class_path": _class_path(found[0]), "init_args": found[1]}
     return encoder, record
+
+
+def default_encoder_options(owner: str, encoder: object, **shorthand: Any) -> dict[str, Any]:
+    """The default encoder's options given as the model's own arguments (``num_layers=...``); refused beside ``encoder``."""
+    given = {name: value for name, value in shorthand.items() if value is not None}
+    if given and encoder is not None:
+        raise ValueError(
+            f"{owner}: {', '.join(f'{k}={v!r}' for k, v in given.items())} set the default encoder's options, but encoder= "
+            f"names the encoder: give them as its own options instead (encoder: {{class_path: ..., init_args: {given}}})."
+        )
+    return given
