@@ -68,6 +68,17 @@ def _help(args: tuple[str, ...]) -> tuple[int, str]:
     return result.returncode, result.stderr
 
 
+def _tiny_prepared(tmp_path: Path) -> Path:
+    from lightning_recsys.cli import main
+
+    text = tmp_path / "events.txt"
+    text.write_text("".join(f"{user} {item}\n" for user in range(1, 9) for item in range(1, 13)))
+    with pytest.raises(SystemExit) as exited:
+        main(["prepare", "--input", str(text), "--input-format", "user-item-lines", "--output", str(tmp_path / "prepared")])
+    assert exited.value.code in (0, None)
+    return tmp_path / "prepared"
+
+
 def check(command: str, tmp_path: Path) -> None:
     words = shlex.split(command)
     if words[0] in ("torchrun", "srun"):
@@ -90,6 +101,9 @@ def check(command: str, tmp_path: Path) -> None:
         return
     if words[0] == "lightning-recsys":
         args = [str(ROOT / w) if w.startswith("examples/") else w for w in words[1:]]
+        if any(a.endswith("parquet_pretrain.yaml") for a in args) and "--data.path" in args:
+            # The model's sizes are linked from the prepared directory's metadata: give it a real one.
+            args[args.index("--data.path") + 1] = str(_tiny_prepared(tmp_path))
         if "--summary-json" in args:
             args[args.index("--summary-json") + 1] = str(tmp_path / "run.json")
         _cli_builds(args)
