@@ -80,9 +80,19 @@ def load_config(path: Path, overrides: list[str]) -> dict[str, Any]:
     return OmegaConf.to_container(config, resolve=True)  # type: ignore[return-value]
 
 
-def instantiate(section: dict[str, Any]) -> Any:
+def instantiate(section: dict[str, Any], **linked: Any) -> Any:
     module, _, name = section["class_path"].rpartition(".")
-    return getattr(importlib.import_module(module), name)(**section.get("init_args", {}))
+    return getattr(importlib.import_module(module), name)(**{**section.get("init_args", {}), **linked})
+
+
+def instantiate_linked(config: dict[str, Any]) -> tuple[Any, Any]:
+    """The config's DataModule and model, the model given what the CLI links from the data (num_items, max_length)."""
+    from lightning_recsys.cli.links import linked_model_arguments
+
+    data = instantiate(config["data"])
+    module, _, name = config["model"]["class_path"].rpartition(".")
+    model_class = getattr(importlib.import_module(module), name)
+    return data, model_class(**linked_model_arguments(data, model_class, dict(config["model"].get("init_args", {}))))
 
 
 class QualityClock(pl.Callback):
@@ -129,7 +139,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     config = load_config(args.config, args.set)
     replica_sync = replica_sync_config(args)
     pl.seed_everything(int(config.get("seed_everything", 0)), verbose=False)
-    data, model = instantiate(config["data"]), instantiate(config["model"])
+    data, model = instantiate_linked(config)
     optimizer = config["trainer"]["strategy"]["init_args"]["embedding_optimizer"]
     strategy = TwoDRecStrategy(
         embedding_optimizer=EmbeddingOptimizerConfig(**optimizer),

@@ -88,15 +88,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def workload_shape(args: argparse.Namespace) -> Any:
     """The cost model's ``ModelShape`` of this config, learned from every rank's first 4 training batches."""
-    from _quality_job import instantiate
+    from _quality_job import instantiate_linked
 
     from lightning_recsys.planner.cost import PretrainWorkload
 
-    data, model = instantiate(args.config["data"]), instantiate(args.config["model"])
+    data, model = instantiate_linked(args.config)
     per_rank = training_batches(args, NODES * RANKS_PER_NODE, 4, data)  # the emulated pretrain workload's sampler, on this data
     batches = [b for rank_batches in per_rank.values() for b in rank_batches]
     init = args.config["model"]["init_args"]
-    workload = PretrainWorkload.from_batches(batches, items=init["num_items"], dim=init["embedding_dim"])
+    workload = PretrainWorkload.from_batches(batches, items=data.num_items, dim=init["embedding_dim"])
     dense = float(sum(4 * p.numel() for n, p in model.named_parameters() if "_embeddings." not in n))
     return workload.model_shape(dense_param_bytes=dense, name="synthetic pretraining")
 

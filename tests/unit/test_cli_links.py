@@ -53,3 +53,14 @@ def test_no_shipped_config_writes_a_linked_model_argument(config):
     model_section = text.split("\nmodel:", 1)[-1].split("\ndata:", 1)[0]
     for _, argument in DATA_TO_MODEL_LINKS:
         assert f"\n    {argument}:" not in model_section, f"{config} writes model {argument}, which the CLI links from the data"
+
+
+def test_code_outside_the_cli_gets_the_same_links_and_the_same_check():
+    from lightning_recsys.cli.links import linked_model_arguments
+    from lightning_recsys.data import SyntheticPretrainDataModule
+    from lightning_recsys.models import SequencePretrainer
+
+    data = SyntheticPretrainDataModule(num_items=96, max_length=12)
+    assert linked_model_arguments(data, SequencePretrainer, {"embedding_dim": 16}) == {"embedding_dim": 16, "num_items": 96, "max_length": 12}
+    with pytest.raises(ValueError, match="model.init_args.max_length=20 disagrees with the data's max_length=12"):
+        linked_model_arguments(data, SequencePretrainer, {"max_length": 20})

@@ -24,7 +24,9 @@ def test_overrides_reach_the_model_through_the_configs_interpolations(bench):
         CONFIG, ["data.num_items=4096", "model.embedding_dim=64", "data.num_negatives=all", "trainer.strategy.init_args.embedding_optimizer.lr=0.1"]
     )
     assert config["trainer"]["strategy"]["init_args"]["embedding_optimizer"]["lr"] == 0.1
-    assert config["data"]["init_args"]["num_items"] == 4096 and config["model"]["init_args"]["num_items"] == 4096
+    assert config["data"]["init_args"]["num_items"] == 4096
+    data, model = bench["_quality_job"].instantiate_linked(config)
+    assert data.num_items == model.hparams.num_items == 4096  # linked from the data, as the CLI does
     assert config["model"]["init_args"]["embedding_dim"] == 64 and config["data"]["init_args"]["num_negatives"] == "all"
     assert config["trainer"]["strategy"]["init_args"]["embedding_optimizer"]["name"] == "rowwise_adagrad"
 

@@ -27,6 +27,20 @@ def add_data_links(parser: LightningArgumentParser) -> None:
         parser.link_arguments(f"data.{attribute}", f"model.init_args.{argument}", apply_on="instantiate")
 
 
+def linked_model_arguments(datamodule: object, model_class: type, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` plus what the links carry from ``datamodule`` to ``model_class``, for code that builds the two
+    without the CLI (benchmarks, notebooks); a given value that disagrees with the data's is an error."""
+    parameters = inspect.signature(model_class).parameters
+    conflicts = link_conflicts({k: v for k, v in given.items() if v is not None}, datamodule)
+    if conflicts:
+        raise ValueError("\n".join(conflicts))
+    linked = dict(given)
+    for attribute, argument in DATA_TO_MODEL_LINKS:
+        if argument in parameters and getattr(datamodule, attribute, None) is not None:
+            linked[argument] = getattr(datamodule, attribute)
+    return linked
+
+
 def configured_link_targets(config: Namespace) -> dict[str, Any]:
     """The linked model arguments that the config sets to something other than the model's default."""
     model = config.get("model")

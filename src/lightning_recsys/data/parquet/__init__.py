@@ -25,11 +25,11 @@ from lightning_recsys.data.parquet.contract import (
     PreparedMetadata,
     RowGroupInfo,
     RowGroupRef,
-    describe,
     part_file_name,
     read_metadata,
     write_metadata,
 )
+from lightning_recsys.data.parquet.describe import describe_directory as describe
 from lightning_recsys.data.parquet.prepare import PrepareConfig, prepare  # DuckDB itself is imported on use
 from lightning_recsys.data.parquet.prepare_sql import PrepareError
 from lightning_recsys.data.parquet.synthetic_events import SyntheticEventsConfig, generate_events

@@ -408,16 +408,6 @@ def row_group_bounds(event_counts: Sequence[int], events_per_group: int) -> list
     return bounds
 
 
-def describe(directory: str | os.PathLike[str], **options: Any) -> PreparedMetadata:
-    """Scan user files another engine wrote in ``directory`` and write their metadata.json.
-
-    See ``lightning_recsys.data.parquet.describe.describe_directory`` for the options.
-    """
-    from lightning_recsys.data.parquet.describe import describe_directory  # noqa: PLC0415 (pyarrow scan code, loaded on use)
-
-    return describe_directory(directory, **options)
-
-
 __all__ = [
     "ACTIONS_COLUMN",
     "COUNT_COLUMN",
@@ -443,7 +433,6 @@ __all__ = [
     "PreparedMetadata",
     "RowGroupInfo",
     "RowGroupRef",
-    "describe",
     "part_file_name",
     "read_metadata",
     "row_group_bounds",
