@@ -106,7 +106,7 @@ def test_help_lists_the_trainer_subcommands_and_plan(capsys):
         main(["--help"])
     assert exit_info.value.code == 0
     usage = capsys.readouterr().out
-    assert "{fit,validate,test,predict,plan}" in usage
+    assert "{fit,validate,test,predict,plan,prepare}" in usage
     assert "Print the sharding plan report" in usage
 
 

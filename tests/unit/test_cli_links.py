@@ -61,6 +61,6 @@ def test_code_outside_the_cli_gets_the_same_links_and_the_same_check():
     from lightning_recsys.models import SequencePretrainer
 
     data = SyntheticPretrainDataModule(num_items=96, max_length=12)
-    assert linked_model_arguments(data, SequencePretrainer, {"embedding_dim": 16}) == {"embedding_dim": 16, "num_items": 96, "max_length": 12}
+    assert linked_model_arguments(data, SequencePretrainer, {"embedding_dim": 16}) == {"embedding_dim": 16, "num_items": 96, "max_length": 12, "num_action_types": 0}
     with pytest.raises(ValueError, match="model.init_args.max_length=20 disagrees with the data's max_length=12"):
         linked_model_arguments(data, SequencePretrainer, {"max_length": 20})

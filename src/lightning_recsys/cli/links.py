@@ -17,8 +17,11 @@ from lightning.pytorch.cli import LightningArgumentParser
 
 # (DataModule attribute, model argument)
 DATA_TO_MODEL_LINKS: tuple[tuple[str, str], ...] = (
-    ("num_items", "num_items"),  # rows of the item table
-    ("max_length", "max_length"),  # newest items of a sequence the encoder reads
+    ("num_items", "num_items"),  # rows of the item table (SequencePretrainer)
+    ("max_length", "max_length"),  # newest items of a sequence the encoder reads (SequencePretrainer)
+    ("num_items", "item_table_size"),  # rows of the item table (SequenceRanker, on sequence files or parquet)
+    ("item_table_size", "item_table_size"),  # the same, from the DataModules of clicks with histories
+    ("num_action_types", "num_action_types"),  # rows of the action-type table
 )
 
 
