@@ -94,7 +94,7 @@ def run_rank(directory: str, rank: int, world_size: int, seconds: float, batch: 
         if time.perf_counter() - start > seconds:
             break
     elapsed = time.perf_counter() - start  # from the DataModule's construction: the start is in the rate
-    events = module.readers[-1].counter.events
+    events = module.counter.events
     return {
         "rank": rank, "world_size": world_size, "peak_rss_mib": (_status("VmHWM") - baseline) / 2**20,
         "baseline_rss_mib": baseline / 2**20, "first_batch_s": first_batch, "events_per_s": events / elapsed if elapsed else 0.0,

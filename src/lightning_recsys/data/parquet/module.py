@@ -30,14 +30,13 @@ is cut between ranks and ordered:
 from __future__ import annotations
 
 import logging
-import os
 from typing import Literal
 
 from torch.utils.data import DataLoader
 
 from lightning_recsys.data.module import RankSlicedDataModule, Split
 from lightning_recsys.data.parquet.contract import PreparedMetadata
-from lightning_recsys.data.parquet.reader import PreparedReader, Segment, open_prepared, plan_rank
+from lightning_recsys.data.parquet.reader import ByteCounter, PreparedReader, Segment, open_prepared, plan_rank
 from lightning_recsys.data.parquet.streams import (
     EpochLoader,
     EvaluationStream,
@@ -116,7 +115,7 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         self.predict_view: PredictView = predict_view
         self._metadata: PreparedMetadata | None = None
         self._exact_counts: dict[tuple[int, int, str], list[int]] = {}
-        self.readers: list[PreparedReader] = []  # every reader made in this process, for their byte counts
+        self.counter = ByteCounter()  # bytes and events read by this process's readers (workers count their own)
 
     # --- metadata only --------------------------------------------------------------------------------
     @property
@@ -148,7 +147,7 @@ class SequenceParquetDataModule(RankSlicedDataModule):
     @property
     def bytes_read(self) -> int:
         """Bytes this process read from the user files (workers' reads are counted in the workers)."""
-        return sum(reader.bytes_read for reader in self.readers)
+        return self.counter.value
 
     def setup(self, stage: str | None = None) -> None:
         self.metadata  # noqa: B018 - reads and validates metadata.json only
@@ -162,9 +161,7 @@ class SequenceParquetDataModule(RankSlicedDataModule):
 
     # --- batches --------------------------------------------------------------------------------------
     def _reader(self, *, with_user_ids: bool) -> PreparedReader:
-        reader = PreparedReader(self.path, self.metadata, with_user_ids=with_user_ids)
-        self.readers.append(reader)
-        return reader
+        return PreparedReader(self.path, self.metadata, with_user_ids=with_user_ids, counter=self.counter)
 
     def training_batches(self, world_size: int) -> int:
         """Training batches per epoch on every rank: the fewest any rank is sure to fill (see the module docstring)."""
@@ -238,8 +235,3 @@ class SequenceParquetDataModule(RankSlicedDataModule):
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict")
 
-
-def prepared_directory_size(path: str | os.PathLike[str]) -> int:
-    """Bytes of the user files of a prepared directory (what the ranks share)."""
-    meta = open_prepared(path)
-    return sum(os.path.getsize(os.path.join(path, f.path)) for f in meta.files)

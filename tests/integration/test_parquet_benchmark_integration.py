@@ -1,0 +1,26 @@
+"""benchmarks/data_scale.py runs end to end on a tiny data set and reports every rank's numbers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_data_scale_reports_each_rank_of_each_world(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "data_scale.py"), "--events", "200000", "--worlds", "2", "--lengths", "beauty",
+         "--items", "5000", "--root", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]  # a tiny file: its 64 KiB footer read is most of it
+    assert [(r["world_size"], r["rank"]) for r in rows] == [(2, 0), (2, 1)]
+    for row in rows:
+        assert row["batches"] == row["batches_per_epoch"] > 0
+        assert 0 < row["bytes_read"] < 2 * row["total_bytes"] and row["events"] > 0 and row["first_batch_s"] > 0
+    assert sum(r["events"] for r in rows) >= 200_000  # every user read once (plus the shared row groups' others)
+    assert not list(tmp_path.iterdir())  # the generated directory is removed without --keep
