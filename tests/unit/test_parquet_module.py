@@ -274,3 +274,30 @@ def test_full_view_inputs_are_the_whole_history(written):
 def test_bad_arguments_name_the_argument(argument, value):
     with pytest.raises(ValueError, match=f"{argument}="):
         SequenceParquetDataModule("somewhere", **{argument: value})
+
+
+def test_the_embedding_writer_streams_one_shard_per_rank_and_names_what_it_needs(written, tmp_path):
+    from types import SimpleNamespace
+
+    from lightning_recsys.data.parquet.embedding_writer import UserEmbeddingWriter
+
+    directory, num_users = written
+    module = SequenceParquetDataModule(str(directory), global_batch_size=16)
+    writer = UserEmbeddingWriter(str(tmp_path / "out"), rows_per_group=10)
+    trainer = SimpleNamespace(global_rank=1, world_size=2, datamodule=module)
+    writer.on_predict_epoch_start(trainer, None)
+    users = []
+    for index, batch in enumerate(module.stream("predict", 1, 2)):
+        rows = torch.arange(batch.batch_size * 2).reshape(-1, 2) % NUM_ITEMS
+        prediction = {"user_vectors": torch.ones(batch.batch_size, 4), "top_k_ids": rows, "top_k_scores": rows.float()}
+        writer.write_on_batch_end(trainer, None, prediction, None, batch, index, 0)
+        users.extend(batch.user_ids.tolist())
+    assert not (tmp_path / "out" / "embeddings-00001-of-00002.parquet").exists()  # only the .tmp until the loop ends
+    writer.on_predict_epoch_end(trainer, None)
+    table = pq.read_table(tmp_path / "out" / "embeddings-00001-of-00002.parquet")
+    assert table.column("user_id").to_pylist() == users and writer.rows_written == len(users)
+    assert table.column("top_k_item_ids").to_pylist() == table.column("top_k_rows").to_pylist()
+    with pytest.raises(ValueError, match="names no users"):
+        writer.write_on_batch_end(trainer, None, {"user_vectors": torch.ones(1, 4)}, None, object(), 0, 0)
+    with pytest.raises(ValueError, match="rows_per_group=0 must be an integer >= 1"):
+        UserEmbeddingWriter(str(tmp_path), rows_per_group=0)
