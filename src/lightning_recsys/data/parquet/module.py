@@ -199,6 +199,13 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         check_divisible(self.global_batch_size, world_size)
         segments: list[Segment] = plan_rank(self.metadata, rank, world_size)
         if split == "train":
+            batches, local = self.training_batches(world_size), self.global_batch_size // world_size
+            low, high = (sum(example_bounds(s, "train")[i] for s in segments) for i in (0, 1))
+            log.info(
+                "%s rank %d: %d training batches of %d per epoch, %d examples of its %d-%d (the rest wait for another "
+                "epoch's order: every rank runs the same number of full batches).", self.path, rank, batches, local,
+                batches * local, low, high,
+            )
             return TrainingStream(
                 self._reader(with_user_ids=False), segments, rank=rank, num_batches=self.training_batches(world_size),
                 local_batch_size=self.global_batch_size // world_size, max_length=self.max_length,
