@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.monotonic(), os.getloadavg()
     model, data = args.config["model"]["init_args"], args.config["data"]["init_args"]
     print(f"Emulated cluster: {NODES} nodes x {RANKS_PER_NODE} ranks, {args.bandwidth_mbit:g} Mbit/s and {args.latency_ms:g} ms "
-          f"one-way between nodes. Model: SequencePretrainer, {model['num_layers']} block(s), dim {model['embedding_dim']}, "
+          f"one-way between nodes. Model: SequencePretrainer, {model['encoder']['init_args']['num_layers']} block(s), dim {model['embedding_dim']}, "
           f"{data['num_items']} items in {data['num_clusters']} planted chains, {data['num_users']} users, global batch "
           f"{data['global_batch_size']}, {data['num_negatives']} negatives per rank; validated every {args.eval_every} steps.")  # fmt: skip
     print(_replica_average_line(args, configs))

@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--set=data.num_users=128", "--set=data.num_items=64", "--set=data.global_batch_size=16", "--set=data.num_negatives=16",
-        "--set=model.embedding_dim=8", "--set=model.num_layers=1"]  # fmt: skip
+        "--set=model.embedding_dim=8", "--set=model.init_args.encoder.init_args.num_layers=1"]  # fmt: skip
 
 
 def _job(tmp_path: Path, *args: str) -> dict:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import stat
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +30,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from lightning_recsys.checkpoint.dcp_io import ShardedState, _all_ranks_ok, _read_shards
 from lightning_recsys.checkpoint.directory import read_meta, resolve
-from lightning_recsys.checkpoint.safe_reading import INDEX_FILE, check_storage, read_host_state, read_index
+from lightning_recsys.checkpoint.safe_reading import (
+    INDEX_FILE,
+    CheckpointCorruptError,
+    check_storage,
+    read_host_state,
+    read_index,
+)
 from lightning_recsys.checkpoint.table_state import table_name
 from lightning_recsys.checkpoint.validation import MODEL_NAMESPACE, CheckpointMismatchError, model_key
 from lightning_recsys.contracts.warm_start import WARM_START_PARTS_KEY, WarmStartPart, parts_from_record
@@ -174,6 +181,7 @@ class _Plan:
     is_safetensors: bool
     mapping: dict[str, str]  # target key -> source key
     saved_by: str | None = None
+    metadata: Metadata | None = None  # the DCP index read and checked while planning, handed to DCP as it is
 
 
 def _saved_by(meta: Any) -> str:
@@ -196,11 +204,15 @@ def _plan(
     target_keys = {k for k, v in model_state.items() if isinstance(v, torch.Tensor)}
     if Path(path).suffix == SAFETENSORS_SUFFIX:
         file = Path(path)
-        if not file.is_file():
-            raise FileNotFoundError(f"warm-start file {str(file)!r} does not exist (a safetensors export, export_safetensors()).")
+        try:
+            mode = file.stat().st_mode
+        except FileNotFoundError:
+            raise FileNotFoundError(f"warm-start file {str(file)!r} does not exist (a safetensors export, export_safetensors()).") from None
+        if not stat.S_ISREG(mode):  # a FIFO would block the reader: refused before it is opened
+            raise CheckpointCorruptError(f"warm-start file {str(file)!r} is not a regular file; give a safetensors export (export_safetensors()).")
         with safe_open(str(file), framework="pt") as reader:
             saved = {k: tuple(reader.get_slice(k).get_shape()) for k in reader.keys()}  # noqa: SIM118 - safe_open has no __iter__
-        source, saved_by, source_parts = file, None, None
+        source, saved_by, source_parts, metadata = file, None, None, None
     else:
         source = resolve(path)  # the newest committed copy of this name; refuses uncommitted and foreign directories
         saved_by = _saved_by(read_meta(source))
@@ -218,7 +230,7 @@ def _plan(
         include, rename, roles = parts_selection(str(source), parts, source_parts, list(saved), target_keys)
     mapping = select_weights(list(saved), target_keys, include=include, rename=rename)
     _check_shapes(source, mapping, saved, model_state, tables, roles)
-    return _Plan(path=source, is_safetensors=source.suffix == SAFETENSORS_SUFFIX, mapping=mapping, saved_by=saved_by)
+    return _Plan(path=source, is_safetensors=source.suffix == SAFETENSORS_SUFFIX, mapping=mapping, saved_by=saved_by, metadata=metadata)
 
 
 def _check_shapes(
@@ -251,7 +263,7 @@ def _check_shapes(
 def _read_dcp(plan: _Plan, model_state: Mapping[str, Any], *, trusted: bool, **kwargs: Any) -> None:
     """DCP reads the source keys straight into the target tensors (re-cut for this plan), through the safe reader."""
     targets = {model_key(source): model_state[target] for target, source in plan.mapping.items()}
-    _read_shards(targets, plan.path, trusted=trusted, **kwargs)
+    _read_shards(targets, plan.path, trusted=trusted, metadata=plan.metadata, **kwargs)
 
 
 def _copy_from_safetensors(plan: _Plan, model_state: Mapping[str, Any]) -> None:
