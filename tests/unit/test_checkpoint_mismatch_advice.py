@@ -152,3 +152,21 @@ def test_under_a_trainer_a_resized_table_does_not_suggest_strict_loading(monkeyp
 )
 def test_under_a_trainer_keys_on_one_side_suggest_strict_loading(monkeypatch, saved) -> None:
     assert STRICT_LOADING_ADVICE in _trainer_message(monkeypatch, saved)
+
+
+def test_a_tensor_declared_with_another_dtype_is_refused_before_anything_is_read() -> None:
+    from lightning_recsys.checkpoint.validation import model_entries
+
+    model_state = {"over.weight": torch.zeros(1, 8), "over.bias": torch.zeros(1)}
+    metadata = Metadata(
+        state_dict_metadata={
+            "model.over.weight": TensorStorageMetadata(properties=TensorProperties(dtype=torch.float64), size=torch.Size((1, 8)), chunks=[]),
+            "model.over.bias": TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size((1,)), chunks=[]),
+        }
+    )
+    with pytest.raises(CheckpointMismatchError) as info:
+        check_entries(model_entries(model_state, set()), metadata, path=Path("/ckpt"), strict=True, optimizer_name=None, saved_optimizer=None)
+    message = str(info.value)
+    assert "'over.weight'" in message or "over.weight" in message
+    assert "declares dtype torch.float64, the model holds torch.float32" in message and "over.bias" not in message
+    assert "another dtype" in _fix(message)

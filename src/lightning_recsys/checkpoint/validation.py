@@ -27,7 +27,12 @@ _RESIZED = "resized"
 _MISSING_TABLE = "missing_table"
 _ONE_SIDE = "one_side"
 _OPTIMIZER = "optimizer"
+_RETYPED = "retyped"
 _ADVICE = {
+    _RETYPED: (
+        "a tensor of another dtype: build the model with the dtypes it had when the checkpoint was saved (a load never "
+        "converts, so a crafted index cannot make it allocate or cast tensors of another size)."
+    ),
     _RESIZED_TABLE: (
         "a resized table: build it with the num_embeddings and embedding_dim (EmbeddingBagConfig) it had when the "
         "checkpoint was saved, the checkpoint's shape above; strict=False does not skip a resized table."
@@ -77,12 +82,14 @@ class ExpectedEntry:
         shapes: the accepted global shapes; None for a non-tensor value.
         table: the embedding table's weight key when the entry belongs to a table, for messages.
         optional: absent from the checkpoint is fine (e.g. the ``step`` of a data-parallel table).
+        dtype: the dtype the checkpoint must declare; None: any (the optimizer states, checked by shape).
     """
 
     key: str
     shapes: tuple[tuple[int, ...], ...] | None
     table: str | None = None
     optional: bool = False
+    dtype: torch.dtype | None = None
 
 
 def model_key(key: str) -> str:
@@ -169,6 +176,10 @@ def check_entries(
                 if entry.table is not None:
                     reported_tables.add(entry.table)
                 continue
+            if entry.dtype is not None and got[1] != entry.dtype:
+                problems.append(f"{label}: the checkpoint declares dtype {got[1]}, the model holds {entry.dtype}.")
+                kinds.append(_RETYPED)
+                continue
         to_load.append(entry)
     if strict:
         for key, got in sorted(unexpected_model.items()):
@@ -252,8 +263,11 @@ def model_entries(model_state_dict: Mapping[str, Any], tables: set[str]) -> list
     """What a model's state dict expects to find in a checkpoint: each key, its shape, whether it is a table."""
     entries = []
     for key, value in model_state_dict.items():
-        shapes = (tuple(value.size()),) if isinstance(value, torch.Tensor) else None
-        entries.append(ExpectedEntry(key=model_key(key), shapes=shapes, table=key if key in tables else None))
+        tensor = isinstance(value, torch.Tensor)
+        shapes = (tuple(value.size()),) if tensor else None
+        entries.append(
+            ExpectedEntry(key=model_key(key), shapes=shapes, table=key if key in tables else None, dtype=value.dtype if tensor else None)
+        )
     return entries
 
 
