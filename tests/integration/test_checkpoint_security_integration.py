@@ -33,7 +33,7 @@ from crafted_checkpoints import (
 )
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_recsys.testing.processes import run_ranks
+from lightning_recsys.testing.processes import free_port, run_ranks
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 from lightning_recsys import TwoDRecStrategy
@@ -261,8 +261,16 @@ def _hostile_world(rank: int, world_size: int, root_text: str) -> dict[str, Any]
             outcome = (type(error).__name__, str(error)[:2000])
         after = _local_weights(target.sharded.dmp.module.state_dict())
         out["collective"][name] = (*outcome, before.keys() == after.keys() and all(_torch_equal(before[k], after[k]) for k in before))
+    # The Trainers below start a process group of their own, on a fresh port. On the same port, rank 0's
+    # TCPStore is the one this group used (torch's env:// store is multi-tenant, one per port and process)
+    # and destroy_process_group resets the group names, so the new groups' gloo rendezvous could read this
+    # group's keys while its pairs are still alive (run and target hold them): about one run in five hung
+    # in the first Trainer's first broadcast (both ranks in it; faulthandler stacks).
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, 0)
     dist.barrier()
     dist.destroy_process_group()
+    os.environ["MASTER_PORT"] = str(port[0])
     for name in TRAINER_KINDS:
         path = root / "trainer" / name.replace(" ", "_") / "last.ckpt"
         for entry in ("fit", "validate"):
