@@ -264,8 +264,8 @@ def _hostile_world(rank: int, world_size: int, root_text: str) -> dict[str, Any]
     # The Trainers below start a process group of their own, on a fresh port. On the same port, rank 0's
     # TCPStore is the one this group used (torch's env:// store is multi-tenant, one per port and process)
     # and destroy_process_group resets the group names, so the new groups' gloo rendezvous could read this
-    # group's keys while its pairs are still alive (run and target hold them): about one run in five hung
-    # in the first Trainer's first broadcast (both ranks in it; faulthandler stacks).
+    # group's keys while its pairs are still alive (run and target hold them): one of five runs hung in
+    # the first Trainer's first broadcast (both ranks in it, by faulthandler stacks); ten runs on a fresh port did not.
     port = [free_port() if rank == 0 else None]
     dist.broadcast_object_list(port, 0)
     dist.barrier()
