@@ -48,16 +48,11 @@ from lightning_recsys.data.parquet.streams import (
     example_bounds,
 )
 from lightning_recsys.data.ranks import check_divisible
+from lightning_recsys.data.sequences.module import NumNegatives, check_int
 
 log = logging.getLogger(__name__)
 
-NumNegatives = int | Literal["all"]
 PredictView = Literal["full", "test"]
-
-
-def _check_int(name: str, value: object, minimum: int, rule: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{rule}.")
 
 
 class SequenceParquetDataModule(RankSlicedDataModule):
@@ -97,16 +92,16 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         super().__init__()
         if not str(path):
             raise ValueError(f"path={path!r} must name a prepared directory (write one with `lightning-recsys prepare`).")
-        _check_int("max_length", max_length, 1)
+        check_int("max_length", max_length, 1)
         if num_negatives != "all":
-            _check_int("num_negatives", num_negatives, 0, " or 'all' (every item: the full softmax)")
-        _check_int("global_batch_size", global_batch_size, 1)
+            check_int("num_negatives", num_negatives, 0, " or 'all' (every item: the full softmax)")
+        check_int("global_batch_size", global_batch_size, 1)
         if not isinstance(shuffle, bool):
             raise ValueError(f"shuffle={shuffle!r} must be true or false.")
-        _check_int("seed", seed, 0)
-        _check_int("shuffle_buffer", shuffle_buffer, 0, " (examples held to shuffle among; 0: row-group order only)")
-        _check_int("num_workers", num_workers, 0)
-        _check_int("prefetch_factor", prefetch_factor, 1)
+        check_int("seed", seed, 0)
+        check_int("shuffle_buffer", shuffle_buffer, 0, " (examples held to shuffle among; 0: row-group order only)")
+        check_int("num_workers", num_workers, 0)
+        check_int("prefetch_factor", prefetch_factor, 1)
         if predict_view not in ("full", "test"):
             raise ValueError(f"predict_view={predict_view!r} must be 'full' (the whole history) or 'test' (the test examples).")
         self.path, self.max_length, self.num_negatives = str(path), max_length, num_negatives

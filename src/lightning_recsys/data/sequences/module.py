@@ -43,9 +43,10 @@ NumNegatives = int | Literal["all"]
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
 
 
-def check_int(name: str, value: object, minimum: int) -> None:
+def check_int(name: str, value: object, minimum: int, rule: str = "") -> None:
+    """``ValueError`` unless ``value`` is an integer >= ``minimum``; ``rule`` adds what the number means."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}.")
+        raise ValueError(f"{name}={value!r} must be an integer >= {minimum}{rule}.")
 
 
 def check_num_negatives(value: object) -> None:
