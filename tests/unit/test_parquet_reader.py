@@ -199,7 +199,20 @@ def test_bytes_are_counted(directory):
     first, second = plan_rank(meta, 0, 1)[:2]
     reader.read(first)
     after_first = reader.bytes_read
-    # parquet reads a small file's whole tail to find the footer, then the row group again
-    assert 0 < after_first <= 2 * (directory / PART).stat().st_size
+    footer = pq.ParquetFile(directory / PART).metadata
+    group_bytes = [
+        sum(footer.row_group(g).column(c).total_compressed_size for c in range(footer.num_columns)) for g in range(2)
+    ]
+    # the footer exactly (its bytes, its length and the magic), then the row group's column chunks
+    assert after_first == footer.serialized_size + 8 + group_bytes[0]
     reader.read(second)
-    assert reader.bytes_read > after_first
+    assert reader.bytes_read == after_first + group_bytes[1]  # the footer is read once per file
+
+
+def test_a_footer_longer_than_its_file(directory):
+    path = directory / PART
+    data = bytearray(path.read_bytes())
+    data[-8:-4] = (len(data) + 1).to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    with pytest.raises(PreparedDataError, match=r"part-00000.parquet: not a readable parquet file .*footer claims"):
+        _read_all(directory)

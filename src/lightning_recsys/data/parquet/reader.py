@@ -2,10 +2,11 @@
 
 Planning (``plan_rank``) uses ``metadata.json`` alone: rank ``r`` of ``W`` takes the users
 ``rank_range(num_users, r, W)`` of the global user order (file order, then row order), cut into
-``Segment``s, each a row slice of one row group. Reading (``PreparedReader.read``) opens a file's
-footer the first time one of its segments is read and reads only that row group's needed columns;
-every byte taken from disk is counted in ``bytes_read``. A rank thus reads its own rows plus the
-rest of at most two row groups it shares with its neighbours (the first and the last).
+``Segment``s, each a row slice of one row group. Reading (``PreparedReader.read``) reads a file's
+footer (exactly its bytes) the first time one of its segments is read, and then only that row
+group's needed columns; every byte taken from disk is counted in ``bytes_read``. A rank thus reads
+its own rows, one footer per file, and the rest of at most two row groups it shares with its
+neighbours (the first and the last).
 
 What is checked, raising ``PreparedDataError`` that names the file, and the row group and row where
 they are known:
@@ -187,8 +188,8 @@ class PreparedReader:
         footer = self._footers.get(segment.path)
         try:
             # A file opened again (the shuffled order revisits files) reuses its parsed footer instead of reading it.
-            parquet = pq.ParquetFile(handle, metadata=footer)
-        except (pa.ArrowException, OSError) as error:
+            parquet = pq.ParquetFile(handle, metadata=footer if footer is not None else _read_footer(handle))
+        except (pa.ArrowException, OSError, ValueError) as error:
             handle.close()
             raise PreparedDataError(f"{full}: not a readable parquet file (not parquet, or truncated): {error}") from None
         if footer is None:
@@ -229,6 +230,9 @@ class PreparedReader:
 
     def read(self, segment: Segment) -> UserChunk:
         """The users of ``segment``, validated; ``items`` int64, trimmed to nothing else."""
+        # Arrow's default pool (mimalloc) keeps the pages of earlier row groups; without handing them back the
+        # peak RSS crept up with the row groups read (measured in docs/performance.md, data at scale).
+        pa.default_memory_pool().release_unused()
         parquet = self._open(segment)
         name = str(self.directory / segment.path)
         try:
@@ -305,6 +309,28 @@ class PreparedReader:
                 f"[0, num_action_types={types})."
             )
         return actions
+
+
+_MAGIC = b"PAR1"
+
+
+def _read_footer(handle: io.FileIO) -> pq.FileMetaData:
+    """The file's footer, reading exactly its bytes: pyarrow's own open reads the last 64 KiB of every file
+    (``kDefaultFooterReadSize`` in Arrow's ``parquet/file_reader.cc``), several times a small footer."""
+    size = handle.seek(0, os.SEEK_END)
+    if size < 2 * len(_MAGIC) + 4:
+        raise ValueError(f"{size} bytes: too short for parquet")
+    handle.seek(size - 8)
+    trailer = handle.read(8)
+    length = int.from_bytes(trailer[:4], "little")
+    if trailer[4:] != _MAGIC:
+        raise ValueError("no parquet magic bytes at the end")
+    if length > size - 12:
+        raise ValueError(f"the footer claims {length} bytes, more than the file holds")
+    handle.seek(size - 8 - length)
+    footer = handle.read(length)
+    # read_metadata parses a buffer that ends with the footer and its trailer; the leading magic stands in for the data.
+    return pq.read_metadata(pa.BufferReader(_MAGIC + footer + trailer))
 
 
 def _check_list(schema: pa.Schema, column: str, name: str, value_types: tuple[pa.DataType, ...] | None) -> None:
