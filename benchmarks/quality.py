@@ -240,17 +240,17 @@ def _synthetic_dlrm_config(sequence_config: Path, workdir: Path) -> Path:
 
     sequence = yaml.safe_load(sequence_config.read_text())
     dlrm = yaml.safe_load((CONFIGS / "synthetic_dlrm.yaml").read_text())
-    data = sequence["data"]["init_args"]["config"]
+    data = sequence["data"]["init_args"]
     from lightning_recsys.data.synthetic.sequence_log import CANDIDATE_ITEM_FEATURE, SyntheticSequenceConfig
 
-    resolved = SyntheticSequenceConfig(**data)
+    resolved = SyntheticSequenceConfig(**data)  # the DataModule's keyword arguments are the config's fields
     model = dict(dlrm["model"]["init_args"])
     model.update(
         feature_names=[CANDIDATE_ITEM_FEATURE, *resolved.context_feature_names],
         table_sizes=[resolved.num_items, *resolved.context_table_sizes],
         num_dense_features=resolved.num_dense_features,
     )
-    without_history = {**sequence["data"], "init_args": {**sequence["data"]["init_args"], "config": {**data, "emit_history": False}}}
+    without_history = {**sequence["data"], "init_args": {**data, "emit_history": False}}
     config = {**sequence, "model": {"class_path": dlrm["model"]["class_path"], "init_args": model}, "data": without_history}
     config["trainer"] = {**sequence["trainer"], "strategy": dlrm["trainer"]["strategy"]}
     path = workdir / "synthetic_sequence_dlrm.yaml"

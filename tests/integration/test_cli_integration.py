@@ -17,9 +17,9 @@ CONFIGS = ROOT / "examples" / "configs"
 CLI = str(Path(sys.executable).with_name("lightning-recsys"))
 TINY_SYNTHETIC = [
     "--trainer.max_epochs", "1",
-    "--data.init_args.config.global_batch_size", "64",
-    "--data.init_args.config.train_batches", "3",
-    "--data.init_args.config.val_batches", "1",
+    "--data.init_args.global_batch_size", "64",
+    "--data.init_args.train_batches", "3",
+    "--data.init_args.val_batches", "1",
 ]
 
 
@@ -91,8 +91,8 @@ def test_two_node_config_runs_as_two_torchrun_launches(tmp_path):
     tiny = [
         "--trainer.accelerator", "cpu", "--trainer.devices", "1", "--trainer.max_epochs", "1",
         "--trainer.strategy.init_args.sharding_group_size", "1",
-        "--data.init_args.config.global_batch_size", "64", "--data.init_args.config.train_batches", "3",
-        "--data.init_args.config.val_batches", "1", "--data.init_args.config.table_sizes", "[100, 100]",
+        "--data.init_args.global_batch_size", "64", "--data.init_args.train_batches", "3",
+        "--data.init_args.val_batches", "1", "--data.init_args.table_sizes", "[100, 100]",
         "--model.init_args.table_sizes", "[100, 100]",
     ]
     outputs = run_torchrun_nodes(

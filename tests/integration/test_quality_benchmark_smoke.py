@@ -65,8 +65,8 @@ def test_quality_script_compares_the_sequence_config_with_dlrm_and_the_history_b
 def test_quality_script_runs_the_synthetic_sequence_comparison(tmp_path):
     out = tmp_path / "synthetic.json"
     tiny = (
-        "--trainer.max_epochs 1 --data.init_args.config.global_batch_size 64 --data.init_args.config.train_batches 2 "
-        "--data.init_args.config.val_batches 1 --data.init_args.config.test_batches 2"
+        "--trainer.max_epochs 1 --data.init_args.global_batch_size 64 --data.init_args.train_batches 2 "
+        "--data.init_args.val_batches 1 --data.init_args.test_batches 2"
     )
     stdout = _run(["--synthetic-sequence", "--json", str(out), "--data-override", tiny], tmp_path)
     result = json.loads(out.read_text())

@@ -15,11 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
 CLI = str(Path(sys.executable).with_name("lightning-recsys"))
 TINY_SYNTHETIC = [
-    "--data.init_args.config.global_batch_size", "64",
-    "--data.init_args.config.train_batches", "3",
-    "--data.init_args.config.val_batches", "1",
-    "--data.init_args.config.test_batches", "2",
-    "--data.init_args.config.max_history_length", "12",
+    "--data.init_args.global_batch_size", "64",
+    "--data.init_args.train_batches", "3",
+    "--data.init_args.val_batches", "1",
+    "--data.init_args.test_batches", "2",
+    "--data.init_args.max_history_length", "12",
     "--model.init_args.max_history", "12",
 ]  # fmt: skip
 

@@ -25,9 +25,9 @@ PRETRAIN = [
 ]  # fmt: skip
 # synthetic_sequence.yaml's ranker, switched to the pretrainer's encoder and sizes (its TransAct options back to defaults).
 RANKER = [
-    "--data.init_args.config.num_items", str(ITEMS), "--data.init_args.config.global_batch_size", "64",
-    "--data.init_args.config.train_batches", "3", "--data.init_args.config.val_batches", "1", "--data.init_args.config.test_batches", "2",
-    "--data.init_args.config.max_history_length", "12",
+    "--data.init_args.num_items", str(ITEMS), "--data.init_args.global_batch_size", "64",
+    "--data.init_args.train_batches", "3", "--data.init_args.val_batches", "1", "--data.init_args.test_batches", "2",
+    "--data.init_args.max_history_length", "12",
     "--model.init_args.item_table_size", str(ITEMS), "--model.init_args.embedding_dim", str(DIM), "--model.init_args.max_history", str(LENGTH),
     "--model.init_args.encoder",  # the pretrainer's encoder and options, in place of the config's TransActEncoder
     '{"class_path": "lightning_recsys.models.encoders.SASRecEncoder", "init_args": {"num_layers": 2, "num_heads": 2, "feedforward_dim": null}}',

@@ -19,7 +19,7 @@ def _build(config: str, *overrides: str):
 
 
 def test_interpolation_ties_the_model_to_the_data():
-    cli = _build("synthetic_dlrm.yaml", "--data.init_args.config.train_batches", "3")
+    cli = _build("synthetic_dlrm.yaml", "--data.init_args.train_batches", "3")
     assert isinstance(cli.model, DLRMRanker) and isinstance(cli.trainer.strategy, TwoDRecStrategy)
     assert cli.model.hparams.table_sizes == cli.datamodule.config.table_sizes == [1000] * 8
     assert cli.model.hparams.dense_arch_layer_sizes == [32, cli.model.hparams.embedding_dim]
@@ -123,7 +123,7 @@ def test_plan_prints_the_report_for_a_fit_config(tmp_path, capsys):
         [
             "--config", str(CONFIGS / "synthetic_dlrm.yaml"), "--planner", "balanced",
             "--world-size", "4", "--sharding-group-size", "2", "--profile-batches", "1", "--compare", "--json", str(out),
-            "--data.init_args.config.global_batch_size", "64",
+            "--data.init_args.global_batch_size", "64",
         ]
     )  # fmt: skip
     printed = capsys.readouterr().out

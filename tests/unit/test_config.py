@@ -12,7 +12,7 @@ from lightning_recsys import (
     TableConstraints,
     TwoDRecStrategy,
 )
-from lightning_recsys.data import SyntheticClickLogConfig
+from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
 from lightning_recsys.models import DCNRanker, DLRMRanker
 
 # Each row: the constructor, the bad keyword arguments, and the error it must raise.
@@ -44,6 +44,10 @@ _INVALID_CONSTRUCTIONS = [
     (SyntheticClickLogConfig, {"pooling_factors": 0.5}, r"pooling_factors=0.5 must all be >= 1"),
     (SyntheticClickLogConfig, {"zipf_exponent": -1.0}, r"zipf_exponent=-1.0 must be >= 0"),
     (SyntheticClickLogConfig, {"global_batch_size": 0}, r"global_batch_size=0 must be >= 1"),
+    # The DataModule validates its keyword arguments at construction, with the config's messages.
+    (SyntheticClickLogDataModule, {"table_sizes": [10, 0]}, r"table_sizes=\[10, 0\] must be a non-empty list of positive row counts"),
+    (SyntheticClickLogDataModule, {"pooling_factors": [1.0, 2.0]}, r"pooling_factors has 2 entries but table_sizes has 8"),
+    (SyntheticClickLogDataModule, {"val_batches": -1}, r"val_batches=-1 must be >= 0"),
     (DLRMRanker, {"table_sizes": []}, r"table_sizes=\[\] gives the model no embedding table"),
     (DLRMRanker, {"table_sizes": [5], "embedding_dim": 8, "dense_arch_layer_sizes": [16, 4]}, r"must end in embedding_dim=8"),
     (DLRMRanker, {"table_sizes": [5], "over_arch_layer_sizes": [8, 2]}, r"over_arch_layer_sizes=\[8, 2\] must end in 1"),

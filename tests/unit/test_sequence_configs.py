@@ -38,7 +38,7 @@ def test_every_model_and_data_argument_has_a_comment(config):
     text = (CONFIGS / config).read_text()
     parsed = yaml.safe_load(text)
     data = parsed["data"]["init_args"]
-    names = [*parsed["model"]["init_args"], *(data["config"] if "config" in data else data)]
+    names = [*parsed["model"]["init_args"], *data]
     lines = {line.strip().split(":")[0]: line for line in text.splitlines() if ":" in line}
     # val_batches / test_batches share train_batches' comment
     undocumented = [name for name in names if "#" not in lines[name] and name not in ("val_batches", "test_batches")]

@@ -50,7 +50,7 @@ def test_rank_slices_partition_the_global_batch_and_follow_the_contract():
 
 
 def test_datamodule_describes_its_batches_and_slices_by_rank():
-    dm = SyntheticSequenceDataModule(SyntheticSequenceConfig(**SMALL, global_batch_size=16, train_batches=2, val_batches=1))
+    dm = SyntheticSequenceDataModule(**SMALL, global_batch_size=16, train_batches=2, val_batches=1)
     assert (dm.item_table_size, dm.num_action_types, dm.num_dense_features, dm.max_history_length) == (240, 3, 3, 12)
     assert dm.context_feature_names == ["context_0", "context_1"] and dm.context_table_sizes == [30, 7]
     batches = list(dm.train_dataloader())
@@ -184,6 +184,7 @@ def test_context_signal_is_learnable_by_a_pooled_model():
         ({"global_batch_size": 0}, "global_batch_size=0 must be an integer >= 1"),
     ],
 )
-def test_bad_configs_name_the_argument_and_the_rule(kwargs, message):
+@pytest.mark.parametrize("constructor", [SyntheticSequenceConfig, SyntheticSequenceDataModule])
+def test_bad_configs_name_the_argument_and_the_rule(kwargs, message, constructor):
     with pytest.raises(ValueError, match=message):
-        SyntheticSequenceConfig(**kwargs)
+        constructor(**kwargs)

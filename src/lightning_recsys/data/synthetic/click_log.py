@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -16,11 +18,14 @@ from lightning_recsys.data.module import RankSlicedDataModule, Split
 from lightning_recsys.data.ranks import even_rank_range
 
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
+# One source for the default of both the config and the DataModule's argument (never mutated: both copy it).
+DEFAULT_TABLE_SIZES: list[int] = [1000] * 8
 
 
 @dataclass(kw_only=True)
 class SyntheticClickLogConfig:
-    """Shape and statistics of the synthetic click log.
+    """Shape and statistics of the synthetic click log: the validated record of ``SyntheticClickLogDataModule``'s
+    arguments, which ``SyntheticClickLog`` generates from.
 
     Args:
         table_sizes: rows of each sparse feature's table; one feature per entry.
@@ -35,7 +40,7 @@ class SyntheticClickLogConfig:
         seed: everything, including the planted signal, is a function of the seed.
     """
 
-    table_sizes: list[int] = field(default_factory=lambda: [1000] * 8)
+    table_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_TABLE_SIZES))
     num_dense_features: int = 13
     pooling_factors: list[float] | float = 2.0
     zipf_exponent: float = 1.05
@@ -161,17 +166,92 @@ class SyntheticClickLogDataset(IterableDataset):
             yield slice_batch(self.log.global_batch(self.split, index), self.start, self.stop)
 
 
+def removed_config_argument(owner: str, config_class: type, args: tuple[Any, ...], keywords: dict[str, Any]) -> Any:
+    """The config of a deprecated ``owner(config)`` call, or ``None``; ``config=`` and unknown keywords raise ``TypeError``.
+
+    ``owner`` once took one config dataclass; it now takes the config's fields as keyword arguments,
+    as every other DataModule does (so a YAML writes them under ``data.init_args``).
+    """
+    new_way = (
+        f"pass its fields as keyword arguments: {owner}(global_batch_size=..., train_batches=..., ...), or "
+        f"{owner}.from_config(config) with a {config_class.__name__} at hand; in YAML, under data.init_args directly"
+    )
+    if "config" in keywords:
+        raise TypeError(f"{owner} no longer takes config=; {new_way}.")
+    if keywords:
+        raise TypeError(f"{owner}() got an unexpected keyword argument {next(iter(keywords))!r}")
+    if not args:
+        return None
+    if len(args) > 1 or not isinstance(args[0], config_class):
+        raise TypeError(f"{owner} takes keyword arguments only, got {len(args)} positional; {new_way}.")
+    # A positional config still works for now, so that callers can move over one at a time.
+    warnings.warn(f"{owner}({config_class.__name__}(...)) is deprecated; {new_way}.", DeprecationWarning, stacklevel=4)  # the caller of __init__
+    return args[0]
+
+
+def config_from_arguments(owner: str, config_class: type, args: tuple[Any, ...], keywords: dict[str, Any], fields: dict[str, Any]) -> Any:
+    """The validated config of a DataModule's keyword ``fields`` (or of a deprecated positional config, see above)."""
+    given = removed_config_argument(owner, config_class, args, keywords)
+    config = config_class(**fields)  # validates: each error names the argument, its value and the rule
+    if given is not None and config != config_class():
+        raise TypeError(f"{owner} got both a positional {config_class.__name__} and keyword fields; pass the fields only.")
+    return config if given is None else given
+
+
 class SyntheticClickLogDataModule(RankSlicedDataModule):
     """Synthetic click logs for any ranker; every rank gets its own slice of each global batch.
 
     The data does not depend on the number of ranks: global batch ``i`` is the same on 1 or 64
-    ranks, so runs on different world sizes are comparable.
+    ranks, so runs on different world sizes are comparable. The arguments are validated into
+    ``self.config`` (a ``SyntheticClickLogConfig``) at construction; ``from_config`` takes one as is.
+
+    Args:
+        table_sizes: rows of each sparse feature's table; one feature per entry.
+        num_dense_features: dense features per example.
+        pooling_factors: mean ids per example for each feature (one value for all features, or one
+            per feature); lengths are uniform on ``[1, 2 * mean - 1]``.
+        zipf_exponent: skew of the id distribution (rank ``k`` has probability ``∝ 1 / k**s``).
+        global_batch_size: examples per step across all ranks; each rank gets an equal slice.
+        train_batches: global batches per training epoch.
+        val_batches: global batches of the validation split.
+        test_batches: global batches of the test split (also used for predict).
+        signal_strength: standard deviation of the planted logit; larger is easier to learn.
+        base_logit: the logit's offset, which sets the click-through rate (-1.0 gives ~30%).
+        seed: everything, including the planted signal, is a function of the seed.
     """
 
-    def __init__(self, config: SyntheticClickLogConfig | None = None) -> None:
+    def __init__(
+        self,
+        *removed: Any,  # the old positional config (deprecated); anything else raises
+        table_sizes: list[int] = DEFAULT_TABLE_SIZES,
+        num_dense_features: int = SyntheticClickLogConfig.num_dense_features,
+        pooling_factors: list[float] | float = SyntheticClickLogConfig.pooling_factors,
+        zipf_exponent: float = SyntheticClickLogConfig.zipf_exponent,
+        global_batch_size: int = SyntheticClickLogConfig.global_batch_size,
+        train_batches: int = SyntheticClickLogConfig.train_batches,
+        val_batches: int = SyntheticClickLogConfig.val_batches,
+        test_batches: int = SyntheticClickLogConfig.test_batches,
+        signal_strength: float = SyntheticClickLogConfig.signal_strength,
+        base_logit: float = SyntheticClickLogConfig.base_logit,
+        seed: int = SyntheticClickLogConfig.seed,
+        **removed_keywords: Any,  # config= raises a TypeError naming the keyword arguments
+    ) -> None:
         super().__init__()
-        self.config = config or SyntheticClickLogConfig()
+        self.config: SyntheticClickLogConfig = config_from_arguments(
+            type(self).__name__, SyntheticClickLogConfig, removed, removed_keywords, dict(
+                table_sizes=list(table_sizes), num_dense_features=num_dense_features,
+                pooling_factors=list(pooling_factors) if isinstance(pooling_factors, list) else pooling_factors,
+                zipf_exponent=zipf_exponent, global_batch_size=global_batch_size, train_batches=train_batches,
+                val_batches=val_batches, test_batches=test_batches, signal_strength=signal_strength,
+                base_logit=base_logit, seed=seed,
+            ),
+        )
         self.log = SyntheticClickLog(self.config)
+
+    @classmethod
+    def from_config(cls, config: SyntheticClickLogConfig) -> SyntheticClickLogDataModule:
+        """The DataModule of a config at hand (its fields as the keyword arguments)."""
+        return cls(**dataclasses.asdict(config))
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> SyntheticClickLogDataset:
         num_batches = {"train": self.config.train_batches, "val": self.config.val_batches, "test": self.config.test_batches}[split]

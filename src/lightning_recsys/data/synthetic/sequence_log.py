@@ -37,8 +37,10 @@ Dense features ``[B, num_dense_features]``: standard normal. Labels ``[B]``: 0.0
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torchrec import KeyedJaggedTensor
@@ -47,9 +49,11 @@ from lightning_recsys.contracts.names import CANDIDATE_ITEM_FEATURE, HISTORY_ACT
 from lightning_recsys.data.batch import RecBatch
 from lightning_recsys.data.history_shape import SequenceDataShape
 from lightning_recsys.data.module import RankSlicedDataModule, Split
-from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset
+from lightning_recsys.data.synthetic.click_log import SyntheticClickLogDataset, config_from_arguments
 
 _SPLIT_IDS: dict[str, int] = {"train": 0, "val": 1, "test": 2}
+# One source for the default of both the config and the DataModule's argument (never mutated: both copy it).
+DEFAULT_CONTEXT_TABLE_SIZES: list[int] = [100, 24]
 
 
 def _check_int(name: str, value: object, minimum: int) -> None:
@@ -64,7 +68,8 @@ def _check_probability(name: str, value: float) -> None:
 
 @dataclass(kw_only=True)
 class SyntheticSequenceConfig:
-    """Shape and statistics of the synthetic histories (see the module docstring for how they are drawn).
+    """Shape and statistics of the synthetic histories (see the module docstring for how they are drawn): the
+    validated record of ``SyntheticSequenceDataModule``'s arguments, which ``SyntheticSequenceLog`` generates from.
 
     Args:
         num_items: rows of the item table (history and candidate share it); a multiple of
@@ -102,7 +107,7 @@ class SyntheticSequenceConfig:
     positive_rate_outside: float = 0.05
     recent_positives: int = 5
     history_signal: float = 5.0
-    context_table_sizes: list[int] = field(default_factory=lambda: [100, 24])
+    context_table_sizes: list[int] = field(default_factory=lambda: list(DEFAULT_CONTEXT_TABLE_SIZES))
     num_dense_features: int = 4
     context_signal: float = 1.0
     base_logit: float = -2.0
@@ -248,14 +253,85 @@ class SyntheticSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
     """Synthetic histories for a sequence ranker; every rank gets its own slice of each global batch.
 
     As ``SyntheticClickLogDataModule``, global batch ``i`` is the same on any number of ranks. The
-    attributes ``item_table_size``, ``num_action_types``, ``context_feature_names``,
-    ``context_table_sizes``, ``num_dense_features`` and ``max_history_length`` describe the batches.
+    arguments are validated into ``self.config`` (a ``SyntheticSequenceConfig``) at construction;
+    ``from_config`` takes one as is. The attributes ``item_table_size``, ``num_action_types``,
+    ``context_feature_names``, ``context_table_sizes``, ``num_dense_features`` and
+    ``max_history_length`` describe the batches.
+
+    Args:
+        num_items: rows of the item table (history and candidate share it); a multiple of
+            ``num_clusters``.
+        num_clusters: latent item clusters.
+        zipf_exponent: skew of the within-cluster rank (rank ``r`` has probability ``∝ 1 / r**s``)
+            and of the context ids; 0 is uniform. The hot-id knob.
+        min_history_length: the shortest history (lengths are uniform up to ``max_history_length``).
+        max_history_length: the longest history emitted.
+        num_action_types: action types; 0 is "seen, no action", ``1 ..`` are positive actions.
+        interests_per_user: interest clusters per user (distinct, uniform).
+        positive_rate_in_interest: probability of a positive action on a history item in the user's
+            interest clusters.
+        positive_rate_outside: the same outside them.
+        recent_positives: how many of the newest positive actions the label looks at.
+        history_signal: the click logit's gain from the history match (0 plants no history signal).
+        context_table_sizes: rows of each pooled context feature's table (``context_0``, ...).
+        num_dense_features: dense features per example.
+        context_signal: scale of the logit the context ids and dense features plant (0: none).
+        base_logit: the logit's offset, which sets the click-through rate.
+        global_batch_size: examples per step across all ranks; each rank gets an equal slice.
+        train_batches: global batches per training epoch.
+        val_batches: global batches of the validation split.
+        test_batches: global batches of the test split.
+        seed: everything, including the clusters and the planted effects, is a function of the seed.
+        emit_history: ``False`` leaves ``history_item_id`` and ``history_action`` out of the batches
+            (the same examples and labels otherwise): the input of a pooled model without the history.
     """
 
-    def __init__(self, config: SyntheticSequenceConfig | None = None) -> None:
+    def __init__(
+        self,
+        *removed: Any,  # the old positional config (deprecated); anything else raises
+        num_items: int = SyntheticSequenceConfig.num_items,
+        num_clusters: int = SyntheticSequenceConfig.num_clusters,
+        zipf_exponent: float = SyntheticSequenceConfig.zipf_exponent,
+        min_history_length: int = SyntheticSequenceConfig.min_history_length,
+        max_history_length: int = SyntheticSequenceConfig.max_history_length,
+        num_action_types: int = SyntheticSequenceConfig.num_action_types,
+        interests_per_user: int = SyntheticSequenceConfig.interests_per_user,
+        positive_rate_in_interest: float = SyntheticSequenceConfig.positive_rate_in_interest,
+        positive_rate_outside: float = SyntheticSequenceConfig.positive_rate_outside,
+        recent_positives: int = SyntheticSequenceConfig.recent_positives,
+        history_signal: float = SyntheticSequenceConfig.history_signal,
+        context_table_sizes: list[int] = DEFAULT_CONTEXT_TABLE_SIZES,
+        num_dense_features: int = SyntheticSequenceConfig.num_dense_features,
+        context_signal: float = SyntheticSequenceConfig.context_signal,
+        base_logit: float = SyntheticSequenceConfig.base_logit,
+        global_batch_size: int = SyntheticSequenceConfig.global_batch_size,
+        train_batches: int = SyntheticSequenceConfig.train_batches,
+        val_batches: int = SyntheticSequenceConfig.val_batches,
+        test_batches: int = SyntheticSequenceConfig.test_batches,
+        seed: int = SyntheticSequenceConfig.seed,
+        emit_history: bool = SyntheticSequenceConfig.emit_history,
+        **removed_keywords: Any,  # config= raises a TypeError naming the keyword arguments
+    ) -> None:
         super().__init__()
-        self.config = config or SyntheticSequenceConfig()
+        self.config: SyntheticSequenceConfig = config_from_arguments(
+            type(self).__name__, SyntheticSequenceConfig, removed, removed_keywords, dict(
+                num_items=num_items, num_clusters=num_clusters, zipf_exponent=zipf_exponent,
+                min_history_length=min_history_length, max_history_length=max_history_length,
+                num_action_types=num_action_types, interests_per_user=interests_per_user,
+                positive_rate_in_interest=positive_rate_in_interest, positive_rate_outside=positive_rate_outside,
+                recent_positives=recent_positives, history_signal=history_signal,
+                context_table_sizes=list(context_table_sizes), num_dense_features=num_dense_features,
+                context_signal=context_signal, base_logit=base_logit, global_batch_size=global_batch_size,
+                train_batches=train_batches, val_batches=val_batches, test_batches=test_batches, seed=seed,
+                emit_history=emit_history,
+            ),
+        )
         self.log = SyntheticSequenceLog(self.config)
+
+    @classmethod
+    def from_config(cls, config: SyntheticSequenceConfig) -> SyntheticSequenceDataModule:
+        """The DataModule of a config at hand (its fields as the keyword arguments)."""
+        return cls(**dataclasses.asdict(config))
 
     def _dataset(self, split: Split, rank: int, world_size: int) -> SyntheticClickLogDataset:
         num_batches = {"train": self.config.train_batches, "val": self.config.val_batches, "test": self.config.test_batches}[split]
