@@ -57,7 +57,7 @@ def _train_planned(rank: int, world_size: int) -> dict:
         model = make_model()
         sharders = make_sharders(EmbeddingOptimizerConfig(name="sgd", lr=EMBEDDING_LR).fused_params())
         local = CONFIG.global_batch_size // world_size
-        stats = BalancedPlanner.profile(SyntheticClickLogDataModule(CONFIG), batches=STEPS)
+        stats = BalancedPlanner.profile(SyntheticClickLogDataModule.from_config(CONFIG), batches=STEPS)
         plan, planner = make_balanced_plan(
             model,
             sharders,

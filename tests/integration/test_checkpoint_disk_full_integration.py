@@ -36,7 +36,7 @@ def _fit_saving_every_2_steps(rank: int, world_size: int, root: str) -> str:
         callbacks=[ModelCheckpoint(dirpath=root, every_n_train_steps=2, save_top_k=0, save_last=True)],
     )
     try:
-        trainer.fit(_model("meta"), datamodule=SyntheticClickLogDataModule(CONFIG))  # saves at step 2, then fails at 4
+        trainer.fit(_model("meta"), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))  # saves at step 2, then fails at 4
     except Exception as error:  # noqa: BLE001 - the failure is the result
         return f"{type(error).__name__}: {error}"
     return "fit finished"

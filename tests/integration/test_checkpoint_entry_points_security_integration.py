@@ -128,7 +128,7 @@ def _refused_through_entry_points(rank: int, world_size: int, root_text: str, pa
     faulthandler.dump_traceback_later(HANG_DUMP_S * 2, exit=False)  # the first validate shards (plans) the model
     model = ranker(seed=1)
     unsharded = {k: v.detach().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
-    _trainer(world_size, work).validate(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    _trainer(world_size, work).validate(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     before = local_shards(model)
     modules = [(n, id(m)) for n, m in model.named_modules()]
     out: dict[str, Any] = {"sharded_like_unsharded": _matches_unsharded(before, unsharded), "calls": {}}
@@ -140,7 +140,7 @@ def _refused_through_entry_points(rank: int, world_size: int, root_text: str, pa
             print(f"rank {rank}: {entry}(ckpt_path=<{name}>) starts", file=sys.stderr, flush=True)
             tree = _tree(watched)
             try:
-                getattr(_trainer(world_size, work), entry)(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=path)
+                getattr(_trainer(world_size, work), entry)(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=path)
                 outcome = ("loaded", "")
             except Exception as error:  # noqa: BLE001 - the refusal is the result
                 outcome = (type(error).__name__, str(error)[:3000])

@@ -61,7 +61,7 @@ def _fit(
     )
     model = make_model()
     model.dense_optimizer_name = "adagrad"  # stateful dense optimizer: its state must resume too
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=ckpt_path)
     return {"losses": losses.losses, "shards": shards_of(model), "global_step": trainer.global_step}
 
 
@@ -114,7 +114,7 @@ def _fit_then_save(rank, world_size, ckpt_dir, ckpt_path, name):
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, limit_val_batches=0, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
-    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=ckpt_path)
     trainer.save_checkpoint(os.path.join(ckpt_dir, name))  # as a training script ends
     return trainer.global_step
 
@@ -136,7 +136,7 @@ def _fit_with(rank, world_size, ckpt_dir, optimizer, ckpt_path):
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
     try:
-        trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+        trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=ckpt_path)
     except ValueError as error:
         return str(error)
     trainer.save_checkpoint(os.path.join(ckpt_dir, f"{optimizer}.ckpt"))
@@ -196,7 +196,7 @@ def _save_by_hand_after_async_fit(rank, world_size, ckpt_dir):
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, limit_val_batches=0, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
     )
-    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     trainer.save_checkpoint(f"{ckpt_dir}/by_hand.ckpt")  # after teardown: no later save or teardown commits it
     return is_committed(f"{ckpt_dir}/by_hand.ckpt")
 

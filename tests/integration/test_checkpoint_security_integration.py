@@ -60,7 +60,7 @@ def _entry_points(rank: int, world_size: int, path: str, extra_state: bool, trus
         model = extra_state_ranker(seed=1) if extra_state else ranker(seed=1)
         trainer = _trainer(world_size, trusted=entry.endswith("_trusted"))
         try:
-            getattr(trainer, entry.removesuffix("_trusted"))(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=path)
+            getattr(trainer, entry.removesuffix("_trusted"))(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=path)
             results[entry] = "loaded"
         except Exception as error:  # noqa: BLE001 - the refusal is the result
             results[entry] = f"{type(error).__name__}: {error}"
@@ -214,7 +214,7 @@ def _resume_with_a_foreign_best(rank: int, world_size: int, root: Path) -> dict[
         )
 
     first = trainer(1)
-    first.fit(ranker(seed=0), datamodule=SyntheticClickLogDataModule(CONFIG))
+    first.fit(ranker(seed=0), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     saved = folder / "epoch=0.ckpt"
     flag = root / "resume" / "edited"
     if rank == 0:
@@ -231,7 +231,7 @@ def _resume_with_a_foreign_best(rank: int, world_size: int, root: Path) -> dict[
             break
         time.sleep(0.1)
     second = trainer(2)
-    second.fit(ranker(seed=0), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=str(saved))
+    second.fit(ranker(seed=0), datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=str(saved))
     return {"victim": (victim / "thesis.tex").exists(), "saved": sorted(os.listdir(folder))}
 
 
@@ -276,7 +276,7 @@ def _hostile_world(rank: int, world_size: int, root_text: str) -> dict[str, Any]
         for entry in ("fit", "validate"):
             trainer = _trainer(world_size)
             try:
-                getattr(trainer, entry)(ranker(seed=1), datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=str(path))
+                getattr(trainer, entry)(ranker(seed=1), datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=str(path))
                 out["trainer"][(name, entry)] = ("loaded", "")
             except Exception as error:  # noqa: BLE001 - the refusal is the result
                 out["trainer"][(name, entry)] = (type(error).__name__, str(error)[:2000])

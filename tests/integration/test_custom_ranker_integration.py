@@ -59,7 +59,7 @@ def _fit_table_wise(rank: int, world_size: int) -> dict:
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=STEPS, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     local = CONFIG.global_batch_size // world_size
     batch = slice_batch(SyntheticClickLog(CONFIG).global_batch("val", 0), rank * local, (rank + 1) * local)
     with torch.no_grad():
@@ -119,7 +119,7 @@ def _fit_sequence_model_with_the_balanced_planner(rank: int, world_size: int) ->
         accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(SEQUENCE_CONFIG))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(SEQUENCE_CONFIG))
     assert trainer.global_step == 2
     return {row["table"]: row["sharding_type"] for row in plan_rows(strategy.sharded_model.plan)}
 
@@ -152,7 +152,7 @@ def _fit_buffered_then_validate(rank: int, world_size: int) -> dict[str, torch.T
         accelerator="cpu", devices=world_size, strategy=TwoDRecStrategy(process_group_timeout=60), max_steps=STEPS,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    data = SyntheticClickLogDataModule(CONFIG)
+    data = SyntheticClickLogDataModule.from_config(CONFIG)
     trainer.fit(model, datamodule=data)
     shift = model.shift.clone()
     trainer.validate(model, datamodule=data, verbose=False)
@@ -188,7 +188,7 @@ def _fit_hashing(rank: int, world_size: int) -> str:
         limit_val_batches=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     try:
-        trainer.fit(HashingRanker(), datamodule=SyntheticClickLogDataModule(RAW_IDS))
+        trainer.fit(HashingRanker(), datamodule=SyntheticClickLogDataModule.from_config(RAW_IDS))
     except InvalidInputError as error:
         return str(error)
     return ""

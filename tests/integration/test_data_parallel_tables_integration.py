@@ -39,7 +39,7 @@ def _fit_default_allow_list(rank: int, world_size: int, embedding_device: str | 
         accelerator="cpu", devices=PER_NODE, num_nodes=NODES, strategy=strategy, max_steps=3, limit_val_batches=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     sharding = {row["table"]: row["sharding_type"] for row in plan_rows(strategy.sharded_model.plan)}
     return {"sharding": sharding, "shards": {k: [(o, t.clone()) for o, t in v] for k, v in local_shards(model.dlrm).items()}}
 
@@ -88,7 +88,7 @@ def _fit_every_table_data_parallel(rank: int, world_size: int) -> dict:
         val_check_interval=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[summary],
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     strategy.sync_replicas()  # a forced sync: nothing to do, no collective
     return {
         "sharding": {row["table"]: row["sharding_type"] for row in plan_rows(strategy.sharded_model.plan)},

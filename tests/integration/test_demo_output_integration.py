@@ -63,7 +63,7 @@ def test_after_a_fit_the_users_basic_config_takes_effect(tmp_path):
         strategy = TwoDRecStrategy(planning=PlanningConfig(sharding_types=["data_parallel"]))
         trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
                              enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(config))
         logging.basicConfig(level=logging.INFO, format="USER %(name)s: %(message)s")
         logging.getLogger("my_project").info("hello")
     """)

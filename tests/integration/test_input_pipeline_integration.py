@@ -50,10 +50,10 @@ def _fit(rank: int, world_size: int, pipeline: str, sharding_type: str, **strate
     model = make_model()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
         metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
-        tested = trainer.test(model, datamodule=SyntheticClickLogDataModule(CONFIG), verbose=False)
-        predicted = trainer.predict(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        tested = trainer.test(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG), verbose=False)
+        predicted = trainer.predict(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     return {
         "losses": record.losses,
         "sparse_ids_bytes": record.sparse_ids_bytes,
@@ -202,7 +202,7 @@ def _checkpoint_and_resume(rank: int, world_size: int, ckpt_dir: str) -> dict:
                 limit_val_batches=0, callbacks=[record, ModelCheckpoint(dirpath=run_dir, save_last=True, every_n_train_steps=3)],
             )
             model = make_model()
-            trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+            trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=ckpt_path)
             losses.append(record.losses)
             if run == 1:
                 resumed = {"shards": shards_of(model), "steps": trainer.global_step}
@@ -252,7 +252,7 @@ def _fit_cuda(rank: int, world_size: int) -> dict:
 
         torch.Tensor.to = counting_to
         try:
-            trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+            trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
         finally:
             torch.Tensor.to = original_to
         results[pipeline] = {"losses": record.losses, "devices": placement.devices, "copies": len(copies),

@@ -60,7 +60,7 @@ def _fit(rank: int, world_size: int, precision: str) -> list[float]:
         strategy=TwoDRecStrategy(process_group_timeout=60, embedding_optimizer=EmbeddingOptimizerConfig(name="sgd", lr=0.1)),
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[losses],
     )
-    trainer.fit(_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     return losses.losses
 
 
@@ -98,7 +98,7 @@ def _fit_scheduled(rank: int, world_size: int, follows: bool, clip: float | None
     trainer = _scheduled_trainer(world_size, follows, 4, seen, clip)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_model(ranker), datamodule=SyntheticClickLogDataModule(CONFIG))
+        trainer.fit(_model(ranker), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     clip_warnings = [str(w.message) for w in caught if "gradient_clip_val" in str(w.message)]
     return {"seen": seen.seen, "clip_warnings": clip_warnings}
 
@@ -128,7 +128,7 @@ def _fit_scheduled_twice(rank: int, world_size: int) -> list[list[float]]:
     for follows in (True, True, False):
         seen = _EmbeddingLr()
         trainer = _scheduled_trainer(world_size, follows, 3, seen)
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
         seen_by_fit.append([lrs[0] for lrs in seen.seen])
     return seen_by_fit
 
@@ -169,7 +169,7 @@ def _fit_without_batches(rank: int, world_size: int) -> list[str]:
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(_model(), datamodule=_EmptyTrainData(CONFIG))
+        trainer.fit(_model(), datamodule=_EmptyTrainData.from_config(CONFIG))
     return [str(w.message) for w in caught if "no training step" in str(w.message)]
 
 
@@ -237,7 +237,7 @@ def _fit_2d_manually(rank: int, world_size: int) -> dict:
         accelerator="cpu", devices=world_size, max_steps=-1, limit_train_batches=4, max_epochs=1, limit_val_batches=0,
         logger=False, strategy=strategy, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     return {"shards": shards_of(model), "syncs": strategy.runtime.sync_totals.syncs}
 
 
@@ -263,7 +263,7 @@ def test_16_mixed_on_cuda_fits_with_unscaled_table_updates():
             strategy=TwoDRecStrategy(process_group_timeout=60), enable_checkpointing=False, enable_progress_bar=False,
             callbacks=[losses],
         )
-        trainer.fit(_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+        trainer.fit(_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
         return losses.losses
 
     losses = run_ranks(fit, 1, timeout=300)[0]

@@ -61,7 +61,7 @@ class _MapStyle(LightningDataModule):
 
 def _predict(rank: int, world_size: int) -> dict[str, torch.Tensor]:
     results = {}
-    for name, datamodule in (("synthetic", SyntheticClickLogDataModule(PREDICT_CONFIG)), ("map_style", _MapStyle())):
+    for name, datamodule in (("synthetic", SyntheticClickLogDataModule.from_config(PREDICT_CONFIG)), ("map_style", _MapStyle())):
         trainer = Trainer(
             accelerator="cpu", devices=world_size, strategy=sgd_strategy(sharding_types=["row_wise"]), logger=False,
             enable_progress_bar=False, enable_model_summary=False,

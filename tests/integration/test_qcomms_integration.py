@@ -66,7 +66,7 @@ def _embedding_bytes_per_precision(rank: int, world_size: int) -> dict[str, int]
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(config))
         measured[precision] = strategy.comm_accounting.bytes_by(purpose="embeddings", op="all_to_all")[0]
     return measured
 
@@ -94,7 +94,7 @@ def _tiny_block_run(rank: int, world_size: int) -> dict:
             accelerator="cpu", devices=world_size, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(config))
         model.eval()
         with torch.no_grad():
             predictions = model(slice_batch(SyntheticClickLog(config).global_batch("val", 0), rank * local, (rank + 1) * local))
@@ -139,7 +139,7 @@ def _validation_auc(rank: int, world_size: int) -> dict[str, float]:
             accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=2, num_sanity_val_steps=0,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(config))
         aucs[name] = float(trainer.callback_metrics["val/auc"])
     return aucs
 

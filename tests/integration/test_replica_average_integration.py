@@ -38,7 +38,7 @@ def _one_adagrad_step(rank: int, world_size: int) -> dict:
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )
         model = make_model()
-        trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+        trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
         touching = strategy._runtime.replica_sync.count_aware if strategy._runtime.replica_sync is not None else None
         results[name] = {"shards": shards_of(model), "touching": touching, "described": strategy._runtime.describe_replica_sync()}
     return results

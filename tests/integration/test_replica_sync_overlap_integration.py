@@ -179,7 +179,7 @@ def _fit(rank: int, world: int, ckpt_dir: str, max_epochs: int, ckpt_path: str |
     # buckets after the first iteration (torch/nn/parallel/distributed.py, _rebuild_buckets), which after
     # a resume is a later step: the dense part then differs in the last bit. The tables are what is tested.
     model.dense_lr = 0.0
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(dataclasses.replace(CONFIG, train_batches=STEPS_PER_EPOCH)), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(dataclasses.replace(CONFIG, train_batches=STEPS_PER_EPOCH)), ckpt_path=ckpt_path)
     return {"losses": losses.losses, "shards": shards_of(model)}
 
 
@@ -213,7 +213,7 @@ def _until_rank_1_dies(rank: int, world: int, sync: ReplicaSyncConfig, kill_step
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         callbacks=[_KillRank(1, kill_step)],
     )
-    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(dataclasses.replace(CONFIG, train_batches=50)))
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule.from_config(dataclasses.replace(CONFIG, train_batches=50)))
 
 
 @pytest.mark.parametrize(

@@ -55,7 +55,7 @@ def _fit(rank: int, world_size: int) -> dict:
         # examples_per_sec, at step 2, takes 13-27 ms here) is then inside both measurements, not only in RunSummary's.
         enable_model_summary=False, callbacks=[ends, summary],
     )
-    trainer.fit(model, datamodule=_SlowData(CONFIG))
+    trainer.fit(model, datamodule=_SlowData.from_config(CONFIG))
     return {"summary": summary.summary, "ends": ends.ends}
 
 

@@ -27,7 +27,7 @@ def _profiled_fit(rank: int, world_size: int, out_dir: str) -> list[str]:
         accelerator="cpu", devices=1, num_nodes=world_size, strategy=strategy, max_steps=4, limit_val_batches=0,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, profiler=profiler,
     )  # fmt: skip
-    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     traces = sorted((Path(out_dir) / f"rank{rank}").glob("*.json"))
     assert traces, f"rank {rank}: the profiler exported no trace into {out_dir}"
     names: set[str] = set()

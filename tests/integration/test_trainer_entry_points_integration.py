@@ -19,7 +19,7 @@ CONFIG = SyntheticClickLogConfig(table_sizes=[50, 30], num_dense_features=3, glo
 
 def _all_entry_points(rank: int, world_size: int, log_dir: str) -> dict:
     model = DLRMRanker(table_sizes=CONFIG.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8, 8], embedding_device="meta")
-    data = SyntheticClickLogDataModule(CONFIG)
+    data = SyntheticClickLogDataModule.from_config(CONFIG)
     strategy = TwoDRecStrategy(process_group_timeout=60)
     trainer = Trainer(
         accelerator="cpu", devices=world_size, strategy=strategy, max_epochs=1, logger=CSVLogger(log_dir, name="run"),
@@ -85,7 +85,7 @@ def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
 
     strategy = _strategy()
     trainer = _trainer(world_size, strategy, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")])
-    model, data = _model(), SyntheticClickLogDataModule(CONFIG)
+    model, data = _model(), SyntheticClickLogDataModule.from_config(CONFIG)
     trainer.fit(model, datamodule=data)
     return {
         "sharding": sorted({row["sharding_type"] for row in plan_rows(strategy.sharded_model.plan)}),
@@ -94,7 +94,7 @@ def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
 
 
 def _evaluate_from_checkpoint(rank: int, world_size: int, ckpt_path: str) -> dict:
-    data = SyntheticClickLogDataModule(CONFIG)
+    data = SyntheticClickLogDataModule.from_config(CONFIG)
     results = {}
     for fn in ("validate", "test", "predict"):
         trainer = _trainer(world_size, _strategy())
@@ -114,7 +114,7 @@ def test_validate_test_predict_from_a_checkpoint_in_a_fresh_process(tmp_path, wo
 
 
 def _fit_then_test_in_a_second_trainer(rank: int, world_size: int, second: dict) -> dict:
-    model, data = _model(), SyntheticClickLogDataModule(CONFIG)
+    model, data = _model(), SyntheticClickLogDataModule.from_config(CONFIG)
     first = _trainer(world_size, TwoDRecStrategy(process_group_timeout=60), enable_checkpointing=False)
     first.fit(model, datamodule=data)
     expected = first.validate(model, datamodule=data, verbose=False)[0]["val/auc"]
@@ -144,7 +144,7 @@ def _fit_save_and_predict(rank: int, world_size: int, ckpt_dir: str) -> list:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     trainer = _trainer(world_size, _strategy(), callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")])
-    model, data = _model(), SyntheticClickLogDataModule(CONFIG)  # meta tables: only the shards exist
+    model, data = _model(), SyntheticClickLogDataModule.from_config(CONFIG)  # meta tables: only the shards exist
     trainer.fit(model, datamodule=data)
     return trainer.predict(model, datamodule=data)
 
@@ -180,7 +180,7 @@ def _fit_reshaped_save_and_predict(rank: int, world_size: int, ckpt_dir: str) ->
     strategy = TwoDRecStrategy(process_group_timeout=60, planning=PlanningConfig(reshape_tables=True, sharding_types=["table_wise"]))
     trainer = _trainer(world_size, strategy, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="fitted")])
     model = DLRMRanker(table_sizes=CONFIG.table_sizes, num_dense_features=3, embedding_dim=16, dense_arch_layer_sizes=[8, 16])
-    data = SyntheticClickLogDataModule(CONFIG)
+    data = SyntheticClickLogDataModule.from_config(CONFIG)
     trainer.fit(model, datamodule=data)
     return {"reshaped": [a.table for a in strategy.plan_report.reshape] if rank == 0 else None, "predictions": trainer.predict(model, datamodule=data)}
 

@@ -191,7 +191,7 @@ def _fit_with_validation_mid_training(rank: int, world_size: int) -> dict:
         enable_model_summary=False,
     )
     model = make_model()
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     return shards_of(model)
 
 
@@ -229,7 +229,7 @@ def _fit_and_see_hooks(rank: int, world_size: int, sync: ReplicaSyncConfig) -> d
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         strategy=sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=sync), callbacks=[seen],
     )
-    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule(CONFIG))
+    trainer.fit(make_model(), datamodule=SyntheticClickLogDataModule.from_config(CONFIG))
     return seen.at
 
 

@@ -203,7 +203,7 @@ def test_infeasible_memory_raises_planner_error_naming_the_table():
 # ----------------------------------------------------------------------------------- profiling
 def test_profile_counts_the_datamodule_ids():
     config = SyntheticClickLogConfig(table_sizes=[50, 80], pooling_factors=[2.0, 3.0], global_batch_size=32, train_batches=4)
-    datamodule = SyntheticClickLogDataModule(config)
+    datamodule = SyntheticClickLogDataModule.from_config(config)
     profile = BalancedPlanner.profile(datamodule, batches=3)
     assert profile.batches == 3 and profile.examples == 3 * config.global_batch_size
     stats = profile.table_stats(embedding_tables(_model(config.table_sizes)))

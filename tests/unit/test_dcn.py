@@ -98,7 +98,7 @@ def test_bring_your_own_ranker_snippet_trains():
 
     seed_everything(0)
     config = SyntheticClickLogConfig(table_sizes=[100, 100], num_dense_features=4, global_batch_size=256, train_batches=20, val_batches=4)
-    model, data = ConcatMLPRanker(config.table_sizes, config.num_dense_features), SyntheticClickLogDataModule(config)
+    model, data = ConcatMLPRanker(config.table_sizes, config.num_dense_features), SyntheticClickLogDataModule.from_config(config)
     trainer = Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     trainer.fit(model, data)
     print({name: round(value.item(), 4) for name, value in trainer.callback_metrics.items()})

@@ -137,7 +137,7 @@ def test_adam_on_cpu_trains_when_every_table_is_constrained_to_data_parallel() -
         accelerator="cpu", devices=1, strategy=strategy, max_steps=2, limit_val_batches=0, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(config))
     assert trainer.global_step == 2
     assert {p["sharding_type"] for p in _plan_rows(strategy)} == {"data_parallel"}
     # One table left free may be model-parallel: still refused before anything is built.

@@ -130,7 +130,7 @@ def _evaluate_small_ranker(cls: type[DLRMRanker], stage: Literal["val", "test"],
     )
     torch.manual_seed(0)
     model = cls(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
-    data = SyntheticClickLogDataModule(config)
+    data = SyntheticClickLogDataModule.from_config(config)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     run = trainer.validate if stage == "val" else trainer.test
     logged = run(model, datamodule=data, verbose=False)[0]
@@ -182,7 +182,7 @@ def test_validate_logs_the_auc_of_the_logits_not_of_their_float32_sigmoid():
     config = SyntheticClickLogConfig(table_sizes=[30, 40], num_dense_features=3, global_batch_size=64, val_batches=2)
     torch.manual_seed(0)
     model = _ConfidentDLRM(table_sizes=config.table_sizes, num_dense_features=3, embedding_dim=8, dense_arch_layer_sizes=[8])
-    data = SyntheticClickLogDataModule(config)
+    data = SyntheticClickLogDataModule.from_config(config)
     trainer = Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     logged = trainer.validate(model, datamodule=data, verbose=False)[0]
     batches = [data.log.global_batch("val", i) for i in range(2)]

@@ -77,7 +77,7 @@ def test_both_planners_get_the_profiled_batch_size_and_pooling_factors():
     model = _model(config.table_sizes)
     for planner in ("torchrec", "balanced"):
         pipeline = _pipeline(PlanningConfig(planner=planner, profile_batches=2))
-        inputs = pipeline.prepare(model, SyntheticClickLogDataModule(config), setup_datamodule=True)
+        inputs = pipeline.prepare(model, SyntheticClickLogDataModule.from_config(config), setup_datamodule=True)
         assert inputs.batch_size == 32  # no Trainer: whole global batches
         assert inputs.stats is not None and inputs.stats["t_sparse_0"].pooling_factor > 2 * inputs.stats["t_sparse_1"].pooling_factor
         planned = pipeline.plan(model, inputs)
@@ -96,7 +96,7 @@ def test_stats_given_and_a_profile_are_told_apart_and_both_together_warn():
     assert {t.name: t.stats_source for t in planned.report.tables} == {"t_sparse_0": "given", "t_sparse_1": "assumed"}
     both = _pipeline(PlanningConfig(table_stats=given, profile_batches=2))
     with pytest.warns(UserWarning, match=r"table_stats=...\) for \['t_sparse_0'\] is replaced by the profile of 2 training batches"):
-        inputs = both.prepare(_model(config.table_sizes), SyntheticClickLogDataModule(config), setup_datamodule=True)
+        inputs = both.prepare(_model(config.table_sizes), SyntheticClickLogDataModule.from_config(config), setup_datamodule=True)
     assert inputs.stats_source == "profiled"
 
 

@@ -20,7 +20,7 @@ def _fit(max_steps: int, ckpt_path: str | None = None, summary: RunSummary | Non
         accelerator="cpu", devices=1, max_steps=max_steps, limit_val_batches=0, logger=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[summary], **trainer_kwargs,
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(CONFIG), ckpt_path=ckpt_path)
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(CONFIG), ckpt_path=ckpt_path)
     return trainer, summary
 
 

@@ -31,7 +31,7 @@ def _fit(tmp_path: Path, *, progress_bar: bool, max_steps: int) -> tuple[dict[in
         logger=CSVLogger(tmp_path, name="run"), enable_checkpointing=False, enable_model_summary=False,
         limit_val_batches=0, callbacks=[losses],
     )
-    trainer.fit(model, datamodule=SyntheticClickLogDataModule(config))
+    trainer.fit(model, datamodule=SyntheticClickLogDataModule.from_config(config))
     with open(next(tmp_path.rglob("metrics.csv"))) as f:
         logged = {int(row["step"]): float(row["train/loss"]) for row in csv.DictReader(f) if row.get("train/loss")}
     return logged, losses.losses, float(trainer.callback_metrics["train/loss"])
