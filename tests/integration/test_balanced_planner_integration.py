@@ -2,7 +2,7 @@
 
 Trainer-free: ParallelTopology's mesh, make_sharders, BalancedPlanner (profiled on the oracle's
 DataModule, one table hashed into partitions), shard_model and a manual SGD loop over the
-oracle's global batches. Compared with tests/oracle.py's unsharded run. Also: a planning error
+oracle's global batches. Compared with the click oracle's unsharded run (lightning_recsys.testing.oracle.click). Also: a planning error
 on rank 0 reaches every rank.
 """
 
@@ -13,17 +13,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from lightning_recsys.testing.processes import run_ranks
-from oracle import (
+from lightning_recsys.testing.oracle.click import (
     CONFIG,
     DENSE_LR,
     EMBEDDING_LR,
     STEPS,
     assert_matches,
+    fit_sharded,
     make_model,
+    sgd_strategy,
     shards_of,
     train_unsharded,
 )
+from lightning_recsys.testing.processes import run_ranks
 from torchrec.distributed.planner.types import PlannerError
 
 from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints
@@ -128,8 +130,6 @@ def test_balanced_plan_trains_like_unsharded() -> None:
 
 
 def _fit_with_balanced_strategy(rank: int, world_size: int) -> dict:
-    from oracle import fit_sharded, sgd_strategy
-
     strategy = sgd_strategy(
         planning=PlanningConfig(
             planner="balanced", profile_batches=STEPS, hash_partitions={HASHED_TABLE: PARTITIONS}, table_constraints=CONSTRAINTS

@@ -8,8 +8,9 @@ import signal
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_recsys.testing.oracle import assemble
+from lightning_recsys.testing.oracle.click import make_model, shards_of
 from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble, make_model, shards_of
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.checkpoint import is_committed, read_meta
@@ -101,7 +102,7 @@ def test_resume_from_last_equals_uninterrupted_training(tmp_path):
     # The same checkpoint resumed on ONE rank (the whole global batch there): the same training,
     # re-cut tables; equal to the 2-rank run up to summation order.
     (single,) = run_ranks(_resume_last, 1, str(tmp_path / "resumed"), timeout=240)
-    like = make_model().dlrm.state_dict()
+    like = make_model().state_dict()
     for key in single["shards"]:
         torch.testing.assert_close(
             assemble([single["shards"]], key, like[key]), assemble([r["shards"] for r in full], key, like[key]), msg=key

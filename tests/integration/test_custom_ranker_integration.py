@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import Trainer
+from lightning_recsys.testing.oracle.click import DENSE_LR, EMBEDDING_LR, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import train_plain_sgd
 from torch import nn
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, KeyedJaggedTensor
 
@@ -18,7 +18,6 @@ from lightning_recsys.planner import plan_rows
 
 WORLD_SIZE = 2
 STEPS = 3
-EMBEDDING_LR, DENSE_LR = 0.3, 0.1
 # TorchRec's planner puts the larger table on rank 0, so its table_wise output order is [sparse_1, sparse_0].
 CONFIG = SyntheticClickLogConfig(
     table_sizes=[40, 64], num_dense_features=4, pooling_factors=[2.0, 2.0], global_batch_size=16, train_batches=STEPS, val_batches=1, seed=3
@@ -74,7 +73,7 @@ def _fit_table_wise(rank: int, world_size: int) -> dict:
 
 
 def test_pooled_output_keeps_the_unsharded_key_order_and_training_equals_unsharded():
-    expected_state, expected_predictions = train_plain_sgd(_model(), CONFIG, STEPS, dense_lr=DENSE_LR, embedding_lr=EMBEDDING_LR)
+    expected_state, expected_predictions = train_unsharded(model=_model(), config=CONFIG, steps=STEPS)  # SGD at the oracle's rates
     results = run_ranks(_fit_table_wise, WORLD_SIZE, timeout=300)
     # TorchRec's own order differs here, or this test would prove nothing.
     assert results[0]["sharded_order"] == ["sparse_1", "sparse_0"]

@@ -12,8 +12,8 @@ import logging
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from lightning_recsys.testing.oracle.click import sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import sgd_strategy
 
 from lightning_recsys.callbacks import RunSummary, format_summary
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning_recsys.testing.oracle.click import fit_sharded, sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import fit_sharded, sgd_strategy
 
 from lightning_recsys import QCommsConfig, ReplicaSyncConfig
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_recsys.testing.oracle.click import make_model, sgd_strategy, shards_of
 from lightning_recsys.testing.processes import run_ranks
-from oracle import make_model, sgd_strategy, shards_of
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
 

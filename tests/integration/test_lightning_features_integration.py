@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
+from lightning_recsys.testing.oracle.click import assert_matches, fit_sharded, make_model, sgd_strategy, shards_of, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
@@ -201,7 +201,7 @@ def _fit_manually(rank: int, world_size: int) -> dict:
         sharding_types=["row_wise", "data_parallel"],
         table_constraints={"t_sparse_2": TableConstraints(sharding_types=["data_parallel"])},
     )
-    model, trainer, predictions = fit_sharded(rank, world_size, sgd_strategy(planning=planning), model_class=_ManualRanker)
+    model, trainer, predictions = fit_sharded(rank, world_size, sgd_strategy(planning=planning), model=make_model(cls=_ManualRanker))
     return {"shards": shards_of(model), "predictions": predictions, "steps": trainer.global_step}
 
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 from lightning.pytorch import LightningDataModule, Trainer
+from lightning_recsys.testing.oracle.click import CONFIG, make_model, sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import CONFIG, make_model, sgd_strategy
 from torch.utils.data import DataLoader, Dataset
 from torchrec import KeyedJaggedTensor
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch import Trainer, seed_everything
+from lightning_recsys.testing.oracle.click import fit_sharded, sgd_strategy, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import fit_sharded, sgd_strategy, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, QCommsConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogConfig, SyntheticClickLogDataModule, slice_batch

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning_recsys.testing.oracle.click import CONFIG, make_model, sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import CONFIG, make_model, sgd_strategy
 from torch.utils.data import DataLoader, IterableDataset
 from torchrec import KeyedJaggedTensor
 

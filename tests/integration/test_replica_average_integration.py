@@ -10,8 +10,9 @@ takes 1D's step on that replica and none on the other. Averaged over the replica
 from __future__ import annotations
 
 import torch
+from lightning_recsys.testing.oracle import assemble
+from lightning_recsys.testing.oracle.click import CONFIG, TABLE_KEY, make_model, shards_of
 from lightning_recsys.testing.processes import run_ranks
-from oracle import CONFIG, TABLE_KEY, assemble, make_model, shards_of
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.data import SyntheticClickLog, SyntheticClickLogDataModule, slice_batch
@@ -58,7 +59,7 @@ def test_a_row_one_replica_touched_moves_as_far_as_in_1d_with_the_auto_average()
     assert [r["all_replicas"]["touching"] for r in results] == [False] * WORLD_SIZE
     assert "averaged over the replicas that touched it (average='auto', embedding optimizer rowwise_adagrad)" in results[0]["auto"]["described"]
     assert "averaged over all replicas (average='all_replicas'" in results[0]["all_replicas"]["described"]
-    initial = make_model().state_dict()["dlrm." + TABLE_KEY]
+    initial = make_model().state_dict()[TABLE_KEY]
     table = {name: assemble([r[name]["shards"] for r in results], TABLE_KEY, initial) for name in VARIANTS}
 
     first, second = _rows_by_replica()

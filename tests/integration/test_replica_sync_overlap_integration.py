@@ -19,8 +19,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_recsys.testing.oracle.click import CONFIG, make_model, shards_of
 from lightning_recsys.testing.processes import run_ranks
-from oracle import CONFIG, make_model, shards_of
 from test_replica_sync_integration import PER_NODE, WORLD, batch, build
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy

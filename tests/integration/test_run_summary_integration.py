@@ -7,9 +7,9 @@ import time
 
 import pytest
 from lightning.pytorch import Callback, LightningDataModule, Trainer
+from lightning_recsys.testing.oracle.click import CONFIG as ORACLE_CONFIG
+from lightning_recsys.testing.oracle.click import make_model, sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import CONFIG as ORACLE_CONFIG
-from oracle import make_model, sgd_strategy
 from summary_helpers import summary_rows, write_criteo_tsv
 from torch.utils.data import DataLoader
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.profilers import PyTorchProfiler
+from lightning_recsys.testing.oracle.click import CONFIG, make_model, sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import CONFIG, make_model, sgd_strategy
 
 from lightning_recsys import ReplicaSyncConfig
 from lightning_recsys.data import SyntheticClickLogDataModule

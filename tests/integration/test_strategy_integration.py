@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning_recsys.testing.oracle.click import STEPS, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import STEPS, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys.planner import plan_rows
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Callback
+from lightning_recsys.testing.oracle import Shards, assemble
+from lightning_recsys.testing.oracle.click import CONFIG, STEPS, assert_matches, fit_sharded, make_model, sgd_strategy, shards_of, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import STEPS, Shards, assemble, assert_matches, fit_sharded, sgd_strategy, shards_of, train_unsharded
 
 from lightning_recsys import EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
 from lightning_recsys.planner.config import PlanningConfig
@@ -79,7 +80,6 @@ def test_2d_matches_1d_and_unsharded_and_keeps_embedding_traffic_inside_a_node(s
         group = results[0][name]["shard_group"]
         assert_matches([shards[r] for r in group], predictions, expected_state, expected_predictions)
         for key, like in expected_state.items():
-            key = key.removeprefix("dlrm.")
             torch.testing.assert_close(assemble([shards[r] for r in group], key, like), assemble(one_d_shards, key, like))
         torch.testing.assert_close(torch.cat(predictions), torch.cat([r["1d"]["predictions"] for r in results]))
     assert results[0]["all_to_all_optimized"]["mesh"] == [[0, 1], [2, 3]]
@@ -135,7 +135,7 @@ def _fit_with_sync_settings(rank: int, world_size: int) -> dict:
     every_2 = _ShardsAfterEachStep()
     strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=ReplicaSyncConfig(every_n_steps=2))
     model, _, _ = fit_sharded(
-        rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES, callbacks=[every_2], embedding_device="meta"
+        rank, world_size, strategy, devices=PER_NODE, num_nodes=NODES, callbacks=[every_2], model=make_model("meta", seed=None)
     )
     result = {"at_start": every_2.at_start, "per_step": every_2.per_step, "after_fit": shards_of(model)}
     for sync_state in (True, False):
@@ -180,7 +180,6 @@ def test_sync_every_n_steps_and_optimizer_state_sync():
 
 def _fit_with_validation_mid_training(rank: int, world_size: int) -> dict:
     from lightning.pytorch import Trainer
-    from oracle import CONFIG, make_model
 
     from lightning_recsys.data import SyntheticClickLogDataModule
 
@@ -219,7 +218,6 @@ class _ShardsAtHooks(Callback):
 
 def _fit_and_see_hooks(rank: int, world_size: int, sync: ReplicaSyncConfig) -> dict[str, Shards]:
     from lightning.pytorch import Trainer
-    from oracle import CONFIG, make_model
 
     from lightning_recsys.data import SyntheticClickLogDataModule
 
