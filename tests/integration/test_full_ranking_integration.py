@@ -290,7 +290,7 @@ def test_planted_ties_make_the_pessimistic_rule_matter() -> None:
 
 
 def _fit_then_rank_through_the_strategy(rank: int, world_size: int) -> dict[str, Any]:
-    from sequence_oracle import DIM, ITEMS, fit_sharded, make_model, sgd_strategy, table_shards
+    from lightning_recsys.testing.oracle.sequence import DIM, ITEMS, fit_sharded, make_model, sgd_strategy, table_shards
 
     model, trainer, _ = fit_sharded(rank, world_size, sgd_strategy(sharding_types=["column_wise"]), steps=1)
     ranking = trainer.strategy.item_ranking(model.sequence_embeddings, "item", normalize_rows=True, chunk_rows=5)
@@ -314,8 +314,8 @@ def _fit_then_rank_through_the_strategy(rank: int, world_size: int) -> dict[str,
 
 
 def test_the_strategy_ranks_the_trained_sharded_table_of_a_fitted_model() -> None:
-    from oracle import assemble
-    from sequence_oracle import ITEM_KEY
+    from lightning_recsys.testing.oracle import assemble
+    from lightning_recsys.testing.oracle.sequence import ITEM_KEY
 
     outputs = run_ranks(_fit_then_rank_through_the_strategy, 2, timeout=300)
     table = assemble([o["shards"] for o in outputs], ITEM_KEY, outputs[0]["initial"])

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning_recsys.testing.oracle import assemble
+from lightning_recsys.testing.oracle.sequence import ITEM_KEY, SequenceLogConfig, fit_sharded, global_batch, sgd_strategy, table_shards, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble
-from sequence_oracle import ITEM_KEY, SequenceLogConfig, fit_sharded, global_batch, sgd_strategy, table_shards, train_unsharded
 
 from lightning_recsys import QCommsConfig
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_recsys.testing.processes import run_ranks
-from oracle import RecordPipeline, assemble
-from sequence_oracle import (
+from lightning_recsys.testing.oracle import RecordPipeline, assemble
+from lightning_recsys.testing.oracle.sequence import (
     ACTION_KEY, ITEM_KEY, STEPS, SequenceDataModule, SequenceLogConfig, global_batch, fit_sharded, local_predictions, make_model, sgd_strategy, table_shards,
     train_unsharded,
 )
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, TableConstraints, TwoDRecStrategy
 from lightning_recsys.models import SequenceRanker
@@ -80,7 +80,7 @@ def _quantized_one_direction(rank: int, world_size: int, sharding_type: str) -> 
                 enable_model_summary=False).validate(model, datamodule=SequenceDataModule(), verbose=False)
         forward = {"predictions": local_predictions(model, rank, world_size), "effective": strategy.effective_qcomms.precisions}
         strategy = sgd_strategy(sharding_types=[sharding_type], column_width=QCOMMS_DIM // 2, qcomms=QCommsConfig(backward=precision))
-        model, _, _ = fit_sharded(rank, world_size, strategy, steps=1, model_factory=_qcomms_model)
+        model, _, _ = fit_sharded(rank, world_size, strategy, steps=1, model=_qcomms_model())
         backward = {"shards": table_shards(model), "effective": strategy.effective_qcomms.precisions}
         out[precision] = {"forward": forward, "backward": backward}
     return out
@@ -144,7 +144,7 @@ def _sequence_bytes_per_case(rank: int, world_size: int) -> dict:
     out = {}
     for forward, backward in WIRE_CASES:
         strategy = sgd_strategy(sharding_types=["table_wise"], qcomms=QCommsConfig(forward=forward, backward=backward))
-        fit_sharded(rank, world_size, strategy, config=SequenceLogConfig(with_context=False), model_factory=lambda: make_model(
+        fit_sharded(rank, world_size, strategy, config=SequenceLogConfig(with_context=False), model=make_model(
             context_feature_names=None, context_table_sizes=None, embedding_dim=WIRE_DIM, num_heads=3))
         out[(forward, backward)] = {
             "bytes": strategy.comm_accounting.bytes_by(purpose="embeddings", op="all_to_all")[0],
@@ -343,7 +343,7 @@ def test_the_balanced_planner_profiles_the_sequence_tables_and_never_makes_them_
 # ----------------------------------------------------------------- CUDA (skipped without a GPU)
 def _fit_on_cuda(rank: int, world_size: int, qcomms: str) -> dict:
     strategy = sgd_strategy(sharding_types=["table_wise"], qcomms=qcomms)
-    model, _, predictions = fit_sharded(rank, world_size, strategy, accelerator="gpu", model_factory=_qcomms_model)
+    model, _, predictions = fit_sharded(rank, world_size, strategy, accelerator="gpu", model=_qcomms_model())
     return {"predictions": predictions, "shards": table_shards(model), "effective": strategy.effective_qcomms.describe()}
 
 

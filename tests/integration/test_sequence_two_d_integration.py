@@ -8,11 +8,11 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble
-from sequence_oracle import (
+from lightning_recsys.testing.oracle import assemble
+from lightning_recsys.testing.oracle.sequence import (
     ITEM_KEY, STEPS, SequenceDataModule, SequenceLogConfig, fit_sharded, make_model, sgd_strategy, table_shards, train_unsharded,
 )
+from lightning_recsys.testing.processes import run_ranks
 
 from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
 

@@ -337,9 +337,8 @@ def test_the_input_guard_checks_the_models_length_rules_as_fatal():
 
 
 def test_a_profile_of_sequence_batches_gives_the_shared_item_table_both_features():
-    from sequence_oracle import SequenceDataModule, SequenceLogConfig, global_batch, make_model
-
     from lightning_recsys.planner.stats import profile_datamodule, resolve_table_stats
+    from lightning_recsys.testing.oracle.sequence import SequenceDataModule, SequenceLogConfig, global_batch, make_model
 
     model = make_model()
     tables = [*model.sequence_embeddings.embedding_configs(), *model.context_embeddings.embedding_bag_configs()]
