@@ -102,6 +102,16 @@ def run_rank(directory: str, rank: int, world_size: int, seconds: float, batch: 
     }
 
 
+def _described(directory: Path) -> dict:
+    """``generate``'s summary of a directory it wrote earlier (``--reuse``), from its metadata and file sizes."""
+    from lightning_recsys.data.parquet.reader import open_prepared
+
+    meta = open_prepared(directory)
+    size = sum((directory / f.path).stat().st_size for f in meta.files)
+    return {"events": meta.num_events, "users": meta.num_users, "bytes": size, "seconds": 0.0,
+            "files": len(meta.files), "row_groups": sum(len(f.row_groups) for f in meta.files)}
+
+
 def _largest_group(directory: Path) -> int:
     import pyarrow.parquet as pq
 
@@ -146,6 +156,7 @@ def main() -> None:
     parser.add_argument("--max-length", type=int, default=50)
     parser.add_argument("--root", default="/tmp/lightning_recsys_data_scale")
     parser.add_argument("--keep", action="store_true", help="keep the generated directories")
+    parser.add_argument("--reuse", action="store_true", help="measure a directory an earlier --keep run left (same --items) instead of generating it again")
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
@@ -157,9 +168,12 @@ def main() -> None:
     for events in args.events:
         for kind in args.lengths:
             directory = Path(args.root) / f"{kind}-{int(events)}"
-            if directory.exists():
-                shutil.rmtree(directory)
-            generated = generate(directory, int(events), kind, args.items, seed=0)
+            if args.reuse and (directory / "metadata.json").is_file():
+                generated = _described(directory)
+            else:
+                if directory.exists():
+                    shutil.rmtree(directory)
+                generated = generate(directory, int(events), kind, args.items, seed=0)
             largest = _largest_group(directory)
             print(f"generated {kind} {generated['events']:,} events, {generated['users']:,} users, {generated['bytes'] / 2**20:.1f} MiB, "
                   f"{generated['row_groups']} row groups in {generated['seconds']:.1f} s", flush=True)
@@ -172,7 +186,8 @@ def main() -> None:
                         f"{kind:6s} {generated['events']:>13,} W={world_size} rank {result['rank']}: peak RSS +{result['peak_rss_mib']:7.1f} MiB, "
                         f"first batch {result['first_batch_s']:5.2f} s, {result['events_per_s'] / 1e6:5.2f} M events/s, "
                         f"read {result['bytes_read'] / 2**20:7.1f} MiB of share {result['share_bytes'] / 2**20:7.1f} MiB "
-                        f"(+ largest row group {largest / 2**20:.1f} MiB)", flush=True,
+                        f"(beyond it: {(result['bytes_read'] - result['share_bytes']) / largest:+.2f} x the largest row group, "
+                        f"{largest / 2**20:.2f} MiB)", flush=True,
                     )
             if not args.keep:
                 shutil.rmtree(directory)
