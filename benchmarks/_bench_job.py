@@ -130,7 +130,7 @@ def _cached_datamodule(config: Any, unique: int, module: type | None = None) -> 
             inner = super()._dataset(split, rank, world_size)
             return _Cycled(inner) if split == "train" else inner
 
-    return _CachedDataModule(config)
+    return _CachedDataModule.from_config(config)
 
 
 def _dlrm_job(args: argparse.Namespace, total_steps: int) -> tuple[Any, Any, Any]:

@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 
 from lightning_recsys import EmbeddingOptimizerConfig, TwoDRecStrategy
 from lightning_recsys.callbacks import RunSummary
-from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.data import SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 
 
@@ -38,9 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.steps, args.batch, args.rows, args.dim = 6, 64, 100, 8
     pl.seed_everything(0, verbose=False)
     tables = [args.rows] * 26
-    data = SyntheticClickLogDataModule(
-        SyntheticClickLogConfig(table_sizes=tables, global_batch_size=args.batch, train_batches=args.steps, val_batches=1)
-    )
+    data = SyntheticClickLogDataModule(table_sizes=tables, global_batch_size=args.batch, train_batches=args.steps, val_batches=1)
     model = DLRMRanker(
         table_sizes=tables, embedding_dim=args.dim, dense_arch_layer_sizes=[512, 256, args.dim],
         over_arch_layer_sizes=[512, 256, 1], embedding_device="meta",

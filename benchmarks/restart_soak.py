@@ -50,7 +50,7 @@ def _job(args: argparse.Namespace) -> None:
 
     from lightning_recsys import DCPCheckpointIO, EmbeddingOptimizerConfig, ReplicaSyncConfig, TwoDRecStrategy
     from lightning_recsys.checkpoint import load_unsharded
-    from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+    from lightning_recsys.data import SyntheticClickLogDataModule
     from lightning_recsys.models import DLRMRanker
 
     work = Path(args.work_dir)
@@ -152,10 +152,8 @@ def _job(args: argparse.Namespace) -> None:
             num_sanity_val_steps=0, logger=False, enable_progress_bar=False, enable_model_summary=False, **validation,
         )
         data = SyntheticClickLogDataModule(
-            SyntheticClickLogConfig(
-                table_sizes=TABLE_SIZES, num_dense_features=4, global_batch_size=8 * trainer.world_size,
-                train_batches=args.batches_per_epoch, val_batches=1, seed=7,
-            )
+            table_sizes=TABLE_SIZES, num_dense_features=4, global_batch_size=8 * trainer.world_size,
+            train_batches=args.batches_per_epoch, val_batches=1, seed=7,
         )
         trainer.fit(model("meta"), datamodule=data, ckpt_path="last")
         trainer.save_checkpoint(work / name / "final.ckpt")

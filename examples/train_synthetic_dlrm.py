@@ -18,7 +18,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_recsys import EmbeddingOptimizerConfig, PlanningConfig, ReplicaSyncConfig, TwoDRecStrategy
-from lightning_recsys.data import SyntheticClickLogConfig, SyntheticClickLogDataModule
+from lightning_recsys.data import SyntheticClickLogDataModule
 from lightning_recsys.models import DLRMRanker
 
 
@@ -60,13 +60,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     args = parse_args(argv)
     pl.seed_everything(args.seed, verbose=False)
     data = SyntheticClickLogDataModule(
-        SyntheticClickLogConfig(
-            table_sizes=[args.table_rows] * args.tables,
-            global_batch_size=args.global_batch_size,
-            train_batches=args.train_batches,
-            val_batches=args.val_batches,
-            seed=args.seed,
-        )
+        table_sizes=[args.table_rows] * args.tables,
+        global_batch_size=args.global_batch_size,
+        train_batches=args.train_batches,
+        val_batches=args.val_batches,
+        seed=args.seed,
     )
     model = DLRMRanker(
         table_sizes=data.config.table_sizes,
