@@ -108,3 +108,14 @@ def test_the_shipped_configs_no_longer_nest_a_config_under_data():
     for path in configs.glob("*.yaml"):
         text = path.read_text()
         assert "init_args.config." not in text and "\n    config:" not in text, path.name
+
+
+def test_the_cli_links_read_the_sequence_module_built_from_keywords():
+    from lightning_recsys.cli.links import linked_model_arguments
+    from lightning_recsys.models import SequenceRanker
+
+    data = SyntheticSequenceDataModule(num_items=64, num_clusters=4, num_action_types=4)
+    linked = linked_model_arguments(data, SequenceRanker, {"embedding_dim": 8})
+    assert linked["item_table_size"] == 64 and linked["num_action_types"] == 4
+    with pytest.raises(ValueError, match=r"item_table_size=65 disagrees with the data's item_table_size=64"):
+        linked_model_arguments(data, SequenceRanker, {"item_table_size": 65})
