@@ -7,9 +7,9 @@ from functools import partial
 
 import pytest
 import torch
+from lightning_recsys.testing.oracle import assemble
+from lightning_recsys.testing.oracle.pretrain import ITEM_KEY, STEPS, fit_sharded, is_table, make_model, sgd_strategy, table_shards, train_unsharded
 from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble
-from pretrain_oracle import ITEM_KEY, STEPS, fit_sharded, fit_two_d, is_table, make_model, sgd_strategy, table_shards, train_unsharded
 
 from lightning_recsys import ReplicaSyncConfig
 from lightning_recsys.models.encoders import HSTUEncoder
@@ -25,7 +25,7 @@ def _state(model: torch.nn.Module) -> dict:
 
 def _fit_1d(rank: int, world_size: int) -> dict:
     model = make_model(**HSTU)
-    trainer = fit_sharded(world_size, sgd_strategy(sharding_types=["row_wise"]), model)
+    _, trainer, _ = fit_sharded(rank, world_size, sgd_strategy(sharding_types=["row_wise"]), model=model)
     assert trainer.global_step == STEPS
     return _state(model)
 
@@ -33,7 +33,7 @@ def _fit_1d(rank: int, world_size: int) -> dict:
 def _fit_2d(rank: int, world_size: int) -> dict:
     model = make_model(**HSTU)
     strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=ReplicaSyncConfig(rows="touched"))
-    trainer = fit_two_d(strategy, model, devices=PER_NODE, num_nodes=NODES)
+    _, trainer, _ = fit_sharded(rank, world_size, strategy, model=model, devices=PER_NODE, num_nodes=NODES)
     assert trainer.global_step == STEPS
     return _state(model)
 
@@ -51,11 +51,11 @@ def _equals_oracle(results: list[dict], group: range, expected: dict[str, torch.
 
 def test_hstu_pretrains_under_1d_as_unsharded_sgd_does():
     results = run_ranks(_fit_1d, 2, timeout=300)
-    _equals_oracle(results, range(2), train_unsharded(2, **HSTU))
+    _equals_oracle(results, range(2), train_unsharded(2, **HSTU).state)
 
 
 @pytest.mark.slow
 def test_hstu_pretrains_under_2d_with_a_sync_every_step_as_unsharded_sgd_does():
     # 2D with SGD and a blocking touched-row sync after every step is unsharded SGD on the global batches.
     results = run_ranks(_fit_2d, PER_NODE * NODES, timeout=400, ranks_per_node=PER_NODE)
-    _equals_oracle(results, range(PER_NODE), train_unsharded(PER_NODE * NODES, **HSTU))
+    _equals_oracle(results, range(PER_NODE), train_unsharded(PER_NODE * NODES, **HSTU).state)

@@ -13,7 +13,7 @@ from lightning.pytorch import Callback
 from lightning_recsys.testing.processes import run_ranks
 from summary_helpers import summary_rows
 from lightning.pytorch import Trainer
-from pretrain_oracle import STEPS, PretrainDataModule, make_model, sgd_strategy
+from lightning_recsys.testing.oracle.pretrain import STEPS, PretrainDataModule, make_model, sgd_strategy
 
 from lightning_recsys import QCommsConfig
 from lightning_recsys.callbacks import RunSummary, format_summary
@@ -82,7 +82,7 @@ def test_split_by_feature_sums_to_the_measured_all_to_all(sharding_type: str, qc
 
 
 def _validate(rank: int, world_size: int) -> dict:
-    from pretrain_oracle import DIM
+    from lightning_recsys.testing.oracle.pretrain import DIM
 
     strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=world_size)
     trainer = Trainer(accelerator="cpu", devices=1, num_nodes=world_size, strategy=strategy, logger=False, enable_progress_bar=False,

@@ -9,12 +9,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble
-from pretrain_oracle import (
-    ITEM_KEY, ITEMS, MAX_LENGTH, STEPS, PretrainDataModule, PretrainLogConfig, fit_two_d, global_lists, is_table, make_model,
-    sgd_strategy, slice_lists, table_shards, train_two_replicas, train_unsharded,
+from lightning_recsys.testing.oracle import assemble
+from lightning_recsys.testing.oracle.pretrain import (
+    ITEM_KEY, ITEMS, MAX_LENGTH, STEPS, PretrainDataModule, PretrainLogConfig, fit_sharded, global_batch, is_table, make_model,
+    sgd_strategy, table_shards, train_two_replicas, train_unsharded,
 )
+from lightning_recsys.testing.processes import run_ranks
 from safetensors.torch import load_file
 
 from lightning_recsys import QCommsConfig, ReplicaSyncConfig
@@ -45,7 +45,7 @@ def _fit_2d(rank: int, world_size: int) -> dict:
         model = make_model()
         sync = ReplicaSyncConfig(rows="touched", overlap=overlap)
         strategy = sgd_strategy(sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=sync)
-        trainer = fit_two_d(strategy, model, devices=PER_NODE, num_nodes=NODES)
+        _, trainer, _ = fit_sharded(rank, world_size, strategy, model=model, devices=PER_NODE, num_nodes=NODES)
         assert trainer.global_step == STEPS
         out[name] = {"shards": table_shards(model), "dense": _dense(model)}
     model = make_model(embedding_dim=FP8_DIM)
@@ -53,7 +53,7 @@ def _fit_2d(rank: int, world_size: int) -> dict:
         sharding_types=["row_wise"], sharding_group_size=PER_NODE, replica_sync=ReplicaSyncConfig(),
         qcomms=QCommsConfig(forward="fp8", backward="fp8"),
     )
-    fit_two_d(strategy, model, devices=PER_NODE, num_nodes=NODES, steps=1)
+    fit_sharded(rank, world_size, strategy, model=model, devices=PER_NODE, num_nodes=NODES, steps=1)
     out["fp8"] = {"shards": table_shards(model), "effective": strategy.effective_qcomms.precisions["sequence_all_to_all"]}
     return out
 
@@ -79,10 +79,10 @@ def test_2d_touched_row_sync_every_step_equals_the_unsharded_oracle(two_d_runs, 
     Overlapped: each average lands one step late; the oracle of two unsharded replicas does the same."""
     expected = train_two_replicas(PER_NODE, overlap=overlap)
     if not overlap:  # the two-replica oracle, synced at once, is 1D's oracle
-        for key, value in train_unsharded(WORLD).items():
+        for key, value in train_unsharded(WORLD).state.items():
             torch.testing.assert_close(expected[key], value, msg=lambda m: f"{key}: {m}")
     else:  # the late averages matter: this case can tell overlapped from blocking
-        assert not torch.allclose(expected[ITEM_KEY], train_unsharded(WORLD)[ITEM_KEY], atol=1e-3)
+        assert not torch.allclose(expected[ITEM_KEY], train_unsharded(WORLD).state[ITEM_KEY], atol=1e-3)
     _replicas_identical(two_d_runs, name)
     group = [two_d_runs[r][name]["shards"] for r in range(PER_NODE)]  # rank 0's sharding group holds a whole replica
     for key, value in expected.items():
@@ -96,7 +96,7 @@ def test_2d_touched_row_sync_every_step_equals_the_unsharded_oracle(two_d_runs, 
 
 @pytest.mark.slow
 def test_2d_fp8_sequence_all_to_all_with_negatives_stays_within_fp8_tolerance(two_d_runs):
-    expected = train_unsharded(WORLD, steps=1, embedding_dim=FP8_DIM)[ITEM_KEY]
+    expected = train_unsharded(WORLD, steps=1, embedding_dim=FP8_DIM).state[ITEM_KEY]
     initial = make_model(embedding_dim=FP8_DIM).state_dict()[ITEM_KEY]
     assert all(r["fp8"]["effective"][0].startswith("fp8") for r in two_d_runs), two_d_runs[0]["fp8"]["effective"]
     _replicas_identical(two_d_runs, "fp8")
@@ -154,7 +154,7 @@ def _evaluate_resharded(rank: int, world_size: int, ckpt_path: str, layout: str)
 def _brute_force(model: SequencePretrainer) -> dict:
     """The unsharded model's validation metrics and top-K over the validation users (the test and predict users too)."""
     config = PretrainLogConfig()
-    batch = slice_lists(global_lists(config, "val", 0), 0, config.global_batch_size)
+    batch = global_batch(config, "val", 0)
     model.eval()
     with torch.no_grad():
         queries = model.user_vectors(batch)

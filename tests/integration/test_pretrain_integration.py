@@ -4,23 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble
-from pretrain_oracle import (
-    ACTION_KEY, ITEM_KEY, ITEMS, STEPS, RecordPipeline, fit_sharded, is_table, make_model, sgd_strategy, table_shards, touched_rows, train_unsharded,
+from lightning_recsys.testing.oracle import RecordPipeline, assemble
+from lightning_recsys.testing.oracle.pretrain import (
+    ACTION_KEY, ITEM_KEY, ITEMS, STEPS, PretrainDataModule, fit_sharded, is_table, make_model, sgd_strategy, table_shards, touched_rows,
+    train_unsharded,
 )
+from lightning_recsys.testing.processes import run_ranks
 
 WORLD_SIZE = 2
 
 
 @pytest.fixture(scope="module")
 def oracle():
-    return train_unsharded(WORLD_SIZE)
+    return train_unsharded(WORLD_SIZE).state
 
 
 def _fit(rank: int, world_size: int, sharding_type: str) -> dict:
     model, record = make_model(), RecordPipeline()
-    trainer = fit_sharded(world_size, sgd_strategy(sharding_types=[sharding_type]), model, callbacks=[record])
+    _, trainer, _ = fit_sharded(rank, world_size, sgd_strategy(sharding_types=[sharding_type]), model=model, callbacks=[record])
     assert trainer.global_step == STEPS
     return {
         "shards": table_shards(model),
@@ -59,7 +60,7 @@ INIT_STD = 0.5
 
 def _meta_tables(rank: int, world_size: int, sharding_type: str) -> dict:
     model = make_model(embedding_device="meta", seed=100 + rank, init_std=INIT_STD)
-    fit_sharded(world_size, sgd_strategy(sharding_types=[sharding_type]), model, steps=1)
+    fit_sharded(rank, world_size, sgd_strategy(sharding_types=[sharding_type]), model=model, steps=1)
     return table_shards(model)
 
 
@@ -79,7 +80,6 @@ def test_tables_built_on_meta_start_at_init_std_on_every_shard(sharding_type):
 def _fit_and_save(rank: int, world_size: int, ckpt_dir: str) -> dict:
     from lightning.pytorch import Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
-    from pretrain_oracle import PretrainDataModule
 
     model = make_model(embedding_device="meta", seed=100 + rank)  # only the shards exist
     trainer = Trainer(
@@ -111,7 +111,7 @@ def _fit_quantized(rank: int, world_size: int, precision: str) -> dict:
 
     strategy = sgd_strategy(sharding_types=["row_wise"], qcomms=QCommsConfig(forward=precision, backward=precision))
     model = make_model(embedding_dim=QCOMMS_DIM)
-    fit_sharded(world_size, strategy, model, steps=1)
+    fit_sharded(rank, world_size, strategy, model=model, steps=1)
     return {"shards": table_shards(model), "effective": strategy.effective_qcomms.precisions["sequence_all_to_all"]}
 
 
@@ -121,7 +121,7 @@ def _fit_quantized(rank: int, world_size: int, precision: str) -> dict:
 @pytest.mark.parametrize("precision, tolerance", [("bf16", 5e-2), ("fp8", 1e-1), ("int8", 3e-2)])
 def test_quantized_sequence_all_to_all_with_negatives_stays_near_unsharded(precision, tolerance):
     """Inputs, targets and negatives ride the quantized sequence all-to-all; one step's table update stays near fp32's."""
-    expected = train_unsharded(WORLD_SIZE, steps=1, embedding_dim=QCOMMS_DIM)[ITEM_KEY]
+    expected = train_unsharded(WORLD_SIZE, steps=1, embedding_dim=QCOMMS_DIM).state[ITEM_KEY]
     initial = make_model(embedding_dim=QCOMMS_DIM).state_dict()[ITEM_KEY]
     results = run_ranks(_fit_quantized, WORLD_SIZE, precision, timeout=300)
     assert all(r["effective"][0] == precision or r["effective"][0].startswith(precision) for r in results), results[0]["effective"]

@@ -11,12 +11,12 @@ import pytest
 import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning_recsys.testing.oracle import RecordPipeline, assemble
+from lightning_recsys.testing.oracle.pretrain import ITEMS, MAX_LENGTH, PretrainDataModule
+from lightning_recsys.testing.oracle.pretrain import make_model as make_pretrainer
+from lightning_recsys.testing.oracle.pretrain import sgd_strategy as pretrain_strategy
+from lightning_recsys.testing.oracle.sequence import ACTIONS, CONTEXT, NUM_DENSE, SequenceDataModule, SequenceLogConfig, sgd_strategy
 from lightning_recsys.testing.processes import run_ranks
-from oracle import assemble
-from pretrain_oracle import ITEMS, MAX_LENGTH, PretrainDataModule, RecordPipeline
-from pretrain_oracle import make_model as make_pretrainer
-from pretrain_oracle import sgd_strategy as pretrain_strategy
-from sequence_oracle import ACTIONS, CONTEXT, NUM_DENSE, SequenceDataModule, SequenceLogConfig, sgd_strategy
 
 from lightning_recsys.callbacks import InitFromCheckpoint
 from lightning_recsys.checkpoint import export_safetensors, to_lightning_checkpoint

@@ -19,7 +19,7 @@ from lightning_recsys.data import RecBatch
 from lightning_recsys.models import SequencePretrainer, SequenceRanker
 from lightning_recsys.models.encoders import ENCODERS, HSTUEncoder, SASRecEncoder
 from tests.crafted_checkpoints import write_checkpoint
-from tests.pretrain_oracle import make_batch
+from lightning_recsys.testing.oracle.pretrain import make_batch
 
 DIM, LENGTH, HEADS, ATTENTION, LINEAR = 8, 7, 2, 3, 2
 POSITION_BUCKETS, TIME_BUCKETS = 6, 5

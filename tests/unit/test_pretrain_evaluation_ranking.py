@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch import Trainer
-from pretrain_oracle import make_batch
+from lightning_recsys.testing.oracle.pretrain import make_batch
 from torch.utils.data import DataLoader
 
 from lightning_recsys.models import SequencePretrainer

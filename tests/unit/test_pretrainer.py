@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
-from pretrain_oracle import make_batch
+from lightning_recsys.testing.oracle.pretrain import make_batch
 from torch.utils.data import DataLoader
 
 from lightning_recsys.data.batch import SequenceBatch

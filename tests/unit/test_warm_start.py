@@ -17,7 +17,7 @@ from lightning_recsys.data import RecBatch
 from lightning_recsys.models import SequencePretrainer, SequenceRanker
 from lightning_recsys.models.encoders import SASRecEncoder, TransActEncoder
 from tests.crafted_checkpoints import write_checkpoint
-from tests.pretrain_oracle import make_batch
+from lightning_recsys.testing.oracle.pretrain import make_batch
 
 ITEMS, DIM, LENGTH = 40, 8, 6
 ENCODER = dict(embedding_dim=DIM, num_layers=2, num_heads=2, dropout=0.0)
