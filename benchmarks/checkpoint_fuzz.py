@@ -73,11 +73,10 @@ class Harness:
     """A pristine checkpoint, and one load of it with one file replaced by mutated bytes."""
 
     def __init__(self, root: Path) -> None:
-        sys.path.insert(0, str(ROOT / "tests"))
         import warnings
 
         warnings.filterwarnings("ignore")
-        from crafted_checkpoints import extra_state_ranker, host_state, read_index_trusting, write_checkpoint
+        from lightning_recsys.testing.crafted_checkpoints import extra_state_ranker, host_state, read_index_trusting, write_checkpoint
 
         source = extra_state_ranker(seed=0)
         self.path = write_checkpoint(source, root / "last.ckpt", host_state(source))

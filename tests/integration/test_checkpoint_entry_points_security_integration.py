@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 import torch
-from crafted_checkpoints import CONFIG, HOSTILE, craft_index, host_state, ranker, write_checkpoint
+from lightning_recsys.testing.crafted_checkpoints import CONFIG, HOSTILE, craft_index, host_state, ranker, write_checkpoint
 from lightning.pytorch import Trainer
 from lightning_recsys.testing.processes import run_ranks
 from torch.distributed.checkpoint import metadata as dcp_metadata

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from crafted_checkpoints import (
+from lightning_recsys.testing.crafted_checkpoints import (
     CONFIG,
     DAMAGES,
     HOSTILE,

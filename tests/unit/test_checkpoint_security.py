@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from crafted_checkpoints import (
+from lightning_recsys.testing.crafted_checkpoints import (
     DAMAGES,
     Damage,
     RankerWithExtraState,

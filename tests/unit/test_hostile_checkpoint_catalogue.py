@@ -26,7 +26,7 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
-from crafted_checkpoints import (
+from lightning_recsys.testing.crafted_checkpoints import (
     ALL_PATHS,
     DAMAGES,
     HOSTILE,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from crafted_checkpoints import _rezip, _record_of, _replace_record, extra_state_ranker, host_state, read_index_trusting, write_checkpoint
+from lightning_recsys.testing.crafted_checkpoints import _rezip, _record_of, _replace_record, extra_state_ranker, host_state, read_index_trusting, write_checkpoint
 from lightning_recsys.checkpoint import CheckpointCorruptError, CheckpointError, load_unsharded, unsharded
 from lightning_recsys.checkpoint.index_reader import INDEX_PICKLE
 from lightning_recsys.checkpoint.pickle_guard import PickleRefused, scan

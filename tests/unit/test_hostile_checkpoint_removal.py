@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from crafted_checkpoints import host_state, ranker, write_checkpoint
+from lightning_recsys.testing.crafted_checkpoints import host_state, ranker, write_checkpoint
 from lightning_recsys.checkpoint.host_state_checks import drop_foreign_checkpoint_paths
 from lightning_recsys.checkpoint.removal import CheckpointRemovalSkipped, remove_checkpoint
 from lightning_recsys.strategies.checkpoint_io import DCPCheckpointIO

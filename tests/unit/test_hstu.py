@@ -18,7 +18,7 @@ from lightning_recsys.contracts.warm_start import WARM_START_PARTS_KEY, parts_re
 from lightning_recsys.data import RecBatch
 from lightning_recsys.models import SequencePretrainer, SequenceRanker
 from lightning_recsys.models.encoders import ENCODERS, HSTUEncoder, SASRecEncoder
-from tests.crafted_checkpoints import write_checkpoint
+from lightning_recsys.testing.crafted_checkpoints import write_checkpoint
 from lightning_recsys.testing.oracle.pretrain import make_batch
 
 DIM, LENGTH, HEADS, ATTENTION, LINEAR = 8, 7, 2, 3, 2

@@ -16,7 +16,7 @@ from lightning_recsys.contracts.warm_start import WARM_START_PARTS_KEY, WarmStar
 from lightning_recsys.data import RecBatch
 from lightning_recsys.models import SequencePretrainer, SequenceRanker
 from lightning_recsys.models.encoders import SASRecEncoder, TransActEncoder
-from tests.crafted_checkpoints import write_checkpoint
+from lightning_recsys.testing.crafted_checkpoints import write_checkpoint
 from lightning_recsys.testing.oracle.pretrain import make_batch
 
 ITEMS, DIM, LENGTH = 40, 8, 6

@@ -1,4 +1,5 @@
-"""Small committed checkpoints of a tiny DLRM, written in one process, for the checkpoint security tests."""
+"""Small committed checkpoints of a tiny DLRM, written in one process, and the catalogue of damaged and hostile
+ones (``DAMAGES``, ``HOSTILE``): for the checkpoint security tests and the checkpoint fuzzer (benchmarks/checkpoint_fuzz.py)."""
 
 from __future__ import annotations
 
