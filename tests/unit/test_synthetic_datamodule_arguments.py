@@ -2,7 +2,6 @@
 
 import dataclasses
 import inspect
-import warnings
 from pathlib import Path
 
 import pytest
@@ -71,15 +70,11 @@ def test_the_old_config_keyword_is_refused_with_the_new_way(module, config_class
 
 
 @pytest.mark.parametrize(("module", "config_class"), PAIRS, ids=IDS)
-def test_a_positional_config_still_works_with_a_deprecation_warning(module, config_class):
-    config = config_class(global_batch_size=16, seed=9)
-    with pytest.warns(DeprecationWarning, match=rf"{module.__name__}\({config_class.__name__}\(...\)\) is deprecated") as caught:
-        assert module(config).config is config
-    assert caught[0].filename == __file__  # the warning points at the caller
-    with pytest.raises(TypeError, match=r"both a positional .* and keyword fields"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        module(config, seed=3)
-    with pytest.raises(TypeError, match=r"takes keyword arguments only, got 1 positional"):
+def test_a_positional_config_is_refused_with_the_new_way(module, config_class):
+    name = module.__name__
+    with pytest.raises(TypeError, match=rf"{name} takes keyword arguments only, got a {config_class.__name__}; .*{name}\.from_config"):
+        module(config_class())
+    with pytest.raises(TypeError, match=r"takes keyword arguments only, got 1 positional argument\(s\); pass its fields"):
         module([10, 20])
 
 

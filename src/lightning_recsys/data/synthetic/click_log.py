@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -166,11 +165,13 @@ class SyntheticClickLogDataset(IterableDataset):
             yield slice_batch(self.log.global_batch(self.split, index), self.start, self.stop)
 
 
-def removed_config_argument(owner: str, config_class: type, args: tuple[Any, ...], keywords: dict[str, Any]) -> Any:
-    """The config of a deprecated ``owner(config)`` call, or ``None``; ``config=`` and unknown keywords raise ``TypeError``.
+def config_from_arguments(owner: str, config_class: type, args: tuple[Any, ...], keywords: dict[str, Any], fields: dict[str, Any]) -> Any:
+    """The validated config of a DataModule's keyword ``fields``; a positional argument, ``config=`` or an
+    unknown keyword raises ``TypeError``.
 
     ``owner`` once took one config dataclass; it now takes the config's fields as keyword arguments,
-    as every other DataModule does (so a YAML writes them under ``data.init_args``).
+    as every other DataModule does (so a YAML writes them under ``data.init_args``). ``*args`` and
+    ``**kwargs`` catch the old calls to say so, rather than Python's bare "unexpected argument".
     """
     new_way = (
         f"pass its fields as keyword arguments: {owner}(global_batch_size=..., train_batches=..., ...), or "
@@ -180,22 +181,10 @@ def removed_config_argument(owner: str, config_class: type, args: tuple[Any, ...
         raise TypeError(f"{owner} no longer takes config=; {new_way}.")
     if keywords:
         raise TypeError(f"{owner}() got an unexpected keyword argument {next(iter(keywords))!r}")
-    if not args:
-        return None
-    if len(args) > 1 or not isinstance(args[0], config_class):
-        raise TypeError(f"{owner} takes keyword arguments only, got {len(args)} positional; {new_way}.")
-    # A positional config still works for now, so that callers can move over one at a time.
-    warnings.warn(f"{owner}({config_class.__name__}(...)) is deprecated; {new_way}.", DeprecationWarning, stacklevel=4)  # the caller of __init__
-    return args[0]
-
-
-def config_from_arguments(owner: str, config_class: type, args: tuple[Any, ...], keywords: dict[str, Any], fields: dict[str, Any]) -> Any:
-    """The validated config of a DataModule's keyword ``fields`` (or of a deprecated positional config, see above)."""
-    given = removed_config_argument(owner, config_class, args, keywords)
-    config = config_class(**fields)  # validates: each error names the argument, its value and the rule
-    if given is not None and config != config_class():
-        raise TypeError(f"{owner} got both a positional {config_class.__name__} and keyword fields; pass the fields only.")
-    return config if given is None else given
+    if args:
+        given = f"a {config_class.__name__}" if isinstance(args[0], config_class) else f"{len(args)} positional argument(s)"
+        raise TypeError(f"{owner} takes keyword arguments only, got {given}; {new_way}.")
+    return config_class(**fields)  # validates: each error names the argument, its value and the rule
 
 
 class SyntheticClickLogDataModule(RankSlicedDataModule):
@@ -222,7 +211,7 @@ class SyntheticClickLogDataModule(RankSlicedDataModule):
 
     def __init__(
         self,
-        *removed: Any,  # the old positional config (deprecated); anything else raises
+        *removed: Any,  # the old positional config: a TypeError naming the keyword arguments
         table_sizes: list[int] = DEFAULT_TABLE_SIZES,
         num_dense_features: int = SyntheticClickLogConfig.num_dense_features,
         pooling_factors: list[float] | float = SyntheticClickLogConfig.pooling_factors,

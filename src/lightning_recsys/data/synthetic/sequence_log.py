@@ -288,7 +288,7 @@ class SyntheticSequenceDataModule(SequenceDataShape, RankSlicedDataModule):
 
     def __init__(
         self,
-        *removed: Any,  # the old positional config (deprecated); anything else raises
+        *removed: Any,  # the old positional config: a TypeError naming the keyword arguments
         num_items: int = SyntheticSequenceConfig.num_items,
         num_clusters: int = SyntheticSequenceConfig.num_clusters,
         zipf_exponent: float = SyntheticSequenceConfig.zipf_exponent,
