@@ -33,11 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))  # emulated/ and restart_soak.py, when run as a script or loaded by a test
-
-import restart_soak  # noqa: E402
-from emulated.network import (  # noqa: E402
+import restart_soak  # a sibling: benchmarks/ is the script's folder (and on pytest's pythonpath)
+from emulated.network import (
     Environment, SetupError, build_cluster, kill_pids, namespace_pids, preflight, remove_stale_namespaces, sandbox_guard, set_link,
 )  # fmt: skip
 

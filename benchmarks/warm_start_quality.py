@@ -41,10 +41,9 @@ import torch
 import yaml
 from torchmetrics.functional.classification import binary_auroc
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import quality  # noqa: E402  (the benchmarks folder is not a package)
+import quality  # a sibling: benchmarks/ is the script's folder (and on pytest's pythonpath)
 
-from lightning_recsys.data.sequences import SequenceFileRankingDataModule  # noqa: E402
+from lightning_recsys.data.sequences import SequenceFileRankingDataModule
 
 CONFIGS = quality.CONFIGS
 MODELS = ("scratch", "warm", "dlrm")

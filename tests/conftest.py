@@ -1,11 +1,6 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.distributed as dist
-
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(autouse=True)

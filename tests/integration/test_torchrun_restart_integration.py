@@ -7,16 +7,10 @@ and the final models are compared: batches and examples trained, weights bit for
 
 from __future__ import annotations
 
-import importlib.util
 import re
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("restart_soak", ROOT / "benchmarks" / "restart_soak.py")
-restart_soak = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(restart_soak)
+import restart_soak  # benchmarks/restart_soak.py
 
 
 def _assert_resumed_exactly(record: dict, resumed_steps: list[int]) -> None:

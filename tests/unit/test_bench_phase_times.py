@@ -1,27 +1,9 @@
 """benchmarks/_bench_job.py's phase timer: per-step phases grouped by the step's position in the sync interval."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
-import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+import _bench_job as bench_job  # benchmarks/_bench_job.py
 
 
-@pytest.fixture(scope="module")
-def bench_job():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("_bench_job_under_test", ROOT / "benchmarks" / "_bench_job.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
-
-
-def test_phases_are_averaged_per_position_in_the_sync_interval_over_the_timed_steps_only(bench_job):
+def test_phases_are_averaged_per_position_in_the_sync_interval_over_the_timed_steps_only():
     timer = bench_job._PhaseTimer.__new__(bench_job._PhaseTimer)  # without wrapping the product's methods
     # 2 warm-up steps, then 6 timed steps of an interval of 3: the last position syncs, the middle one is slow.
     timer.steps = [{"forward": 9.0, "backward": 9.0}] * 2 + [

@@ -8,29 +8,13 @@ benchmark; its count is in docs/checkpoints.md.
 
 from __future__ import annotations
 
-import importlib.util
 import signal
-import sys
-from pathlib import Path
 from typing import Any
 
+import checkpoint_fuzz as fuzz  # benchmarks/checkpoint_fuzz.py
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _fuzz_module() -> Any:
-    spec = importlib.util.spec_from_file_location("_checkpoint_fuzz_under_test", ROOT / "benchmarks" / "checkpoint_fuzz.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _fuzz_module()
 
 
 @pytest.fixture(scope="module")

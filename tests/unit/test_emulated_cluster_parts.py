@@ -5,20 +5,22 @@ The full run (namespaces, shaping, two torchrun launches) is tests/integration/t
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from types import ModuleType
 
+import _workload
+import emulated.configs
+import emulated.prediction
+import emulated.report
+import emulated.runs
+import emulated_cluster
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their siblings as top-level modules
-    names = ("emulated_cluster", "emulated.configs", "emulated.report", "emulated.runs", "emulated.prediction", "_workload")
-    return {name: importlib.import_module(name) for name in names}
+def bench() -> dict[str, ModuleType]:
+    """The benchmark modules under test by name (benchmarks/ is on pytest's pythonpath, as their siblings expect)."""
+    return {m.__name__: m for m in (emulated_cluster, emulated.configs, emulated.report, emulated.runs, emulated.prediction, _workload)}
 
 
 def _result(step_s: float, inter_bytes: float) -> dict:

@@ -3,22 +3,21 @@ arguments, and the per-repeat statements (the full run: tests/integration/test_e
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from types import ModuleType
 
+import emulated.configs
+import emulated.prediction
+import emulated_cluster
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 TINY = ["--workload", "pretrain", "--items", "5000", "--pretrain-users", "600", "--embedding-dim", "16", "--global-batch-size", "64",
         "--num-negatives", "32", "--max-length", "20"]  # fmt: skip
 
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their siblings as top-level modules
-    names = ("emulated_cluster", "emulated.configs", "emulated.prediction")
-    return {name: importlib.import_module(name) for name in names}
+def bench() -> dict[str, ModuleType]:
+    """The benchmark modules under test by name (benchmarks/ is on pytest's pythonpath, as their siblings expect)."""
+    return {m.__name__: m for m in (emulated_cluster, emulated.configs, emulated.prediction)}
 
 
 def test_the_pretrain_workload_learns_its_shape_and_passes_its_options_to_the_job(bench):

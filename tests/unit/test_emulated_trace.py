@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
 from types import ModuleType
 
+import _bench_job
+import emulated.configs
+import emulated.network
+import emulated.runs
+import emulated_cluster
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their siblings as top-level modules
-    return {name: importlib.import_module(name) for name in ("emulated_cluster", "emulated.configs", "emulated.network", "emulated.runs", "_bench_job")}
+def bench() -> dict[str, ModuleType]:
+    """The benchmark modules under test by name (benchmarks/ is on pytest's pythonpath, as their siblings expect)."""
+    return {m.__name__: m for m in (emulated_cluster, emulated.configs, emulated.network, emulated.runs, _bench_job)}
 
 
 def test_only_the_traced_configurations_shaped_cluster_run_writes_a_trace(bench, tmp_path):

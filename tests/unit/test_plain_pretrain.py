@@ -1,24 +1,17 @@
 """benchmarks/_plain_pretrain.py: the plain-PyTorch reference computes SequencePretrainer's loss on the same batch and weights."""
 
-import importlib
-import sys
-from pathlib import Path
-
+import _plain_pretrain  # benchmarks/_plain_pretrain.py
+import _pretrain_speed_workload  # benchmarks/_pretrain_speed_workload.py
 import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
 ITEMS, DIM, LENGTH = 200, 8, 8
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        yield importlib.import_module("_plain_pretrain"), importlib.import_module("_pretrain_speed_workload")
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return _plain_pretrain, _pretrain_speed_workload
 
 
 def _pair(bench, **options):

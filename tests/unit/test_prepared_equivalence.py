@@ -3,7 +3,6 @@ difference is reported (exit 1)."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -12,14 +11,7 @@ pytest.importorskip("duckdb")
 
 from lightning_recsys.cli import main as cli_main  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _equivalence():
-    spec = importlib.util.spec_from_file_location("prepared_equivalence", ROOT / "benchmarks" / "prepared_equivalence.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+import prepared_equivalence  # noqa: E402  (benchmarks/prepared_equivalence.py)
 
 
 def _text(path: Path, extra: str = "") -> Path:
@@ -40,7 +32,7 @@ def _prepare(text: Path, output: Path) -> Path:
 def test_the_prepared_directory_gives_the_text_files_examples(tmp_path, capsys, world_size):
     text = _text(tmp_path / "seq.txt")
     prepared = _prepare(text, tmp_path / "prepared")
-    code = _equivalence().main(["--text", str(text), "--prepared", str(prepared), "--world-size", str(world_size),
+    code = prepared_equivalence.main(["--text", str(text), "--prepared", str(prepared), "--world-size", str(world_size),
                                 "--max-length", "4", "--global-batch-size", "6"])
     out = capsys.readouterr().out
     assert code == 0, out
@@ -50,6 +42,6 @@ def test_the_prepared_directory_gives_the_text_files_examples(tmp_path, capsys, 
 def test_a_difference_is_reported(tmp_path, capsys):
     prepared = _prepare(_text(tmp_path / "seq.txt"), tmp_path / "prepared")
     changed = _text(tmp_path / "changed.txt", extra="30 5\n")  # one more event for the last user
-    code = _equivalence().main(["--text", str(changed), "--prepared", str(prepared), "--max-length", "4", "--global-batch-size", "6"])
+    code = prepared_equivalence.main(["--text", str(changed), "--prepared", str(prepared), "--max-length", "4", "--global-batch-size", "6"])
     assert code == 1
     assert "1 missing, 1 extra" in capsys.readouterr().out

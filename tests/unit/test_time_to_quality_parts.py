@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from types import ModuleType
 
+import _quality_job
+import time_to_quality
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -14,9 +15,9 @@ CONFIG = BENCHMARKS.parent / "examples" / "configs" / "synthetic_pretrain.yaml"
 
 
 @pytest.fixture
-def bench(monkeypatch: pytest.MonkeyPatch) -> dict[str, ModuleType]:
-    monkeypatch.syspath_prepend(str(BENCHMARKS))  # the scripts import their siblings as top-level modules
-    return {name: importlib.import_module(name) for name in ("time_to_quality", "_quality_job")}
+def bench() -> dict[str, ModuleType]:
+    """The benchmark modules under test by name (benchmarks/ is on pytest's pythonpath, as their siblings expect)."""
+    return {m.__name__: m for m in (time_to_quality, _quality_job)}
 
 
 def test_overrides_reach_the_model_through_the_configs_interpolations(bench):
