@@ -294,3 +294,64 @@ def test_the_layer_rules_catch_an_upward_import(tmp_path, monkeypatch):
         "lightning_recsys.contracts.names imports lightning_recsys.models (lightning_recsys.contracts may import only itself)",
         "lightning_recsys.models.m imports lightning_recsys.parallel (models/ imports no runtime or storage layer)",
     ]
+
+
+# ----------------------------------------------------------------------------------- the test helpers
+TESTING = "lightning_recsys.testing"
+REPO = SRC.parent
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level names a module's every import statement reaches (relative imports are the package's own)."""
+    names = set()
+    for node in _every_import(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def _repository_modules() -> set[str]:
+    """What tests/ and benchmarks/ make importable by name (pytest's pythonpath): their modules and packages."""
+    names = {"tests", "benchmarks"}
+    for folder in (REPO / "tests", REPO / "benchmarks"):
+        names |= {p.stem for p in folder.glob("*.py")} | {p.parent.name for p in folder.glob("*/__init__.py")}
+    return names
+
+
+def test_only_the_test_helpers_import_the_test_helpers_and_they_import_no_test_or_benchmark():
+    graph = _import_graph(_every_import)
+    assert "lightning_recsys.testing.oracle.core" in graph["lightning_recsys.testing.oracle.click"]
+    users = sorted(f"{name} imports {t}" for name, targets in graph.items() if not _inside(name, TESTING) for t in targets if _inside(t, TESTING))
+    assert users == [], "the product imports its test helpers"
+    repository = _repository_modules()
+    assert {"conftest", "docs_text", "quality", "emulated"} <= repository
+    borrowed = {
+        name: sorted(_top_level_imports(path) & repository) for name, path in _modules().items() if _inside(name, TESTING)
+    }
+    assert {name: found for name, found in borrowed.items() if found} == {}, "a test helper imports from tests/ or benchmarks/"
+
+
+def test_the_oracle_trains_its_reference_without_a_process_group():
+    # The unsharded reference is single-device: no module of the oracle imports torch.distributed (a sharded fit
+    # gets its process group from the Trainer and the strategy it is given).
+    oracle = {name: path for name, path in _modules().items() if _inside(name, f"{TESTING}.oracle")}
+    assert f"{TESTING}.oracle.core" in oracle and len(oracle) >= 4
+    for name, path in oracle.items():
+        for node in _every_import(ast.parse(path.read_text(), str(path))):
+            reached = [alias.name for alias in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            assert not any(r == "torch.distributed" or r.startswith("torch.distributed.") for r in reached), f"{name} imports {reached}"
+            if isinstance(node, ast.ImportFrom) and node.module == "torch":
+                assert "distributed" not in {alias.name for alias in node.names}, name
+
+
+def test_importing_the_test_helpers_imports_none_of_them():
+    out = _python(
+        f"""
+        import sys
+        import {TESTING}
+        print(sorted(m for m in sys.modules if m.startswith("{TESTING}.")))
+        """
+    )
+    assert out.strip().splitlines()[-1] == "[]"
