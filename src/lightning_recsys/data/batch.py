@@ -46,12 +46,16 @@ class SequenceBatch:
     - ``seen_ids`` / ``seen_lengths``: per example, every item the user touched before the target
       (its whole history, not cut to the model's maximum length), to be removed from a full ranking;
       empty (lengths 0) in training batches.
+    - ``timestamps``: ``[sum of item_id lengths]`` int64, the time (seconds) of each input item, aligned
+      with ``item_id``'s values like ``next_item_ids``; ``None`` when the data has no times. The models
+      pad them into the same slots as the items (``SequencePretrainer`` passes them to its encoder).
     """
 
     sparse: KeyedJaggedTensor
     next_item_ids: torch.Tensor
     seen_ids: torch.Tensor
     seen_lengths: torch.Tensor
+    timestamps: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:
@@ -63,6 +67,7 @@ class SequenceBatch:
             next_item_ids=self.next_item_ids.to(device, non_blocking=non_blocking),
             seen_ids=self.seen_ids.to(device, non_blocking=non_blocking),
             seen_lengths=self.seen_lengths.to(device, non_blocking=non_blocking),
+            timestamps=None if self.timestamps is None else self.timestamps.to(device, non_blocking=non_blocking),
         )
 
     def pin_memory(self) -> "SequenceBatch":
@@ -71,6 +76,7 @@ class SequenceBatch:
             next_item_ids=self.next_item_ids.pin_memory(),
             seen_ids=self.seen_ids.pin_memory(),
             seen_lengths=self.seen_lengths.pin_memory(),
+            timestamps=None if self.timestamps is None else self.timestamps.pin_memory(),
         )
 
 

@@ -78,7 +78,8 @@ class SequencePretrainer(RecsysModule):
 
     Architecture: each token is ``item embedding + action embedding``, padded on the right to
     ``max_length`` (an example longer than that keeps its newest ``max_length`` items; slot 0: the oldest
-    kept item), and goes through ``encoder``, a causal ``SequenceEncoder`` (``lightning_recsys.contracts.encoder``;
+    kept item), and goes through ``encoder`` (with the batch's ``timestamps``, where it has them, padded
+    into the same slots as ``[B, max_length]`` int64: ``HSTUEncoder``'s time buckets read them), a causal ``SequenceEncoder`` (``lightning_recsys.contracts.encoder``;
     default ``SASRecEncoder``, SASRec+ after Klenitskiy & Vasilev, RecSys 2023), in attribute ``encoder``.
     The output ``h_t`` at position ``t`` scores item ``j`` as ``h_t · e_j`` with the item table's own rows
     (tied input and output); with ``l2_normalize`` both are L2-normalised first (as HSTU). The encoder and
@@ -217,7 +218,9 @@ class SequencePretrainer(RecsysModule):
             tokens = tokens + looked_up[ACTION_FEATURE].values()
         with step_phase(ENCODER_PHASE):
             padded, valid = ops.oldest_first_padded(items.lengths(), tokens, self.max_length)
-            hidden = self.encoder(padded, valid)
+            # Each item's time in its token's slot; without times the encoder is called as before (no third argument).
+            timestamps = ops.padded_timestamps(items.lengths(), batch.timestamps, tokens.shape[0], self.max_length, _OWNER)
+            hidden = self.encoder(padded, valid) if timestamps is None else self.encoder(padded, valid, timestamps)
         return hidden, valid, looked_up
 
     def training_losses(self, batch: SequenceBatch) -> dict[str, torch.Tensor]:

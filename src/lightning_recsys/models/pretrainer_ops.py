@@ -33,6 +33,21 @@ def oldest_first_padded(lengths: torch.Tensor, values: torch.Tensor, max_length:
     return with_zero_row[index], valid
 
 
+@torch.fx.wrap  # data-dependent shapes, and None without timestamps: one leaf of the trace
+def padded_timestamps(lengths: torch.Tensor, timestamps: torch.Tensor | None, num_items: int, max_length: int, owner: str) -> torch.Tensor | None:
+    """The batch's ``timestamps`` (one per input item) in the slots ``oldest_first_padded`` gives the items: ``[B, max_length]``
+    int64, 0 on padding; ``None`` without timestamps. ``num_items``: how many input items the batch has."""
+    if timestamps is None:
+        return None
+    if timestamps.shape != (num_items,):
+        raise ValueError(
+            f"{owner}: the batch's timestamps have shape {tuple(timestamps.shape)}, but there must be one per input item "
+            f"({num_items}, aligned with item_id's values)."
+        )
+    padded, _ = oldest_first_padded(lengths, timestamps.long(), max_length)
+    return padded
+
+
 @torch.fx.wrap
 def check_features(sparse: KeyedJaggedTensor, required: list[str], owner: str) -> None:
     """Raise ``ValueError`` naming the features of ``required`` that the batch's KJT lacks."""

@@ -25,6 +25,10 @@ is cut between ranks and ordered:
   history, what a serving system sees, and the seen ids are every item of it; ``"test"``: the test
   view (users with >= 3 events, the last item held out). Predict batches are
   ``UserSequenceBatch``es: they carry ``user_ids`` (the ids of ``user_id``, on the CPU).
+- Timestamps: where the directory has a ``timestamps`` column (``metadata.has_timestamps``: ``prepare``
+  with a time column) and ``timestamps=True``, every batch carries each input item's time in
+  ``SequenceBatch.timestamps`` (cut and shuffled with the items), which ``SequencePretrainer`` passes
+  to its encoder (``HSTUEncoder``'s time buckets read them); otherwise ``timestamps`` is ``None``.
 """
 
 from __future__ import annotations
@@ -71,9 +75,12 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         num_workers: ``DataLoader`` worker processes per rank (0: read in the training process).
         prefetch_factor: batches each worker prepares ahead (with ``num_workers > 0``).
         predict_view: ``"full"``: predict from every user's whole history; ``"test"``: the test examples.
+        timestamps: read the ``timestamps`` column where the directory has one and put each input item's
+            time in the batches (``SequenceBatch.timestamps``); False leaves the column unread (no bytes
+            read, batches without times, as for a directory without the column).
 
     Attributes read from ``metadata.json`` alone (no event is read): ``num_items``, ``num_action_types``,
-    ``num_users``, ``num_events``, ``metadata``.
+    ``num_users``, ``num_events``, ``has_timestamps``, ``metadata``.
     """
 
     def __init__(
@@ -88,6 +95,7 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         num_workers: int = 0,
         prefetch_factor: int = 2,
         predict_view: PredictView = "full",
+        timestamps: bool = True,
     ) -> None:
         super().__init__()
         if not str(path):
@@ -104,10 +112,13 @@ class SequenceParquetDataModule(RankSlicedDataModule):
         check_int("prefetch_factor", prefetch_factor, 1)
         if predict_view not in ("full", "test"):
             raise ValueError(f"predict_view={predict_view!r} must be 'full' (the whole history) or 'test' (the test examples).")
+        if not isinstance(timestamps, bool):
+            raise ValueError(f"timestamps={timestamps!r} must be true (read the directory's timestamps, if any) or false.")
         self.path, self.max_length, self.num_negatives = str(path), max_length, num_negatives
         self.global_batch_size, self.shuffle, self.seed = global_batch_size, shuffle, seed
         self.shuffle_buffer, self.num_workers, self.prefetch_factor = shuffle_buffer, num_workers, prefetch_factor
         self.predict_view: PredictView = predict_view
+        self.timestamps = timestamps
         self._metadata: PreparedMetadata | None = None
         self._exact_counts: dict[tuple[int, int, str], list[int]] = {}
         self.counter = ByteCounter()  # bytes and events read by this process's readers (workers count their own)
@@ -130,6 +141,11 @@ class SequenceParquetDataModule(RankSlicedDataModule):
     def num_action_types(self) -> int:
         """Action types of the ``action`` feature; 0 when the data has none."""
         return self.metadata.num_action_types
+
+    @property
+    def has_timestamps(self) -> bool:
+        """Whether the batches carry timestamps: the directory has them and ``timestamps`` is True."""
+        return self.timestamps and self.metadata.has_timestamps
 
     @property
     def num_users(self) -> int:
@@ -156,7 +172,7 @@ class SequenceParquetDataModule(RankSlicedDataModule):
 
     # --- batches --------------------------------------------------------------------------------------
     def _reader(self, *, with_user_ids: bool) -> PreparedReader:
-        return PreparedReader(self.path, self.metadata, with_user_ids=with_user_ids, counter=self.counter)
+        return PreparedReader(self.path, self.metadata, with_user_ids=with_user_ids, counter=self.counter, timestamps=self.timestamps)
 
     def training_batches(self, world_size: int) -> int:
         """Training batches per epoch on every rank: the fewest any rank is sure to fill (see the module docstring)."""

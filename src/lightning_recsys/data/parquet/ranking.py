@@ -38,7 +38,7 @@ _SPLIT_IDS = {"train": 0, "val": 1, "test": 2}
 
 def rank_sequences(path: str, metadata: PreparedMetadata, rank: int, world_size: int) -> tuple[UserSequences, int]:
     """Every user of ``rank`` concatenated (ids as read), and the global index of its first user."""
-    reader = PreparedReader(path, metadata, with_user_ids=True)
+    reader = PreparedReader(path, metadata, with_user_ids=True, timestamps=False)  # RecBatch pairs carry no times: left unread
     chunks = [reader.read(segment) for segment in plan_rank(metadata, rank, world_size)]
     reader.close()
     first = rank_range(metadata.num_users, rank, world_size)[0]

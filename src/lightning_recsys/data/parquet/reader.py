@@ -13,11 +13,13 @@ they are known:
 
 - opening: the file exists and is parquet (magic bytes, a readable footer); its schema has
   ``user_id`` of the metadata's ``user_id_type``, ``item_rows`` as a list of int32/int64, and
-  ``actions`` (a list of integers) where the metadata says there are actions; its row groups and
-  their row counts are those ``metadata.json`` lists;
+  ``actions`` (a list of integers) where the metadata says there are actions, and ``timestamps``
+  (a list of int64) where it says there are timestamps and they are read; its row groups and their
+  row counts are those ``metadata.json`` lists;
 - reading a segment: the row group decodes (a truncated or corrupt file fails here); no user's
   list is null or empty; no item row is null, negative or ``>= num_items``; ``actions`` has the
-  same length as ``item_rows`` in every row and values in ``[0, num_action_types)``; a whole row
+  same length as ``item_rows`` in every row and values in ``[0, num_action_types)``; ``timestamps``
+  has the same length as ``item_rows``, no null, and never decreases within a row (oldest first); a whole row
   group's events equal the metadata's count; and **no user id appears twice in the rows read from
   one row group**. Duplicates across row groups or files are not detected by the reader (it keeps
   no set of every id, which would grow with the data); ``prepare`` writes each user once.
@@ -39,6 +41,7 @@ from lightning_recsys.data.parquet.contract import (
     ACTIONS_COLUMN,
     ITEM_ROWS_COLUMN,
     METADATA_FILE,
+    TIMESTAMPS_COLUMN,
     USER_ID_COLUMN,
     PreparedDataError,
     PreparedMetadata,
@@ -148,18 +151,22 @@ class PreparedReader:
     """Reads segments of one prepared directory, validating as it goes (see the module docstring).
 
     ``with_user_ids``: convert the user ids to numpy (evaluation and predict need them; training
-    checks them for duplicates in arrow and never converts them).
+    checks them for duplicates in arrow and never converts them). ``timestamps``: read the
+    ``timestamps`` column where the metadata says the files have it (``with_timestamps``); False
+    leaves it unread (no bytes, no checks) and the sequences without times.
     """
 
     def __init__(
         self, directory: str | os.PathLike[str], metadata: PreparedMetadata, *, with_user_ids: bool = True,
-        counter: ByteCounter | None = None,
+        counter: ByteCounter | None = None, timestamps: bool = True,
     ) -> None:
         self.directory, self.metadata, self.with_user_ids = Path(directory), metadata, with_user_ids
+        self.with_timestamps = bool(timestamps and metadata.has_timestamps)
         self.counter = counter if counter is not None else ByteCounter()
         self._files: dict[str, tuple[pq.ParquetFile, _CountingFile]] = {}
         self._footers: dict[str, pq.FileMetaData] = {}  # a few KiB per file of this rank
         self._columns = [USER_ID_COLUMN, ITEM_ROWS_COLUMN] + ([ACTIONS_COLUMN] if metadata.has_actions else [])
+        self._columns += [TIMESTAMPS_COLUMN] if self.with_timestamps else []
 
     @property
     def bytes_read(self) -> int:
@@ -218,6 +225,8 @@ class PreparedReader:
         _check_list(schema, ITEM_ROWS_COLUMN, name, (pa.int32(), pa.int64()))
         if self.metadata.has_actions:
             _check_list(schema, ACTIONS_COLUMN, name, None)
+        if self.with_timestamps:
+            _check_list(schema, TIMESTAMPS_COLUMN, name, (pa.int64(),))
         info = self.metadata.files[segment.file_index]
         stated = [group.num_rows for group in info.row_groups]
         actual = [parquet.metadata.row_group(i).num_rows for i in range(parquet.metadata.num_row_groups)]
@@ -280,27 +289,16 @@ class PreparedReader:
                 "describe this file. Prepare the directory again (or rerun describe)."
             )
         actions = self._actions(table, lengths, offsets, segment, where) if self.metadata.has_actions else None
+        timestamps = self._timestamps(table, lengths, offsets, segment, where) if self.with_timestamps else None
         user_ids = _user_ids(users) if self.with_user_ids else np.zeros(0, dtype=np.int64)
         sequences = UserSequences(
             items=items, offsets=offsets, user_ids=user_ids, num_items=num_items,
-            num_action_types=self.metadata.num_action_types, actions=actions,
+            num_action_types=self.metadata.num_action_types, actions=actions, timestamps=timestamps,
         )
         return UserChunk(sequences, segment)
 
     def _actions(self, table: pa.Table, lengths: np.ndarray, offsets: np.ndarray, segment: Segment, where: str) -> np.ndarray:
-        column = _one_chunk(table.column(ACTIONS_COLUMN))
-        action_lengths = column.value_lengths().fill_null(-1).to_numpy()
-        if not np.array_equal(action_lengths, lengths):
-            row = int(np.flatnonzero(action_lengths != lengths)[0])
-            raise PreparedDataError(
-                f"{where}, row {segment.start + row}: actions has {int(action_lengths[row])} values (-1: null) but item_rows "
-                f"has {int(lengths[row])}; every list of a row has one entry per event."
-            )
-        flat = column.flatten()
-        if flat.null_count:
-            position = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
-            raise PreparedDataError(f"{where}, row {segment.start + _row_of(offsets, position)}: actions holds a null.")
-        actions = flat.to_numpy().astype(np.int64, copy=False)
+        actions = _aligned_list(table, ACTIONS_COLUMN, lengths, offsets, segment, where)
         types = self.metadata.num_action_types
         if len(actions) and (actions.min() < 0 or actions.max() >= types):
             position = int(np.flatnonzero((actions < 0) | (actions >= types))[0])
@@ -309,6 +307,37 @@ class PreparedReader:
                 f"[0, num_action_types={types})."
             )
         return actions
+
+    def _timestamps(self, table: pa.Table, lengths: np.ndarray, offsets: np.ndarray, segment: Segment, where: str) -> np.ndarray:
+        timestamps = _aligned_list(table, TIMESTAMPS_COLUMN, lengths, offsets, segment, where)
+        # Oldest first (the contract): a later event of the same user may share its time but never be older.
+        older = np.flatnonzero(timestamps[1:] < timestamps[:-1]) + 1
+        older = older[offsets[np.searchsorted(offsets, older, side="right") - 1] != older]  # not a user's first event
+        if len(older):
+            position = int(older[0])
+            row = _row_of(offsets, position)
+            raise PreparedDataError(
+                f"{where}, row {segment.start + row}: timestamps decrease at event {position - int(offsets[row])} "
+                f"({int(timestamps[position - 1])} then {int(timestamps[position])}); a user's events are stored oldest first."
+            )
+        return timestamps
+
+
+def _aligned_list(table: pa.Table, column_name: str, lengths: np.ndarray, offsets: np.ndarray, segment: Segment, where: str) -> np.ndarray:
+    """A list column with one entry per event (``actions``, ``timestamps``) as flat int64, checked against ``item_rows``' lengths."""
+    column = _one_chunk(table.column(column_name))
+    column_lengths = column.value_lengths().fill_null(-1).to_numpy()
+    if not np.array_equal(column_lengths, lengths):
+        row = int(np.flatnonzero(column_lengths != lengths)[0])
+        raise PreparedDataError(
+            f"{where}, row {segment.start + row}: {column_name} has {int(column_lengths[row])} values (-1: null) but item_rows "
+            f"has {int(lengths[row])}; every list of a row has one entry per event."
+        )
+    flat = column.flatten()
+    if flat.null_count:
+        position = int(np.flatnonzero(flat.is_null().to_numpy(zero_copy_only=False))[0])
+        raise PreparedDataError(f"{where}, row {segment.start + _row_of(offsets, position)}: {column_name} holds a null.")
+    return flat.to_numpy().astype(np.int64, copy=False)
 
 
 _MAGIC = b"PAR1"

@@ -3,7 +3,8 @@
 Examples follow the leave-one-out split of ``SequenceFileDataModule`` (``LeaveOneOutSplit``, per user)
 and batches are built by the same ``sequence_batch``; see ``module.py`` for the user-facing rules.
 
-Every example is held in a ``_Pool`` as its own short sequence: only the items its batch can use
+Every example is held in a ``_Pool`` as its own short sequence: only the items (with their actions and
+times) its batch can use
 (training: the newest ``max_length + 1`` items up to its target; evaluation: the whole prefix up to
 its target, which is its seen ids). The pool holds at most ``shuffle_buffer`` examples plus one row
 group's, so memory does not grow with the data.
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -35,13 +36,16 @@ class UserSequenceBatch(SequenceBatch):
 
     user_ids: Any = None  # numpy: int64, or object for string ids
 
+    @classmethod
+    def of(cls, batch: SequenceBatch, user_ids: Any) -> UserSequenceBatch:
+        """``batch``'s fields (by name: a field added to ``SequenceBatch`` is carried too) with ``user_ids``."""
+        return cls(**{f.name: getattr(batch, f.name) for f in fields(SequenceBatch)}, user_ids=user_ids)
+
     def to(self, device: torch.device | str, non_blocking: bool = False) -> UserSequenceBatch:
-        moved = super().to(device, non_blocking=non_blocking)
-        return UserSequenceBatch(moved.sparse, moved.next_item_ids, moved.seen_ids, moved.seen_lengths, self.user_ids)
+        return UserSequenceBatch.of(super().to(device, non_blocking=non_blocking), self.user_ids)
 
     def pin_memory(self) -> UserSequenceBatch:
-        pinned = super().pin_memory()
-        return UserSequenceBatch(pinned.sparse, pinned.next_item_ids, pinned.seen_ids, pinned.seen_lengths, self.user_ids)
+        return UserSequenceBatch.of(super().pin_memory(), self.user_ids)
 
 
 def example_bounds(segment: Segment, view: View) -> tuple[int, int]:
@@ -64,9 +68,11 @@ def chunk_examples(chunk: UserChunk, view: View) -> tuple[np.ndarray, np.ndarray
 class _Pool:
     """Pending examples, each stored as its own sequence; ``take`` hands them out in the pool's order."""
 
-    def __init__(self, num_items: int, num_action_types: int, *, keep: int | None, full: bool, with_ids: bool) -> None:
+    def __init__(
+        self, num_items: int, num_action_types: int, *, keep: int | None, full: bool, with_ids: bool, with_timestamps: bool = False,
+    ) -> None:
         self.num_items, self.num_action_types = num_items, num_action_types
-        self.keep, self.full, self.with_ids = keep, full, with_ids
+        self.keep, self.full, self.with_ids, self.with_timestamps = keep, full, with_ids, with_timestamps
         self.sequences: UserSequences | None = None
         self.ends = np.zeros(0, dtype=np.int64)
         self.order = np.zeros(0, dtype=np.int64)
@@ -87,9 +93,10 @@ class _Pool:
         np.cumsum(lengths, out=offsets[1:])
         actions = np.concatenate([p[2] for p in parts]) if self.num_action_types else None
         user_ids = np.concatenate([p[3] for p in parts]) if self.with_ids else np.zeros(0, dtype=np.int64)
+        timestamps = np.concatenate([p[4] for p in parts]) if self.with_timestamps else None
         self.sequences = UserSequences(
             items=items, offsets=offsets, user_ids=user_ids, num_items=self.num_items,
-            num_action_types=self.num_action_types, actions=actions,
+            num_action_types=self.num_action_types, actions=actions, timestamps=timestamps,
         )
         self.ends = lengths
         self.order = rng.permutation(len(lengths)) if rng is not None else np.arange(len(lengths))
@@ -111,7 +118,11 @@ class _Pool:
             lengths = stop - start
         actions = sequences.actions[positions] if self.num_action_types else None
         ids = sequences.user_ids[users] if self.with_ids else None
-        return sequences.items[positions], lengths, actions, ids
+        if self.with_timestamps and sequences.timestamps is None:
+            raise ValueError("the pool carries timestamps, but these sequences have none.")
+        # The full view's repeated last item repeats its time too, so the times stay oldest first.
+        timestamps = sequences.timestamps[positions] if self.with_timestamps else None
+        return sequences.items[positions], lengths, actions, ids, timestamps
 
     def take(self, count: int, negatives: torch.Tensor | None, max_length: int, *, build: bool = True) -> SequenceBatch | None:
         chosen = self.order[self.cursor : self.cursor + count]
@@ -122,7 +133,7 @@ class _Pool:
         batch = sequence_batch(self.sequences, chosen, self.ends[chosen], max_length, negatives=negatives)
         if negatives is not None:
             return batch
-        return UserSequenceBatch(batch.sparse, batch.next_item_ids, batch.seen_ids, batch.seen_lengths, self.sequences.user_ids[chosen])
+        return UserSequenceBatch.of(batch, self.sequences.user_ids[chosen])
 
 
 def _ranges(starts: np.ndarray, stops: np.ndarray) -> np.ndarray:
@@ -253,7 +264,10 @@ class TrainingStream(IterableDataset):
         mine, quota = dealt[worker], quotas[worker]
         skip = _worker_skip(self.current_skip, quotas, worker)
         meta = self.reader.metadata
-        pool = _Pool(meta.num_items, meta.num_action_types, keep=self.max_length + 1, full=False, with_ids=False)
+        pool = _Pool(
+            meta.num_items, meta.num_action_types, keep=self.max_length + 1, full=False, with_ids=False,
+            with_timestamps=self.reader.with_timestamps,
+        )
         rng = np.random.default_rng([self.seed, epoch, self.rank, 1 + worker]) if self.shuffle else None
         hold = self.shuffle_buffer if self.shuffle else 0
         draws = np.random.default_rng([self.seed, 0, epoch, self.rank, worker])
@@ -324,7 +338,10 @@ class EvaluationStream(IterableDataset):
         bounds = [rank_range(self.total, j, self.num_batches) for j in range(first_batch, stop_batch)]
         first, stop = bounds[0][0], bounds[-1][1]
         meta = self.reader.metadata
-        pool = _Pool(meta.num_items, meta.num_action_types, keep=None, full=self.view == "full", with_ids=True)
+        pool = _Pool(
+            meta.num_items, meta.num_action_types, keep=None, full=self.view == "full", with_ids=True,
+            with_timestamps=self.reader.with_timestamps,
+        )
         seen = 0  # examples of the rank before the current segment
         sizes = iter([b - a for a, b in bounds])
         size = next(sizes, None)

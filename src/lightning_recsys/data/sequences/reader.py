@@ -33,8 +33,9 @@ class UserSequences:
     """Every user's interactions, oldest first, concatenated user after user.
 
     ``items[offsets[u]:offsets[u + 1]]`` are user ``u``'s item rows (file id - 1, the rows of the item
-    table) and ``actions`` (or ``None``) their action types; ``user_ids[u]`` is the user's id in the
-    source. ``num_items`` is the item table's rows, ``num_action_types`` 0 when there are no actions.
+    table), ``actions`` (or ``None``) their action types and ``timestamps`` (or ``None``) their times,
+    int64 seconds; ``user_ids[u]`` is the user's id in the source. ``num_items`` is the item table's
+    rows, ``num_action_types`` 0 when there are no actions.
     """
 
     items: np.ndarray
@@ -43,12 +44,15 @@ class UserSequences:
     num_items: int
     num_action_types: int = 0
     actions: np.ndarray | None = None
+    timestamps: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         if len(self.offsets) < 1 or self.offsets[0] != 0 or self.offsets[-1] != len(self.items):
             raise ValueError(f"offsets must run from 0 to len(items)={len(self.items)}; got {self.offsets[:1]}..{self.offsets[-1:]}.")
         if (self.actions is None) != (self.num_action_types == 0):
             raise ValueError(f"actions must be given exactly when num_action_types={self.num_action_types} > 0.")
+        if self.timestamps is not None and len(self.timestamps) != len(self.items):
+            raise ValueError(f"timestamps must be aligned with items: {len(self.timestamps)} timestamps for {len(self.items)} items.")
         if len(self.items) and (self.items.min() < 0 or self.items.max() >= self.num_items):
             raise ValueError(f"item rows must be in [0, num_items={self.num_items}); got {self.items.min()}..{self.items.max()}.")
 

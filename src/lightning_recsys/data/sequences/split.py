@@ -11,7 +11,8 @@ training part's length, validation ``n - 1``, test ``n``. Its input is ``s[:end 
 items ``s[1:end]``, both cut to the newest ``max_length`` (the oldest are dropped); the last next item
 is the target. ``seen`` is the whole of ``s[:end - 1]``, uncut (validation: the training items; test:
 training and validation items), sent with evaluation examples only. A training example thus never
-holds a validation or test item, and a validation example never holds the test item.
+holds a validation or test item, and a validation example never holds the test item. Where the
+sequences have timestamps, a batch carries its input items' times (``SequenceBatch.timestamps``).
 """
 
 from __future__ import annotations
@@ -119,4 +120,6 @@ def sequence_batch(
     else:
         seen_lengths, seen_ids = torch.zeros(len(users), dtype=torch.long), torch.zeros(0, dtype=torch.long)
     sparse = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(key_lengths))
-    return SequenceBatch(sparse=sparse, next_item_ids=next_items, seen_ids=seen_ids, seen_lengths=seen_lengths)
+    # Each input item's time, cut like the items (outside the KJT: no table reads it).
+    timestamps = None if sequences.timestamps is None else torch.from_numpy(sequences.timestamps[positions].astype(np.int64, copy=False))
+    return SequenceBatch(sparse=sparse, next_item_ids=next_items, seen_ids=seen_ids, seen_lengths=seen_lengths, timestamps=timestamps)
