@@ -27,8 +27,11 @@ they are known:
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import io
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -164,7 +167,9 @@ class PreparedReader:
         self.with_timestamps = bool(timestamps and metadata.has_timestamps)
         self.counter = counter if counter is not None else ByteCounter()
         self._files: dict[str, tuple[pq.ParquetFile, _CountingFile]] = {}
-        self._footers: dict[str, pq.FileMetaData] = {}  # a few KiB per file of this rank
+        # Each file's footer as read (a few KiB; parsed, one takes about ten times that): a file opened again
+        # (the shuffled order revisits files) parses it again instead of reading it.
+        self._footers: dict[str, bytes] = {}
         self._columns = [USER_ID_COLUMN, ITEM_ROWS_COLUMN] + ([ACTIONS_COLUMN] if metadata.has_actions else [])
         self._columns += [TIMESTAMPS_COLUMN] if self.with_timestamps else []
 
@@ -194,8 +199,8 @@ class PreparedReader:
         handle = _CountingFile(str(full), self.counter)
         footer = self._footers.get(segment.path)
         try:
-            # A file opened again (the shuffled order revisits files) reuses its parsed footer instead of reading it.
-            parquet = pq.ParquetFile(handle, metadata=footer if footer is not None else _read_footer(handle))
+            raw = footer if footer is not None else _read_footer(handle)
+            parquet = pq.ParquetFile(handle, metadata=_parse_footer(raw))
         except (pa.ArrowException, OSError, ValueError) as error:
             handle.close()
             raise PreparedDataError(f"{full}: not a readable parquet file (not parquet, or truncated): {error}") from None
@@ -205,7 +210,7 @@ class PreparedReader:
             except PreparedDataError:
                 handle.close()
                 raise
-            self._footers[segment.path] = parquet.metadata
+            self._footers[segment.path] = raw
         self._files[segment.path] = (parquet, handle)
         return parquet
 
@@ -239,9 +244,7 @@ class PreparedReader:
 
     def read(self, segment: Segment) -> UserChunk:
         """The users of ``segment``, validated; ``items`` int64, trimmed to nothing else."""
-        # Arrow's default pool (mimalloc) keeps the pages of earlier row groups; without handing them back the
-        # peak RSS crept up with the row groups read (measured in docs/performance.md, data at scale).
-        pa.default_memory_pool().release_unused()
+        _release_freed_memory()
         parquet = self._open(segment)
         name = str(self.directory / segment.path)
         try:
@@ -341,11 +344,21 @@ def _aligned_list(table: pa.Table, column_name: str, lengths: np.ndarray, offset
 
 
 _MAGIC = b"PAR1"
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c")) if sys.platform.startswith("linux") else None
 
 
-def _read_footer(handle: io.FileIO) -> pq.FileMetaData:
-    """The file's footer, reading exactly its bytes: pyarrow's own open reads the last 64 KiB of every file
-    (``kDefaultFooterReadSize`` in Arrow's ``parquet/file_reader.cc``), several times a small footer."""
+def _release_freed_memory() -> None:
+    """Hand the memory of earlier row groups back to the system. Arrow's default pool (mimalloc) and glibc's
+    malloc (numpy, torch) both keep freed pages; without this the peak RSS crept up with the row groups read
+    (docs/performance.md, data at scale)."""
+    pa.default_memory_pool().release_unused()
+    if _LIBC is not None and hasattr(_LIBC, "malloc_trim"):  # glibc only (not musl)
+        _LIBC.malloc_trim(0)
+
+
+def _read_footer(handle: io.FileIO) -> bytes:
+    """The file's footer and its 8-byte trailer, reading exactly those bytes: pyarrow's own open reads the last
+    64 KiB of every file (``kDefaultFooterReadSize`` in Arrow's ``parquet/file_reader.cc``), many times a footer."""
     size = handle.seek(0, os.SEEK_END)
     if size < 2 * len(_MAGIC) + 4:
         raise ValueError(f"{size} bytes: too short for parquet")
@@ -357,9 +370,12 @@ def _read_footer(handle: io.FileIO) -> pq.FileMetaData:
     if length > size - 12:
         raise ValueError(f"the footer claims {length} bytes, more than the file holds")
     handle.seek(size - 8 - length)
-    footer = handle.read(length)
+    return handle.read(length) + trailer
+
+
+def _parse_footer(raw: bytes) -> pq.FileMetaData:
     # read_metadata parses a buffer that ends with the footer and its trailer; the leading magic stands in for the data.
-    return pq.read_metadata(pa.BufferReader(_MAGIC + footer + trailer))
+    return pq.read_metadata(pa.BufferReader(_MAGIC + raw))
 
 
 def _check_list(schema: pa.Schema, column: str, name: str, value_types: tuple[pa.DataType, ...] | None) -> None:
