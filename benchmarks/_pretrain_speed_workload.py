@@ -205,7 +205,13 @@ def _pipelineable(batch: Any) -> Any:
     class PipelineableBatch(Pipelineable):
         def __init__(self, inner: Any) -> None:
             self.inner = inner
-            self.sparse = inner.sparse  # what the model reads of a training batch
+            self.sparse = inner.sparse  # record_stream's target
+
+        def __getattr__(self, name: str) -> Any:
+            # The model reads the batch's fields (sparse, timestamps, ...) by name.
+            if name == "inner":  # not yet set (copy, unpickle): no recursion
+                raise AttributeError(name)
+            return getattr(self.inner, name)
 
         def to(self, device: torch.device, non_blocking: bool = False) -> "PipelineableBatch":
             return PipelineableBatch(self.inner.to(device, non_blocking=non_blocking))
