@@ -355,3 +355,23 @@ def test_importing_the_test_helpers_imports_none_of_them():
         """
     )
     assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_prepare_runs_without_importing_torch_or_lightning(tmp_path):
+    # `lightning-recsys prepare` is a data job (DuckDB, pyarrow): torch and Lightning would add seconds and
+    # hundreds of MiB to every run, on machines that may not train at all.
+    (tmp_path / "events.csv").write_text("user_id,item_id\nu1,a\nu1,b\nu2,a\nu2,c\n")
+    out = _python(
+        f"""
+        import sys
+        from lightning_recsys.cli import main
+        try:
+            main(["prepare", "--input", {str(tmp_path / "events.csv")!r}, "--output", {str(tmp_path / "prepared")!r}])
+        except SystemExit as exit:
+            print("exit", exit.code)
+        print("loaded", sorted(m for m in ("torch", "lightning", "torchrec", "fbgemm_gpu") if m in sys.modules))
+        """
+    )
+    assert "exit 0" in out, out
+    assert "loaded []" in out, out
+    assert (tmp_path / "prepared" / "metadata.json").is_file()

@@ -5,8 +5,14 @@
 * ``main.py``: the console script, which sends ``plan`` to ``plan.py`` and the rest to ``RecSysCLI``.
 """
 
+from lightning_recsys._lazy import lazy_exports
 from lightning_recsys.cli.main import main
-from lightning_recsys.cli.plan import plan_main
-from lightning_recsys.cli.trainer import RecSysCLI, build_cli
+
+# The trainer and plan commands import Lightning; on first use, so that `prepare` starts without it.
+__getattr__, __dir__ = lazy_exports(
+    __name__,
+    {"RecSysCLI": "lightning_recsys.cli.trainer", "build_cli": "lightning_recsys.cli.trainer", "plan_main": "lightning_recsys.cli.plan"},
+    globals(),
+)
 
 __all__ = ["RecSysCLI", "build_cli", "main", "plan_main"]

@@ -13,17 +13,19 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from lightning_recsys.cli.plan import plan_main
-from lightning_recsys.cli.trainer import build_cli
-
 
 def main(args: Optional[list[str]] = None) -> None:
     """The console script: ``plan`` and ``prepare`` run here, everything else goes to ``RecSysCLI``."""
     argv = sys.argv[1:] if args is None else list(args)
+    # Each command imports only what it needs: `prepare` runs without torch and Lightning.
     if argv[:1] == ["plan"]:
+        from lightning_recsys.cli.plan import plan_main  # noqa: PLC0415
+
         raise SystemExit(plan_main(argv[1:]))
     if argv[:1] == ["prepare"]:
-        from lightning_recsys.cli.prepare import prepare_main  # noqa: PLC0415 (needs no model code)
+        from lightning_recsys.cli.prepare import prepare_main  # noqa: PLC0415
 
         raise SystemExit(prepare_main(argv[1:]))
+    from lightning_recsys.cli.trainer import build_cli  # noqa: PLC0415
+
     build_cli(args)

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+from lightning_recsys._lazy import lazy_exports
 from lightning_recsys.data.parquet.contract import (
     ACTIONS_COLUMN,
     COUNT_COLUMN,
@@ -33,6 +34,7 @@ from lightning_recsys.data.parquet.describe import describe_directory as describ
 from lightning_recsys.data.parquet.prepare import PrepareConfig, prepare  # DuckDB itself is imported on use
 from lightning_recsys.data.parquet.prepare_sql import PrepareError
 from lightning_recsys.data.parquet.synthetic_events import SyntheticEventsConfig, generate_events
+from lightning_recsys.data.parquet.writing import PreparedWriter
 
 __all__ = [
     "ACTIONS_COLUMN",
@@ -64,13 +66,17 @@ __all__ = [
     "write_metadata",
 ]
 
-# ---- DataModule / reader exports (owned by the reader's author; append below this line) ----
-from lightning_recsys.data.parquet.embedding_writer import UserEmbeddingWriter  # noqa: E402
-from lightning_recsys.data.parquet.module import SequenceParquetDataModule  # noqa: E402
-from lightning_recsys.data.parquet.ranking import SequenceParquetRankingDataModule  # noqa: E402
-from lightning_recsys.data.parquet.reader import PreparedReader, open_prepared, plan_rank  # noqa: E402
-from lightning_recsys.data.parquet.streams import UserSequenceBatch  # noqa: E402
-from lightning_recsys.data.parquet.writing import PreparedWriter  # noqa: E402
+# The DataModules and the reader need torch; imported on first use, so that `lightning-recsys prepare` does not.
+_EXPORTS = {
+    "PreparedReader": "lightning_recsys.data.parquet.reader",
+    "SequenceParquetDataModule": "lightning_recsys.data.parquet.module",
+    "SequenceParquetRankingDataModule": "lightning_recsys.data.parquet.ranking",
+    "UserEmbeddingWriter": "lightning_recsys.data.parquet.embedding_writer",
+    "UserSequenceBatch": "lightning_recsys.data.parquet.streams",
+    "open_prepared": "lightning_recsys.data.parquet.reader",
+    "plan_rank": "lightning_recsys.data.parquet.reader",
+}
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ += [
     "PreparedReader",
@@ -82,4 +88,3 @@ __all__ += [
     "open_prepared",
     "plan_rank",
 ]
-# ---- end of DataModule / reader exports ----
