@@ -8,9 +8,9 @@ The names below are imported on first use, so ``import lightning_recsys.parallel
 
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING, Any
 
+from lightning_recsys._lazy import lazy_exports
 from lightning_recsys._registration import register_strategy_name
 from lightning_recsys._upstream_logging import keep_upstream_import_from_configuring_logging
 
@@ -48,18 +48,7 @@ register_strategy_name(_make_twod_rec_strategy)
 keep_upstream_import_from_configuring_logging()  # FBGEMM's import would add a root handler: Lightning's lines twice
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # later lookups skip __getattr__
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
-
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 __all__ = [
     "CommunicationMonitor",
