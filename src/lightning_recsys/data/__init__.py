@@ -50,36 +50,4 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
 install_moved_module_finder()
 
-__all__ = [
-    "CRITEO_FEATURE_NAMES",
-    "CriteoArrowDataset",
-    "CriteoBinaryConfig",
-    "CriteoBinaryDataModule",
-    "CriteoBinaryDataset",
-    "CriteoConfig",
-    "CriteoDataModule",
-    "CriteoDataset",
-    "MOVIELENS_FEATURE_NAMES",
-    "MalformedLineError",
-    "MovieLens100K",
-    "MovieLens100KConfig",
-    "MovieLens100KDataModule",
-    "MovieLens100KDataset",
-    "MOVIELENS_SEQUENCE_FEATURE_NAMES",
-    "MovieLensPretrainDataModule",
-    "MovieLens100KSequenceConfig",
-    "MovieLens100KSequenceDataModule",
-    "RecBatch",
-    "SequenceBatch",
-    "SequenceFileDataModule",
-    "SequenceFileRankingDataModule",
-    "SyntheticClickLog",
-    "SyntheticClickLogConfig",
-    "SyntheticClickLogDataModule",
-    "SyntheticPretrainDataModule",
-    "SyntheticSequenceConfig",
-    "SyntheticSequenceDataModule",
-    "SyntheticSequenceLog",
-    "slice_batch",
-    "sparse_feature_names",
-]
+__all__ = sorted(_EXPORTS)

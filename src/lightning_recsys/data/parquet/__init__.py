@@ -78,13 +78,4 @@ _EXPORTS = {
 }
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
 
-__all__ += [
-    "PreparedReader",
-    "PreparedWriter",
-    "SequenceParquetDataModule",
-    "SequenceParquetRankingDataModule",
-    "UserEmbeddingWriter",
-    "UserSequenceBatch",
-    "open_prepared",
-    "plan_rank",
-]
+__all__ += ["PreparedWriter", *_EXPORTS]
