@@ -1,6 +1,27 @@
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
+from lightning_recsys.testing.processes import PORT_RANGE_ENV, free_port
+
+_TEST_PORTS = (20000, 32768)  # below the kernel's ephemeral ports; see PORT_RANGE_ENV
+
+
+def pytest_configure(config):
+    """Each pytest-xdist worker (or the one pytest process) draws ports from its own slice of _TEST_PORTS."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    width = (_TEST_PORTS[1] - _TEST_PORTS[0]) // workers
+    low = _TEST_PORTS[0] + index * width
+    os.environ.setdefault(PORT_RANGE_ENV, f"{low}-{low + width}")
+
+
+@pytest.fixture(autouse=True)
+def _lightning_port_from_this_workers_range(monkeypatch):
+    """Lightning picks MASTER_PORT with bind(("", 0)) unless STANDALONE_PORT is set; a Trainer this test starts
+    (here or in a subprocess) takes one from this worker's slice instead."""
+    monkeypatch.setenv("STANDALONE_PORT", str(free_port()))
 
 
 @pytest.fixture(autouse=True)

@@ -57,10 +57,42 @@ class _Inherited:
             os.close(fd)
 
 
+# "LOW-HIGH": where free_port draws ports from. The test session sets a slice of 20000-32767 per pytest-xdist
+# worker: below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default), so neither
+# another worker's bind(("", 0)) nor any outgoing connection's source port can take a port between our pick and
+# the TCPStore's bind, as they could in the ephemeral range (seen as EADDRINUSE under parallel test workers).
+PORT_RANGE_ENV = "RECSYS_TEST_PORTS"
+_next_port: dict[tuple[int, int], int] = {}
+
+
+def _parse_port_range(text: str) -> tuple[int, int]:
+    low, _, high = text.partition("-")
+    if not (low.isdigit() and high.isdigit() and 1024 <= int(low) < int(high) <= 65536):
+        raise ValueError(f"{PORT_RANGE_ENV}={text!r}: expected LOW-HIGH with 1024 <= LOW < HIGH <= 65536, e.g. 20000-26000")
+    return int(low), int(high)
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that nothing listens on: from ``$RECSYS_TEST_PORTS`` (in turn, so two calls before
+    either port is bound differ) when set, else one the kernel picks."""
+    span = os.environ.get(PORT_RANGE_ENV)
+    if not span:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    low, high = _parse_port_range(span)
+    # A random start: a subprocess of a test draws from the same range as the test without repeating its first picks.
+    cursor = _next_port.get((low, high), low + int.from_bytes(os.urandom(4), "little") % (high - low))
+    for step in range(high - low):
+        port = low + (cursor - low + step) % (high - low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _next_port[(low, high)] = port + 1 if port + 1 < high else low
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={span}: every one is bound; widen the range or unset it")
 
 
 def _rank_entry(
