@@ -4,17 +4,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from movielens_files import write_tiny_movielens
+from lightning_recsys.testing.commands import run_cli
 from lightning_recsys.testing.processes import run_torchrun_nodes
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
-CLI = str(Path(sys.executable).with_name("lightning-recsys"))
+CLI = str(Path(sys.executable).with_name("lightning-recsys"))  # the console script, for the torchrun launches
 TINY_SYNTHETIC = [
     "--trainer.max_epochs", "1",
     "--data.init_args.global_batch_size", "64",
@@ -23,16 +23,10 @@ TINY_SYNTHETIC = [
 ]
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 240) -> str:
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
-    return output
-
 
 def _fit(config: str, overrides: list[str], tmp_path: Path, output: list[str] | None = None) -> dict:
     summary = tmp_path / "summary.json"
-    printed = _run([CLI, "fit", "--config", str(CONFIGS / config), "--summary-json", str(summary), *overrides], tmp_path)
+    printed = run_cli(["fit", "--config", str(CONFIGS / config), "--summary-json", str(summary), *overrides], cwd=tmp_path, world_size=2)
     assert "Run summary" in printed
     if output is not None:
         output.append(printed)
@@ -59,7 +53,7 @@ def test_synthetic_configs_train_and_plan_prints_the_logged_report(config, tmp_p
     assert list(tmp_path.glob("lightning_logs/version_*/metrics.csv")), "the default CSV logger wrote nothing"
 
     topology, report = _logged_plan(output[0])
-    planned = _run([CLI, "plan", "--config", str(CONFIGS / config), *TINY_SYNTHETIC], tmp_path)
+    planned = run_cli(["plan", "--config", str(CONFIGS / config), *TINY_SYNTHETIC], cwd=tmp_path, world_size=1)
     assert planned.splitlines()[0] == topology
     assert report in planned, f"training logged:\n{report}\n\n`lightning-recsys plan` printed:\n{planned}"
 

@@ -4,19 +4,18 @@ predict writes one embedding shard per rank covering every user once."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
+from lightning_recsys.testing.commands import run_cli
 
 from lightning_recsys.data.parquet.writing import PreparedWriter
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "examples" / "configs" / "parquet_pretrain.yaml")
-CLI = str(Path(sys.executable).with_name("lightning-recsys"))
 NUM_USERS, NUM_ITEMS = 300, 70
 TINY = [
     "--data.path", "prepared",
@@ -28,12 +27,6 @@ TINY = [
 ]  # fmt: skip
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
-    return output
-
 
 @pytest.mark.slow
 def test_parquet_pretrain_config_fits_then_predicts_embeddings_of_every_user(tmp_path):
@@ -44,11 +37,11 @@ def test_parquet_pretrain_config_fits_then_predicts_embeddings_of_every_user(tmp
         first = group * (NUM_USERS // 3)
         writer.write_group(np.arange(first, first + len(lengths)), lengths, rng.integers(0, NUM_ITEMS, size=int(lengths.sum())))
     writer.close()
-    fit = _run([CLI, "fit", "--config", CONFIG, "--trainer.max_epochs", "1", *TINY], tmp_path)
+    fit = run_cli(["fit", "--config", CONFIG, "--trainer.max_epochs", "1", *TINY], cwd=tmp_path, world_size=2)
     assert "val/ndcg@10" in fit
     assert (tmp_path / "checkpoints" / "parquet_pretrain" / "last.ckpt").is_dir()
     last = str(tmp_path / "checkpoints" / "parquet_pretrain" / "last.ckpt")
-    _run([CLI, "predict", "--config", CONFIG, *TINY, "--ckpt_path", last, "--return_predictions", "false"], tmp_path)
+    run_cli(["predict", "--config", CONFIG, *TINY, "--ckpt_path", last, "--return_predictions", "false"], cwd=tmp_path, world_size=2)
     shards = sorted((tmp_path / "embeddings" / "parquet_pretrain").glob("*.parquet"))
     assert [s.name for s in shards] == ["embeddings-00000-of-00002.parquet", "embeddings-00001-of-00002.parquet"]
     tables = [pq.read_table(s) for s in shards]

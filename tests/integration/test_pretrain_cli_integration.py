@@ -5,15 +5,13 @@ then `test --ckpt_path` on 2 and on 1 process gives the same metrics."""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
-CLI = str(Path(sys.executable).with_name("lightning-recsys"))
 TINY_SYNTHETIC = [
     "--data.init_args.num_users", "192",
     "--data.init_args.num_items", "64",
@@ -24,12 +22,6 @@ TINY_SYNTHETIC = [
 METRIC = re.compile(r"(test/(?:hr@10|ndcg@10|mrr))\s*│\s*([0-9.]+)")
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
-    return output
-
 
 def _test_metrics(output: str) -> dict[str, float]:
     metrics = {name: float(value) for name, value in METRIC.findall(output)}
@@ -38,16 +30,16 @@ def _test_metrics(output: str) -> dict[str, float]:
 
 
 def _fit_then_test(config: str, overrides: list[str], tmp_path: Path, checkpoints: str) -> None:
-    fit = _run([CLI, "fit", "--config", str(CONFIGS / config), "--trainer.max_epochs", "2", *overrides], tmp_path)
+    fit = run_cli(["fit", "--config", str(CONFIGS / config), "--trainer.max_epochs", "2", *overrides], cwd=tmp_path, world_size=2)
     assert "Run summary" in fit and "TwoDRecStrategy: " in fit
     directory = tmp_path / "checkpoints" / checkpoints
     (best,) = sorted(directory.glob("best-epoch*-ndcg10=*.ckpt"))
     assert (directory / "last.ckpt").is_dir()
     best_ndcg = float(best.name.split("ndcg10=")[1].removesuffix(".ckpt"))
     assert 0.0 <= best_ndcg <= 1.0
-    on_two = _test_metrics(_run([CLI, "test", "--config", str(CONFIGS / config), *overrides, "--ckpt_path", str(best)], tmp_path))
+    on_two = _test_metrics(run_cli(["test", "--config", str(CONFIGS / config), *overrides, "--ckpt_path", str(best)], cwd=tmp_path, world_size=2))
     on_one = _test_metrics(
-        _run([CLI, "test", "--config", str(CONFIGS / config), *overrides, "--trainer.devices", "1", "--ckpt_path", str(best)], tmp_path)
+        run_cli(["test", "--config", str(CONFIGS / config), *overrides, "--trainer.devices", "1", "--ckpt_path", str(best)], cwd=tmp_path, world_size=1)
     )
     assert on_one == on_two  # exact metrics over every user, whatever the number of processes
     assert 0.0 < on_two["test/mrr"] <= 1.0

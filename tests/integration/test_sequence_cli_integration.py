@@ -4,16 +4,14 @@ TwoDRecStrategy): `fit` writes a checkpoint, then `test --ckpt_path` evaluates i
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_cli
 from movielens_files import write_tiny_movielens
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
-CLI = str(Path(sys.executable).with_name("lightning-recsys"))
 TINY_SYNTHETIC = [
     "--data.init_args.global_batch_size", "64",
     "--data.init_args.train_batches", "3",
@@ -24,18 +22,12 @@ TINY_SYNTHETIC = [
 ]  # fmt: skip
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
-    return output
-
 
 def _fit_then_test(config: str, overrides: list[str], tmp_path: Path) -> tuple[str, float]:
-    fit = _run([CLI, "fit", "--config", str(CONFIGS / config), "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *overrides], tmp_path)
+    fit = run_cli(["fit", "--config", str(CONFIGS / config), "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *overrides], cwd=tmp_path, world_size=2)
     assert "Run summary" in fit and "TwoDRecStrategy: " in fit  # trained under the strategy the config names
     (checkpoint,) = sorted(tmp_path.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
-    tested = _run([CLI, "test", "--config", str(CONFIGS / config), *overrides, "--ckpt_path", str(checkpoint)], tmp_path)
+    tested = run_cli(["test", "--config", str(CONFIGS / config), *overrides, "--ckpt_path", str(checkpoint)], cwd=tmp_path, world_size=2)
     assert "Loaded model weights from the checkpoint" in tested
     match = re.search(r"test/auc\s*│\s*([0-9.]+)", tested)
     assert match, tested[-3000:]

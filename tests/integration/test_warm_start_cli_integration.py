@@ -5,15 +5,14 @@ fine-tune warm-starts a SASRec SequenceRanker from the pretrainer's last.ckpt wi
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "examples" / "configs"
-CLI = str(Path(sys.executable).with_name("lightning-recsys"))
 ITEMS, DIM, LENGTH = 64, 8, 8
 PRETRAIN = [
     "--data.init_args.num_users", "128", "--data.init_args.num_items", str(ITEMS), "--data.init_args.max_length", str(LENGTH),
@@ -35,16 +34,10 @@ RANKER = [
 ]  # fmt: skip
 
 
-def _run(args: list[str], cwd: Path, timeout: float = 300) -> str:
-    proc = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    output = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{' '.join(args)} exited {proc.returncode}:\n{output[-4000:]}"
-    return output
-
 
 @pytest.mark.slow
 def test_pretrain_then_fine_tune_with_a_warm_start_then_test(tmp_path):
-    _run([CLI, "fit", "--config", str(CONFIGS / "synthetic_pretrain.yaml"), *PRETRAIN], tmp_path)
+    run_cli(["fit", "--config", str(CONFIGS / "synthetic_pretrain.yaml"), *PRETRAIN], cwd=tmp_path, world_size=2)
     pretrained = tmp_path / "checkpoints" / "synthetic_pretrain" / "last.ckpt"
     assert pretrained.exists()
     ranker = ["--config", str(CONFIGS / "synthetic_sequence.yaml"), *RANKER]
@@ -52,13 +45,13 @@ def test_pretrain_then_fine_tune_with_a_warm_start_then_test(tmp_path):
         "--trainer.callbacks+=lightning_recsys.callbacks.InitFromCheckpoint", "--trainer.callbacks.path", str(pretrained),
         "--trainer.callbacks.parts", "[encoder, item_table]",  # by role: the checkpoint recorded where its model holds them
     ]  # fmt: skip
-    fit = _run([CLI, "fit", *ranker, "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *warm], tmp_path)
+    fit = run_cli(["fit", *ranker, "--trainer.max_epochs", "1", "--trainer.enable_checkpointing", "true", *warm], cwd=tmp_path, world_size=2)
     # The item table and the encoder: the pretrainer has no action table (its num_action_types is 0).
     match = re.search(r"InitFromCheckpoint: loaded (\d+) tensors from (\S+)", fit)
     assert match, fit[-3000:]
     assert int(match.group(1)) == 1 + 1 + 2 * 12 + 2  # item table, positions, 12 tensors per SASRec block, final norm
     (checkpoint,) = sorted(tmp_path.glob("lightning_logs/version_*/checkpoints/*.ckpt"))
-    tested = _run([CLI, "test", *ranker, "--ckpt_path", str(checkpoint)], tmp_path)
+    tested = run_cli(["test", *ranker, "--ckpt_path", str(checkpoint)], cwd=tmp_path, world_size=2)
     assert "Loaded model weights from the checkpoint" in tested and "InitFromCheckpoint" not in tested
     auc = re.search(r"test/auc\s*│\s*([0-9.]+)", tested)
     assert auc and 0.0 <= float(auc.group(1)) <= 1.0, tested[-3000:]

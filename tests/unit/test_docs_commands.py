@@ -4,10 +4,10 @@ one would.
 * ``lightning-recsys fit|validate|test|predict ...`` and ``make demo ARGS="..."``: the CLI parses the
   config and options and builds every object (``run=False``), which rejects unknown options and values.
 * ``python examples/<script>.py ...`` (also under ``torchrun``/``srun``): the script's own parser.
-* ``python benchmarks/<script>.py`` and ``python -m <module> ...``: ``--help`` in a subprocess (it
-  imports and parses).
+* ``python benchmarks/<script>.py`` and ``python -m <module> ...``: ``--help`` as its own process (it
+  imports and parses; ``lightning_recsys.testing.commands``: a fork of the preloaded fork server).
 * ``make <target>``: the Makefile has the target (``make -n``).
-* ``lightning-recsys plan ...``: run for real (planning only).
+* ``lightning-recsys plan ...``: run for real (planning only), as its own process.
 Package downloads and installs are not run (no network in tests); placeholders (``<cfg>``, ``$VAR``) neither.
 """
 
@@ -18,11 +18,11 @@ import importlib.util
 import re
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from docs_text import PAGES, README, ROOT, fenced_blocks
+from lightning_recsys.testing.commands import run_command
 
 PREFIXES = ("make ", "lightning-recsys ", "python ", "python3 ", "torchrun ", "srun ")
 DEMO_CONFIG = "examples/configs/synthetic_dlrm.yaml"  # what `make demo` runs (Makefile)
@@ -62,10 +62,10 @@ def _example_parses(script: str, args: list[str]) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _help(args: tuple[str, ...]) -> tuple[int, str]:
-    """``python <args> --help`` from the repository root: its exit code and stderr. Cached: the docs show some
+    """``python <args> --help`` from the repository root: its exit code and output. Cached: the docs show some
     scripts several times with other options, and each of those commands is checked by the same ``--help`` run."""
-    result = subprocess.run([sys.executable, *args, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    return result.returncode, result.stderr
+    [result] = run_command([*args, "--help"], cwd=ROOT, timeout=120, check=False)
+    return result.returncode, result.output
 
 
 def _tiny_prepared(tmp_path: Path) -> Path:
@@ -91,8 +91,7 @@ def check(command: str, tmp_path: Path) -> None:
             _cli_builds(["fit", "--config", str(ROOT / DEMO_CONFIG), *extra])
         return
     if words[0] == "lightning-recsys" and words[1] == "plan":
-        result = subprocess.run([sys.executable, "-m", "lightning_recsys.cli", *words[1:]], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert result.returncode == 0, result.stderr[-3000:]
+        run_command(words, cwd=ROOT, timeout=300)
         return
     if words[0] == "lightning-recsys" and words[1] == "prepare":  # parsed, not run: it reads and writes data
         from lightning_recsys.cli.prepare import _parser
@@ -109,15 +108,15 @@ def check(command: str, tmp_path: Path) -> None:
         _cli_builds(args)
         return
     if words[0].startswith("python") and words[1] == "-m":
-        returncode, stderr = _help(("-m", words[2]))
-        assert returncode == 0, stderr[-3000:]
+        returncode, output = _help(("-m", words[2]))
+        assert returncode == 0, output[-3000:]
         return
     script = next(w for w in words if w.endswith(".py"))
     if script.startswith("examples/"):
         _example_parses(script, words[words.index(script) + 1 :])
     elif script.startswith("benchmarks/"):
-        returncode, stderr = _help((script,))
-        assert returncode == 0, stderr[-3000:]
+        returncode, output = _help((script,))
+        assert returncode == 0, output[-3000:]
     else:
         assert script == "train.py", f"unknown command form in the docs: {command}"  # the quick start's own script
 
