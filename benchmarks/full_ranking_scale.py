@@ -73,7 +73,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import yaml
 from torch import nn
 from torchrec import EmbeddingCollection, EmbeddingConfig
@@ -84,6 +83,7 @@ from torchrec.distributed.types import ShardingPlan
 from lightning_recsys.parallel import EmbeddingOptimizerConfig, ParallelTopology, make_sharders, shard_model
 from lightning_recsys.parallel.ranking import DEFAULT_BLOCK_BYTES, DEFAULT_CHUNK_ROWS, UnshardedItemRanking, make_item_ranking
 from lightning_recsys.parallel.ranking.unsharded import rows_per_chunk
+from lightning_recsys.testing.processes import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 BEAUTY_CONFIG = ROOT / "examples" / "configs" / "beauty_pretrain.yaml"
@@ -263,7 +263,7 @@ def timed_call(call: Callable[[], Any], memory: PeakMemory, baseline: int) -> tu
     return result, seconds, cpu_seconds, memory.peak() - baseline
 
 
-def _run(rank: int, args: argparse.Namespace, out_path: str) -> None:
+def _run(rank: int, world_size: int, args: argparse.Namespace, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=timedelta(seconds=1800))
@@ -436,7 +436,7 @@ def main(argv: list[str] | None = None) -> None:
     load = {"load_before": load_average()}
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "ranks.pt")
-        mp.spawn(_run, args=(args, path), nprocs=WORLD)
+        run_ranks(_run, WORLD, args, path, timeout=24 * 3600)  # forks of a server that imported torch once (spawn where CUDA is)
         gathered = torch.load(path, weights_only=False)
     load["load_after"] = load_average()
     summary = summarise(args, gathered["ranks"], gathered["memory_method"], load)

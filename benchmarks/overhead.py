@@ -26,11 +26,8 @@ steps of ``lightning`` and of ``plain`` and prints milliseconds per step by phas
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -38,9 +35,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 import _pretrain_speed_workload as pretrain
+from lightning_recsys.testing.processes import run_ranks
 
 WORLD_SIZE = 2
 TABLES, ROWS, DIM = 8, 20_000, 32
@@ -174,54 +171,24 @@ def _pretrain_entry(variant: str, rank: int, steps: int, workload: pretrain.Pret
     return stamps
 
 
-def _entry(variant: str, rank: int, port: int, steps: int, results: Any, workload: Any = None, profile_window: Any = None) -> None:
-    world_size = 1 if variant.startswith("plain") else WORLD_SIZE
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size), RANK=str(rank),
-                      LOCAL_RANK=str(rank), NODE_RANK="0")
+def _rank(rank: int, world_size: int, variant: str, steps: int, workload: Any = None, profile_window: Any = None) -> Any:
     torch.set_num_threads(1)  # 2 processes on 2 cores: one thread each (plain PyTorch: one process, 2 threads)
     if workload is not None:
-        stamps = _pretrain_entry(variant, rank, steps, workload, profile_window)
-    elif variant.startswith("raw"):
-        stamps = _raw(rank, steps, pipelined=variant == "raw_pipeline")
-    else:
-        stamps = _lightning(rank, steps, "off" if variant == "lightning_off" else "sparse_dist")
-    buffer = io.BytesIO()
-    torch.save(stamps, buffer)
-    results.put((rank, buffer.getvalue()))
+        return _pretrain_entry(variant, rank, steps, workload, profile_window)
+    if variant.startswith("raw"):
+        return _raw(rank, steps, pipelined=variant == "raw_pipeline")
+    return _lightning(rank, steps, "off" if variant == "lightning_off" else "sparse_dist")
 
 
 VARIANTS = ("raw", "raw_pipeline", "lightning", "lightning_off")
 
 
 def _spawn(variant: str, steps: int, timeout: float, workload: Any = None, profile_window: Any = None) -> dict[int, Any]:
-    """Each rank's result (stamps, or a profile breakdown) of one run of ``variant``."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    """Each rank's result (stamps, or a profile breakdown) of one run of ``variant``. The ranks start as forks of a
+    server that has imported torch, TorchRec and Lightning once (spawn where CUDA is available); nothing before the
+    first step is timed."""
     world_size = 1 if variant.startswith("plain") else WORLD_SIZE
-    procs = [ctx.Process(target=_entry, args=(variant, r, port, steps, results, workload, profile_window)) for r in range(world_size)]
-    for p in procs:
-        p.start()
-    try:
-        stamps = {}
-        deadline = time.monotonic() + timeout
-        while len(stamps) < world_size:
-            try:
-                rank, value = results.get(timeout=1.0)
-            except queue.Empty:
-                failed = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if failed or time.monotonic() > deadline:
-                    raise RuntimeError(f"{variant}: a rank exited with {failed} or the run passed {timeout:.0f} s") from None
-                continue
-            stamps[rank] = torch.load(io.BytesIO(value))
-    finally:
-        for p in procs:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    return stamps
+    return dict(enumerate(run_ranks(_rank, world_size, variant, steps, workload, profile_window, timeout=timeout)))
 
 
 def run_variant(variant: str, steps: int, timeout: float = 300) -> float:

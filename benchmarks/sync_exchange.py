@@ -20,10 +20,10 @@ import time
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from lightning_recsys.parallel.sync.sync_gather import GatheredSync
 from lightning_recsys.parallel.sync.touched_rows import Table
+from lightning_recsys.testing.processes import run_ranks
 
 ROWS = (10**6, 5 * 10**5, 2 * 10**5, 10**5) * 2
 DIM = 16
@@ -91,7 +91,7 @@ def main() -> None:
     parser.add_argument("--syncs", type=int, default=6, help="timed syncs (default 6)")
     parser.add_argument("--port", type=int, default=29555)
     args = parser.parse_args()
-    mp.spawn(_run, args=(2, args), nprocs=2)
+    run_ranks(_run, 2, args, timeout=3600)  # forks of a server that imported torch once (spawn where CUDA is)
 
 
 if __name__ == "__main__":

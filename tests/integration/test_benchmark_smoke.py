@@ -1,21 +1,21 @@
 """The benchmark scripts run (tiny sizes, CPU), so they cannot rot between the runs that publish numbers."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_throughput_script_runs_on_cpu(tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_throughput.py"), "--accelerator", "cpu", "--tiny", "--out", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=180,
-    )
+    proc = run_command(
+        [str(ROOT / "benchmarks" / "gpu_throughput.py"), "--accelerator", "cpu", "--tiny", "--out", str(out)],
+        cwd=tmp_path, timeout=180, check=False,
+    )[0]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["global_steps"] == 6 and result["examples_per_sec"] > 0
@@ -24,10 +24,10 @@ def test_gpu_throughput_script_runs_on_cpu(tmp_path):
 @pytest.mark.slow
 def test_cost_model_projections_compare_2d_against_the_best_1d_deduped_where_it_helps(tmp_path):
     out = tmp_path / "cost_model.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "cost_model.py"), "--no-measured", "--no-png", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_command(
+        [str(ROOT / "benchmarks" / "cost_model.py"), "--no-measured", "--no-png", "--json", str(out)],
+        cwd=tmp_path, timeout=600, check=False,
+    )[0]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     sequence, pooled = result["workloads"]["sequence"], result["workloads"]["criteo_tb"]

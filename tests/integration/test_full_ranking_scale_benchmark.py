@@ -4,11 +4,11 @@ and the Markdown table and the JSON report what they should."""
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_command
 from lightning_recsys.testing.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,10 +21,10 @@ pytestmark = pytest.mark.slow  # two spawned processes that import torchrec: ~1 
 def test_the_scale_benchmark_ranks_as_the_brute_force_and_reports(tmp_path: Path, sharding: str) -> None:
     out = tmp_path / "result.json"
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "full_ranking_scale.py"), "--items", "10000", "3000", "--users", "40",
+        str(ROOT / "benchmarks" / "full_ranking_scale.py"), "--items", "10000", "3000", "--users", "40",
         "--sharding", sharding, "--repeats", "1", "--block-bytes", "16000", "--check", "--port", str(free_port()), "--out", str(out),
     ]
-    proc = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    proc = run_command(command, cwd=tmp_path, timeout=400, check=False)[0]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "check: every rank and top-K id equals the brute force" in proc.stdout, proc.stdout
     assert re.search(r"\| 10,000 \| [\d.]+ \| [\d.]+ \| [\d,]+ \| [\d.]+ \| [\d,]+ \| \d+, \d+ \|", proc.stdout), proc.stdout

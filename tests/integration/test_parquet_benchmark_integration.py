@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from lightning_recsys.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_data_scale_reports_each_rank_of_each_world(tmp_path):
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "data_scale.py"), "--events", "200000", "--worlds", "2", "--lengths", "beauty",
-         "--items", "5000", "--root", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )
+    command = [str(ROOT / "benchmarks" / "data_scale.py"), "--events", "200000", "--worlds", "2", "--lengths", "beauty",
+               "--items", "5000", "--root", str(tmp_path)]
+    proc = run_command(command, cwd=ROOT, timeout=300, check=False)[0]
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(proc.stdout.strip().splitlines()[-1])["rows"]  # a tiny file: its 64 KiB footer read is most of it
     assert [(r["world_size"], r["rank"]) for r in rows] == [(2, 0), (2, 1)]

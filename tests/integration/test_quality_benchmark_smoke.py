@@ -1,18 +1,18 @@
 """benchmarks/quality.py end to end on a small synthetic MovieLens-format directory (2 CPU processes)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "quality.py"
 
 
 def _run(args, cwd):
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=cwd, capture_output=True, text=True, timeout=400)
+    proc = run_command([str(SCRIPT), *args], cwd=cwd, timeout=400, check=False)[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 

@@ -1,22 +1,22 @@
 """benchmarks/readers.py runs end to end on a tiny file, so it cannot rot between the runs that publish numbers."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_readers_benchmark_runs_on_a_tiny_file(tmp_path):
     out = tmp_path / "readers.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "readers.py"), "--lines", "5000", "--python-lines", "3000",
+    proc = run_command(
+        [str(ROOT / "benchmarks" / "readers.py"), "--lines", "5000", "--python-lines", "3000",
          "--workers", "0", "1", "--json", str(out)],
-        cwd=tmp_path, capture_output=True, text=True, timeout=300,
-    )
+        cwd=tmp_path, timeout=300, check=False,
+    )[0]
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = {(r["reader"], r["num_workers"]): r for r in result["runs"]}

@@ -1,11 +1,11 @@
 """benchmarks/sync_quality.py end to end on a tiny synthetic click log (4 CPU processes as 2 nodes x 2)."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from lightning_recsys.testing.commands import run_command
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "sync_quality.py"
@@ -16,7 +16,7 @@ def test_sync_quality_script_scores_1d_and_2d_variants(tmp_path):
     out = tmp_path / "sync_quality.json"
     args = ["--variants", "1d", "2d-touched", "2d-touched-overlap-bf16", "--intervals", "2", "--steps", "8", "--val-batches", "2",
             "--global-batch", "64", "--rows", "300", "--tables", "2", "--json", str(out)]
-    proc = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, capture_output=True, text=True, timeout=400)
+    proc = run_command([str(SCRIPT), *args], cwd=tmp_path, timeout=400, check=False)[0]
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(out.read_text())
     runs = {r["name"]: r for r in result["runs"]}

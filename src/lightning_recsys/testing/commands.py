@@ -30,10 +30,15 @@ CONSOLE_SCRIPT = "lightning-recsys"
 
 @dataclass(frozen=True)
 class CommandResult:
-    """One process's exit code and its stdout and stderr together, in the order written."""
+    """One process's exit code, stdout and stderr (as ``subprocess.run(..., capture_output=True, text=True)``)."""
 
     returncode: int
-    output: str
+    stdout: str
+    stderr: str
+
+    @property
+    def output(self) -> str:
+        return self.stdout + self.stderr
 
 
 class CommandFailed(AssertionError):
@@ -81,19 +86,18 @@ def _command_rank(
             os.environ.pop(name, None)
     os.environ.update(env)
     os.chdir(cwd)
-    path = Path(output_dir) / f"rank{rank}.out"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    with open(path, "wb") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
+    paths = [Path(output_dir) / f"rank{rank}.{stream}" for stream in ("stdout", "stderr")]
+    for fd, path in zip((1, 2), paths):
+        (sys.stdout if fd == 1 else sys.stderr).flush()
+        with open(path, "wb") as out:
+            os.dup2(out.fileno(), fd)
     code = _run_argv(argv)
     sys.stdout.flush()
     sys.stderr.flush()
-    output = path.read_text(errors="replace")
+    result = CommandResult(code, *(path.read_text(errors="replace") for path in paths))
     if code != 0 and check:
-        raise CommandFailed(f"{' '.join(argv)} (rank {rank} of {world_size}) exited {code}:\n{output[-6000:]}")
-    return CommandResult(code, output)
+        raise CommandFailed(f"{' '.join(argv)} (rank {rank} of {world_size}) exited {code}:\n{result.output[-6000:]}")
+    return result
 
 
 def run_command(
@@ -115,8 +119,8 @@ def run_command(
                 timeout=timeout, ranks_per_node=ranks_per_node,
             )
         except AssertionError as error:
-            outputs = sorted(Path(output_dir).glob("rank*.out"))
-            tails = "\n".join(f"--- {p.stem} output (tail) ---\n{p.read_text(errors='replace')[-3000:]}" for p in outputs)
+            outputs = sorted(Path(output_dir).glob("rank*.std*"))
+            tails = "\n".join(f"--- {p.name} (tail) ---\n{p.read_text(errors='replace')[-3000:]}" for p in outputs)
             raise CommandFailed(f"{error}\n{tails}") from None
 
 

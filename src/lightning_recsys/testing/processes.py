@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import queue
 import socket
@@ -51,6 +52,9 @@ class _Inherited:
     def apply(self) -> None:
         os.environ.clear()
         os.environ.update(self.env)
+        # A fork server's child inherits "forkserver" as its start method (multiprocessing.spawn.prepare sets it), so a
+        # DataLoader's workers would start from a new, empty fork server (7 s each); a torchrun worker has the default.
+        multiprocessing.set_start_method(None, force=True)
         for stream, fd in ((sys.stdout, self.stdout), (sys.stderr, self.stderr)):
             stream.flush()
             os.dup2(fd, stream.fileno())
