@@ -61,7 +61,7 @@ class _Inherited:
             os.close(fd)
 
 
-# "LOW-HIGH": where free_port draws ports from. The test session sets a slice of 20000-32767 per pytest-xdist
+# "LOW-HIGH": where free_port draws ports from. tests/conftest.py sets a slice of 20000-32767 per pytest-xdist
 # worker: below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default), so neither
 # another worker's bind(("", 0)) nor any outgoing connection's source port can take a port between our pick and
 # the TCPStore's bind, as they could in the ephemeral range (seen as EADDRINUSE under parallel test workers).
