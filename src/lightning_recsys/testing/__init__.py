@@ -2,6 +2,9 @@
 
 - ``processes``: the multi-process harness (``run_ranks``: gloo ranks with a free port, bounded waits
   and no orphans; ``run_processes``, ``run_torchrun_nodes`` for console commands and torchrun nodes).
+- ``commands``: a command as a user types it (``lightning-recsys ...``, ``python script.py``, ``python -m``), run
+  in 1 or more ranks forked from the same preloaded fork server (``run_command``, ``run_cli``): its own code,
+  exit code and output, without a fresh interpreter's 10 s of imports.
 - ``network_namespaces``: whether this machine can host an emulated cluster's network namespaces.
 - ``oracle``: the correctness oracle, one API for three workloads (``oracle.click``, ``oracle.sequence``,
   ``oracle.pretrain``): a tiny model trained unsharded in one process, and the same model fitted sharded.
