@@ -28,6 +28,13 @@ def _lightning_port_from_this_workers_range(monkeypatch):
         monkeypatch.setenv("STANDALONE_PORT", str(free_port()))
 
 
+@pytest.fixture(autouse=True)
+def _destroy_process_group():
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
