@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -207,6 +208,26 @@ def test_bytes_are_counted(directory):
     assert after_first == footer.serialized_size + 8 + group_bytes[0]
     reader.read(second)
     assert reader.bytes_read == after_first + group_bytes[1]  # the footer is read once per file
+
+
+def test_a_head_segment_stops_reading_after_its_pages(tmp_path):
+    rng = np.random.default_rng(3)
+    writer = PreparedWriter(tmp_path, 50_000, groups_per_file=1)
+    lengths = rng.integers(5, 60, size=20_000)
+    writer.write_group(np.arange(20_000), lengths, rng.integers(0, 50_000, size=int(lengths.sum())))
+    meta = writer.close()
+    (whole,) = plan_rank(meta, 0, 1)
+    group = pq.ParquetFile(tmp_path / whole.path).metadata.row_group(0)
+    group_bytes = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+    for start, stop in ((0, 2000), (5000, 6000)):
+        reader = PreparedReader(tmp_path, meta)
+        chunk = reader.read(dataclasses.replace(whole, start=start, stop=stop))
+        assert chunk.sequences.user_ids.tolist() == list(range(start, stop))
+        assert np.array_equal(np.diff(chunk.sequences.offsets), lengths[start:stop])
+        assert reader.bytes_read < group_bytes * (stop / 20_000 + 0.15), (start, stop, reader.bytes_read, group_bytes)
+    tail = PreparedReader(tmp_path, meta)
+    tail.read(dataclasses.replace(whole, start=19_000))
+    assert tail.bytes_read > group_bytes  # a tail needs the pages before it: the whole row group
 
 
 def test_a_footer_longer_than_its_file(directory):

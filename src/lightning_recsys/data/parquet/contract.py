@@ -51,6 +51,11 @@ SHORT_USER_LENGTHS = 3
 PREPARE_TOOL = "lightning-recsys prepare"
 DESCRIBE_TOOL = "lightning-recsys prepare --describe"
 TIES_INPUT_ORDER = "input order"
+# How our writers write user files (pyarrow ParquetWriter keywords); any layout reads, this one reads least.
+# Small data pages let a rank that needs only the head of a row group stop after its rows (a reader
+# decodes pages in order, and pyarrow's default 1 MiB page held a whole column chunk); user ids are
+# unique and items many, so a dictionary page (read whole, before any row) saves nothing.
+USER_FILE_WRITE_OPTIONS: Mapping[str, Any] = {"data_page_size": 32 * 1024, "use_dictionary": False}
 
 
 class PreparedDataError(ValueError):

@@ -22,6 +22,7 @@ from lightning_recsys.data.parquet.contract import (
     ACTIONS_COLUMN,
     ITEM_ROWS_COLUMN,
     TIMESTAMPS_COLUMN,
+    USER_FILE_WRITE_OPTIONS,
     USER_ID_COLUMN,
     FileInfo,
     RowGroupInfo,
@@ -123,7 +124,7 @@ class UserFileWriter:
         if self._writer is None:
             path = self.directory / part_file_name(len(self.files))
             path.parent.mkdir(parents=True, exist_ok=True)
-            self._writer = pq.ParquetWriter(str(path), self.schema, compression=self.compression)
+            self._writer = pq.ParquetWriter(str(path), self.schema, compression=self.compression, **USER_FILE_WRITE_OPTIONS)
             self._file_start = time.perf_counter()
         self._writer.write_table(table, row_group_size=max(1, table.num_rows))
         events = int(lengths.sum())

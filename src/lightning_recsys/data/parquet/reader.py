@@ -4,9 +4,10 @@ Planning (``plan_rank``) uses ``metadata.json`` alone: rank ``r`` of ``W`` takes
 ``rank_range(num_users, r, W)`` of the global user order (file order, then row order), cut into
 ``Segment``s, each a row slice of one row group. Reading (``PreparedReader.read``) reads a file's
 footer (exactly its bytes) the first time one of its segments is read, and then only that row
-group's needed columns; every byte taken from disk is counted in ``bytes_read``. A rank thus reads
-its own rows, one footer per file, and the rest of at most two row groups it shares with its
-neighbours (the first and the last).
+group's needed columns; every byte taken from disk is counted in ``bytes_read``. A segment that ends
+before its row group does stops reading after the pages that hold its rows. A rank thus reads its
+own rows, one footer per file, the head of the row group it shares with the rank before it, and a
+page or so past its last row (with the small pages of ``USER_FILE_WRITE_OPTIONS``).
 
 What is checked, raising ``PreparedDataError`` that names the file, and the row group and row where
 they are known:
@@ -54,6 +55,7 @@ from lightning_recsys.data.ranks import rank_range
 from lightning_recsys.data.sequences import UserSequences
 
 _MAX_OPEN_FILES = 4  # footers kept open; a rank walks its files in order, so a few suffice
+_STREAM_BUFFER_BYTES = 16 * 1024  # at most half a page (USER_FILE_WRITE_OPTIONS) read ahead per column
 
 
 @dataclass(frozen=True)
@@ -200,7 +202,9 @@ class PreparedReader:
         footer = self._footers.get(segment.path)
         try:
             raw = footer if footer is not None else _read_footer(handle)
-            parquet = pq.ParquetFile(handle, metadata=_parse_footer(raw))
+            # Buffered column streams, not whole column chunks (buffer_size=0 reads each chunk at once): a head
+            # segment then takes only its pages from disk.
+            parquet = pq.ParquetFile(handle, metadata=_parse_footer(raw), buffer_size=_STREAM_BUFFER_BYTES, pre_buffer=False)
         except (pa.ArrowException, OSError, ValueError) as error:
             handle.close()
             raise PreparedDataError(f"{full}: not a readable parquet file (not parquet, or truncated): {error}") from None
@@ -248,12 +252,26 @@ class PreparedReader:
         parquet = self._open(segment)
         name = str(self.directory / segment.path)
         try:
-            table = parquet.read_row_group(segment.row_group, columns=self._columns)
+            if segment.stop < segment.group_rows:
+                table = self._read_head(parquet, segment)
+            else:
+                table = parquet.read_row_group(segment.row_group, columns=self._columns)
         except (pa.ArrowException, OSError) as error:
             raise PreparedDataError(f"{name}, row group {segment.row_group}: cannot be read (truncated or corrupt): {error}") from None
         if not segment.whole:
             table = table.slice(segment.start, segment.num_rows)
         return self._chunk(table, segment, name)
+
+    def _read_head(self, parquet: pq.ParquetFile, segment: Segment) -> pa.Table:
+        """Rows ``[0, stop)`` of the row group, stopping after the pages that hold them (the rest stays unread)."""
+        batches, rows = [], 0
+        for batch in parquet.iter_batches(segment.stop, row_groups=[segment.row_group], columns=self._columns, use_threads=False):
+            batches.append(batch)
+            rows += batch.num_rows
+            if rows >= segment.stop:
+                break
+        schema = pa.schema([parquet.schema_arrow.field(column) for column in self._columns])
+        return pa.Table.from_batches(batches, schema=schema).slice(0, segment.stop)
 
     def _chunk(self, table: pa.Table, segment: Segment, name: str) -> UserChunk:
         where = f"{name}, row group {segment.row_group}"

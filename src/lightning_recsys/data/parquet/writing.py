@@ -21,6 +21,7 @@ from lightning_recsys.data.parquet.contract import (
     ITEM_ROWS_COLUMN,
     ITEMS_FILE,
     ROW_COLUMN,
+    USER_FILE_WRITE_OPTIONS,
     USER_ID_COLUMN,
     USERS_DIR,
     FileInfo,
@@ -84,7 +85,7 @@ class PreparedWriter:
         table = pa.table(columns)
         if self._writer is None:
             path = self.directory / part_file_name(len(self.files))
-            self._writer = pq.ParquetWriter(path, table.schema, compression=self.compression)
+            self._writer = pq.ParquetWriter(path, table.schema, compression=self.compression, **USER_FILE_WRITE_OPTIONS)
         self._writer.write_table(table, row_group_size=max(1, len(lengths)))
         self.counts += np.bincount(np.asarray(items, dtype=np.int64), minlength=self.num_items)
         short = tuple(int((lengths == n).sum()) for n in (1, 2, 3))
