@@ -12,6 +12,7 @@ import pytest
 
 from lightning_recsys.data.parquet.contract import PreparedDataError
 from lightning_recsys.data.parquet.module import SequenceParquetDataModule
+from lightning_recsys.data.parquet import reader as reader_module
 from lightning_recsys.data.parquet.reader import PreparedReader, open_prepared, plan_rank
 from lightning_recsys.data.parquet.writing import PreparedWriter
 
@@ -228,6 +229,30 @@ def test_a_head_segment_stops_reading_after_its_pages(tmp_path):
     tail = PreparedReader(tmp_path, meta)
     tail.read(dataclasses.replace(whole, start=19_000))
     assert tail.bytes_read > group_bytes  # a tail needs the pages before it: the whole row group
+
+
+def test_the_footers_kept_are_bounded(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader_module, "_MAX_CACHED_FOOTERS", 2)
+    monkeypatch.setattr(reader_module, "_MAX_OPEN_FILES", 1)
+    writer = PreparedWriter(tmp_path, NUM_ITEMS, groups_per_file=1)
+    for group in range(3):
+        writer.write_group(np.arange(4) + 4 * group, np.full(4, 3), np.arange(12) % NUM_ITEMS)
+    meta = writer.close()
+    segments = plan_rank(meta, 0, 1)
+    reader = PreparedReader(tmp_path, meta)
+    footer_bytes = [pq.ParquetFile(tmp_path / f.path).metadata.serialized_size + 8 for f in meta.files]
+    for segment in segments:
+        reader.read(segment)
+    assert list(reader._footers) == [segments[1].path, segments[2].path]
+    before = reader.bytes_read
+    reader.read(segments[2])  # kept: parsed again, not read
+    reader.read(segments[0])  # dropped as the oldest: its footer is read again
+    group_bytes = [
+        sum(g.column(c).total_compressed_size for c in range(g.num_columns))
+        for g in (pq.ParquetFile(tmp_path / f.path).metadata.row_group(0) for f in meta.files)
+    ]
+    assert reader.bytes_read - before == group_bytes[2] + footer_bytes[0] + group_bytes[0]
+    assert list(reader._footers) == [segments[2].path, segments[0].path]
 
 
 def test_a_footer_longer_than_its_file(directory):

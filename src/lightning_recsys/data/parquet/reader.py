@@ -33,6 +33,7 @@ import ctypes.util
 import io
 import os
 import sys
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,6 +56,7 @@ from lightning_recsys.data.ranks import rank_range
 from lightning_recsys.data.sequences import UserSequences
 
 _MAX_OPEN_FILES = 4  # footers kept open; a rank walks its files in order, so a few suffice
+_MAX_CACHED_FOOTERS = 1024  # about 5 MiB of footers of 16 row groups: every file of a rank's 10^9 events, and no more at 10^11
 _STREAM_BUFFER_BYTES = 16 * 1024  # at most half a page (USER_FILE_WRITE_OPTIONS) read ahead per column
 
 
@@ -169,9 +171,10 @@ class PreparedReader:
         self.with_timestamps = bool(timestamps and metadata.has_timestamps)
         self.counter = counter if counter is not None else ByteCounter()
         self._files: dict[str, tuple[pq.ParquetFile, _CountingFile]] = {}
-        # Each file's footer as read (a few KiB; parsed, one takes about ten times that): a file opened again
-        # (the shuffled order revisits files) parses it again instead of reading it.
-        self._footers: dict[str, bytes] = {}
+        # The footers read, newest last (a few KiB each; parsed, one takes about ten times that): a file opened
+        # again (the shuffled order revisits files) parses its footer again instead of reading it. At most
+        # _MAX_CACHED_FOOTERS, so that memory does not grow with the files a rank reads.
+        self._footers: OrderedDict[str, bytes] = OrderedDict()
         self._columns = [USER_ID_COLUMN, ITEM_ROWS_COLUMN] + ([ACTIONS_COLUMN] if metadata.has_actions else [])
         self._columns += [TIMESTAMPS_COLUMN] if self.with_timestamps else []
 
@@ -186,7 +189,7 @@ class PreparedReader:
 
     def __getstate__(self) -> dict:  # open files stay behind when a worker process gets a copy
         state = dict(self.__dict__)
-        state["_files"], state["_footers"] = {}, {}
+        state["_files"], state["_footers"] = {}, OrderedDict()
         return state
 
     def _open(self, segment: Segment) -> pq.ParquetFile:
@@ -200,6 +203,8 @@ class PreparedReader:
             raise PreparedDataError(f"{full}: listed in {METADATA_FILE} (files[{segment.file_index}]) but missing.")
         handle = _CountingFile(str(full), self.counter)
         footer = self._footers.get(segment.path)
+        if footer is not None:
+            self._footers.move_to_end(segment.path)
         try:
             raw = footer if footer is not None else _read_footer(handle)
             # Buffered column streams, not whole column chunks (buffer_size=0 reads each chunk at once): a head
@@ -215,6 +220,8 @@ class PreparedReader:
                 handle.close()
                 raise
             self._footers[segment.path] = raw
+            if len(self._footers) > _MAX_CACHED_FOOTERS:
+                self._footers.popitem(last=False)
         self._files[segment.path] = (parquet, handle)
         return parquet
 
