@@ -66,6 +66,22 @@ def test_row_groups_give_global_user_offsets() -> None:
     assert metadata.vocabulary_size == 4
 
 
+def test_row_groups_holding_a_user_range_are_those_a_full_scan_finds() -> None:
+    sizes = [[2, 0, 3], [0], [1, 4, 0, 0, 2], [5]]  # empty row groups and an empty file included
+    files = tuple(
+        FileInfo(part_file_name(i), sum(rows), sum(rows), tuple(RowGroupInfo(n, n, (0, 0, 0)) for n in rows))
+        for i, rows in enumerate(sizes)
+    )
+    total = sum(map(sum, sizes))
+    metadata = _metadata(files=files, num_users=total, num_events=total, users_with_one_event=0)
+    refs = list(metadata.row_groups())
+    assert len(refs) == sum(map(len, sizes))
+    for lo in range(total + 1):
+        for hi in range(lo, total + 2):
+            scanned = [r for r in refs if r.num_rows and r.first_user < hi and r.first_user + r.num_rows > lo]
+            assert list(metadata.row_groups_holding(lo, hi)) == scanned, (lo, hi)
+
+
 def _write_with(tmp_path: Path, **changes: object) -> None:
     data = _metadata().to_dict()
     for key, value in changes.items():

@@ -19,7 +19,9 @@ A prepared directory ``DIR`` holds:
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import functools
 import json
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -169,11 +171,36 @@ class PreparedMetadata:
 
     def row_groups(self) -> Iterator[RowGroupRef]:
         """Every row group, in global user order, with the global index of its first user."""
-        first = 0
+        return (self._row_group_ref(index) for index in range(len(self._row_group_index[0])))
+
+    def row_groups_holding(self, first_user: int, stop_user: int) -> Iterator[RowGroupRef]:
+        """The row groups that hold any of the global users ``[first_user, stop_user)``, in order: found by bisection,
+        so a rank's plan costs its own row groups, not every row group of the data set."""
+        starts = self._row_group_index[0]
+        index = max(0, bisect.bisect_right(starts, first_user) - 1)
+        while index < len(starts) and starts[index] < stop_user:
+            ref = self._row_group_ref(index)
+            if ref.num_rows and ref.first_user + ref.num_rows > first_user:
+                yield ref
+            index += 1
+
+    def _row_group_ref(self, index: int) -> RowGroupRef:
+        starts, locations = self._row_group_index
+        file_index, group_index = locations[index]
+        info = self.files[file_index]
+        group = info.row_groups[group_index]
+        return RowGroupRef(file_index, info.path, group_index, starts[index], group.num_rows, group.num_events, group.short_users)
+
+    @functools.cached_property
+    def _row_group_index(self) -> tuple[list[int], list[tuple[int, int]]]:
+        """Each row group's first global user, and its ``(file, row group)``, in global order (computed once)."""
+        starts, locations, first = [], [], 0
         for file_index, info in enumerate(self.files):
             for group_index, group in enumerate(info.row_groups):
-                yield RowGroupRef(file_index, info.path, group_index, first, group.num_rows, group.num_events, group.short_users)
+                starts.append(first)
+                locations.append((file_index, group_index))
                 first += group.num_rows
+        return starts, locations
 
     def to_dict(self) -> dict[str, Any]:
         data: dict[str, Any] = {

@@ -218,7 +218,7 @@ class SequenceParquetDataModule(RankSlicedDataModule):
                 batches * local, low, high,
             )
             return TrainingStream(
-                self._reader(with_user_ids=False), segments, rank=rank, num_batches=self.training_batches(world_size),
+                self._reader(with_user_ids=False), segments, rank=rank, num_batches=batches,
                 local_batch_size=self.global_batch_size // world_size, max_length=self.max_length,
                 num_negatives=self.num_negatives, shuffle=self.shuffle, shuffle_buffer=self.shuffle_buffer, seed=self.seed,
                 num_workers=self.num_workers, epoch=getattr(self.trainer, "current_epoch", 0) or 0,

@@ -90,7 +90,7 @@ def plan_rank(metadata: PreparedMetadata, rank: int, world_size: int) -> list[Se
     """Rank ``rank``'s users (``rank_range`` of the global order) as row-group segments, in order."""
     lo, hi = rank_range(metadata.num_users, rank, world_size)
     segments = []
-    for ref in metadata.row_groups():
+    for ref in metadata.row_groups_holding(lo, hi):
         start, stop = max(lo, ref.first_user), min(hi, ref.first_user + ref.num_rows)
         if start < stop:
             segments.append(Segment(
