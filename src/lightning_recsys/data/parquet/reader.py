@@ -6,8 +6,9 @@ Planning (``plan_rank``) uses ``metadata.json`` alone: rank ``r`` of ``W`` takes
 footer (exactly its bytes) the first time one of its segments is read, and then only that row
 group's needed columns; every byte taken from disk is counted in ``bytes_read``. A segment that ends
 before its row group does stops reading after the pages that hold its rows. A rank thus reads its
-own rows, one footer per file, the head of the row group it shares with the rank before it, and a
-page or so past its last row (with the small pages of ``USER_FILE_WRITE_OPTIONS``).
+own rows, one footer per file, all of the row group whose tail it shares with the rank before it,
+and a page or so past its last row in the one whose head it shares with the rank after it (with the
+small pages of ``USER_FILE_WRITE_OPTIONS``).
 
 What is checked, raising ``PreparedDataError`` that names the file, and the row group and row where
 they are known:
