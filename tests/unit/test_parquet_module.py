@@ -246,7 +246,7 @@ def test_each_rank_reads_its_share_of_the_bytes_plus_one_row_group_and_its_foote
     assert largest > 4 * read_ahead
     for world_size in (3, 4):
         for rank in range(world_size):
-            module = SequenceParquetDataModule(str(tmp_path), global_batch_size=world_size, shuffle_buffer=0)
+            module = SequenceParquetDataModule(str(tmp_path), global_batch_size=512 * world_size, shuffle_buffer=0)
             stream = module.stream("train", rank, world_size)
             stream.begin_epoch()
             list(stream)
