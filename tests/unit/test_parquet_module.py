@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from lightning_recsys.contracts.names import ACTION_FEATURE, ITEM_FEATURE, NEGATIVE_FEATURE, NEXT_ITEM_FEATURE
-from lightning_recsys.data.parquet.contract import FileInfo, PreparedBy, PreparedMetadata, RowGroupInfo, write_metadata
+from lightning_recsys.data.parquet import reader as reader_module
+from lightning_recsys.data.parquet.contract import (
+    USER_FILE_WRITE_OPTIONS,
+    FileInfo,
+    PreparedBy,
+    PreparedMetadata,
+    RowGroupInfo,
+    write_metadata,
+)
 from lightning_recsys.data.parquet.module import SequenceParquetDataModule
 from lightning_recsys.data.parquet.reader import plan_rank
 from lightning_recsys.data.parquet.streams import EpochLoader, UserSequenceBatch
@@ -242,7 +250,8 @@ def test_each_rank_reads_its_share_of_the_bytes_plus_one_row_group_and_its_foote
     total = sum((tmp_path / f.path).stat().st_size for f in meta.files)
     footers = [pq.ParquetFile(tmp_path / f.path).metadata for f in meta.files]
     largest = max(sum(g.row_group(i).column(c).total_compressed_size for c in range(g.num_columns)) for g in footers for i in range(g.num_row_groups))
-    read_ahead = 2 * (32 + 16) * 1024  # per column past a head segment's last row: the rest of its page and the buffer
+    # per column (2) past a head segment's last row: the rest of its page and the stream buffer
+    read_ahead = 2 * (USER_FILE_WRITE_OPTIONS["data_page_size"] + reader_module._STREAM_BUFFER_BYTES)
     assert largest > 4 * read_ahead
     for world_size in (3, 4):
         for rank in range(world_size):
