@@ -160,22 +160,25 @@ class _RaisesOnRank1(Callback):
             raise ValueError("a bug in rank 1's step")
 
 
-def _own_error_on_rank_1(rank: int, world_size: int, pipeline: str) -> tuple[str, float]:
+def _own_error_on_rank_1(rank: int, world_size: int, pipeline: str) -> tuple[str, float, str]:
     start = time.monotonic()
     try:
         _fit(world_size, _DataModule([6, 6]), sgd_strategy(pipeline=pipeline, process_group_timeout=PG_TIMEOUT), callbacks=[_RaisesOnRank1()])
     except Exception as error:  # noqa: BLE001 - what each rank saw, and when
-        return type(error).__name__, time.monotonic() - start
-    return "no error", time.monotonic() - start
+        return type(error).__name__, time.monotonic() - start, "\n".join(getattr(error, "__notes__", []))
+    return "no error", time.monotonic() - start, ""
 
 
 @pytest.mark.parametrize("pipeline", ["sparse_dist", "off"])
 def test_an_exception_in_one_ranks_step_fails_that_rank_at_once(pipeline):
     # The raising rank used to wait at teardown for the next batch's input distribution, which its
     # peer (stuck in the step's collectives) never joins: a hang for the whole process-group timeout.
-    (error_0, _), (error_1, seconds_1) = run_ranks(_own_error_on_rank_1, 2, pipeline, timeout=PG_TIMEOUT + 60)
+    (error_0, _, notes_0), (error_1, seconds_1, _) = run_ranks(_own_error_on_rank_1, 2, pipeline, timeout=PG_TIMEOUT + 60)
     assert error_1 == "ValueError" and seconds_1 < PG_TIMEOUT / 2, (error_1, seconds_1)
     assert error_0 == "RuntimeError"  # its collective lost the peer
+    # Rank 1 left its error on the store before it exited: rank 0 names it rather than "did not check in".
+    expected = "TwoDRecStrategy: rank 0: rank(s) [1] stopped on their own error (rank 1: ValueError: a bug in rank 1's step)"
+    assert notes_0.startswith(expected), notes_0
 
 
 # ----------------------------------------------------------------- SIGTERM (preemption) on one rank

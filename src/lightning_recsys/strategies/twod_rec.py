@@ -39,9 +39,8 @@ from lightning_recsys.parallel.topology import (
     attempt_scoped_store,
     check_topology_arguments,
     destroy_process_group_at_exit,
-    looks_like_lost_peer,
+    diagnose_failure,
     raised_on_every_rank,
-    report_lost_ranks,
     was_raised_on_every_rank,
 )
 from lightning_recsys.planner import PlanningConfig, PlanReport, embedding_tables
@@ -360,13 +359,13 @@ class TwoDRecStrategy(
             # distributions it started, and finishing them at teardown would wait out the timeout.
             self._input_pipeline.close(wait=False)
             self._input_pipeline = None
-        # A collective that failed usually means a peer died; name it where the rendezvous store can tell.
-        if _distributed_is_initialized() and looks_like_lost_peer(exception):
-            lost = report_lost_ranks(
-                self.global_rank, self.world_size, wait_seconds=min(10.0, self._timeout.total_seconds()),
-                store_host_ranks=range(self.num_processes),  # torchrun's store: with node 0, global ranks 0..per node - 1
-                stop_early=lambda: self._sigterm_pending,  # torchrun stops the survivors of a dead rank with SIGTERM
-            )
+        # A rank failing alone leaves its error for its peers; a failed collective names the ranks lost where the store can tell.
+        lost = diagnose_failure(
+            self.global_rank, self.world_size, exception, wait_seconds=min(10.0, self._timeout.total_seconds()),
+            store_host_ranks=range(self.num_processes),  # torchrun's store: with node 0, global ranks 0..per node - 1
+            stop_early=lambda: self._sigterm_pending,  # torchrun stops the survivors of a dead rank with SIGTERM
+        ) if _distributed_is_initialized() else None
+        if lost is not None:
             log.error("TwoDRecStrategy: rank %d: %s", self.global_rank, lost)
             exception.add_note(f"TwoDRecStrategy: rank {self.global_rank}: {lost}")  # the raised error names them too
 

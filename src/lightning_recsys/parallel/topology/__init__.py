@@ -5,9 +5,11 @@ from lightning_recsys.parallel.topology.layout import LAYOUTS, Layout, ParallelT
 from lightning_recsys.parallel.topology.process_group import (
     attempt_scoped_store,
     destroy_process_group_at_exit,
+    diagnose_failure,
     looks_like_lost_peer,
     raised_on_every_rank,
     report_lost_ranks,
+    report_own_error,
     was_raised_on_every_rank,
 )
 
@@ -18,8 +20,10 @@ __all__ = [
     "attempt_scoped_store",
     "check_topology_arguments",
     "destroy_process_group_at_exit",
+    "diagnose_failure",
     "looks_like_lost_peer",
     "raised_on_every_rank",
     "report_lost_ranks",
+    "report_own_error",
     "was_raised_on_every_rank",
 ]

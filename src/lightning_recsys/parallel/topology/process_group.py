@@ -38,6 +38,27 @@ def looks_like_lost_peer(exception: BaseException) -> bool:
     )
 
 
+_SURVIVOR_KEY = "lightning_recsys/survivor/{rank}"
+_OWN_ERROR_KEY = "lightning_recsys/own_error/{rank}"
+
+
+def report_own_error(rank: int, error: BaseException, *, wait_seconds: float = 2.0) -> None:
+    """Leave this rank's own error on the rendezvous store before it exits, so that a peer whose collective
+    then fails names it (``report_lost_ranks``) instead of waiting for this rank to check in."""
+    summary = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"[:300]
+
+    def record() -> None:
+        try:
+            dist.distributed_c10d._get_default_store().set(_OWN_ERROR_KEY.format(rank=rank), summary)
+        except Exception:  # noqa: BLE001, S110 - best effort: the rank's own error propagates either way
+            pass
+
+    # In a thread for the reason check_in is: a store whose host is gone can block a call with no deadline.
+    thread = threading.Thread(target=record, name="lightning_recsys-own-error", daemon=True)
+    thread.start()
+    thread.join(wait_seconds)
+
+
 def report_lost_ranks(
     rank: int, world_size: int, *, wait_seconds: float, store_host_ranks: Sequence[int] = (0,),
     stop_early: Callable[[], bool] | None = None,
@@ -46,6 +67,8 @@ def report_lost_ranks(
 
     Every surviving rank writes a key and waits up to ``wait_seconds`` for the others'; a rank
     that never checks in is reported lost (dead, stuck in a collective, or cut off by the network).
+    A rank that stopped on its own error and said so (``report_own_error``) is named with that error,
+    without a wait for it.
     If the store itself does not answer within ``wait_seconds``, the ranks of its host's node
     (``store_host_ranks``: torchrun's node 0) are the ones this rank cannot reach. The wait ends
     early once ``stop_early()`` is true (the launcher is stopping this rank: waiting longer would only
@@ -61,13 +84,24 @@ def report_lost_ranks(
         # torch keeps the store of init_process_group private; it is the only channel left once a rank is gone.
         try:
             store = dist.distributed_c10d._get_default_store()
-            store.set(f"lightning_recsys/survivor/{rank}", "1")
+            store.set(_SURVIVOR_KEY.format(rank=rank), "1")
             deadline = time.monotonic() + wait_seconds
-            missing = [r for r in range(world_size) if not store.check([f"lightning_recsys/survivor/{r}"])]
+            own_errors: dict[int, str] = {}
+
+            def still_missing(ranks: list[int]) -> list[int]:
+                missing = []
+                for r in ranks:
+                    if store.check([_OWN_ERROR_KEY.format(rank=r)]):
+                        own_errors[r] = store.get(_OWN_ERROR_KEY.format(rank=r)).decode(errors="replace")
+                    elif not store.check([_SURVIVOR_KEY.format(rank=r)]):
+                        missing.append(r)
+                return missing
+
+            missing = still_missing(list(range(world_size)))
             while missing and time.monotonic() < deadline and not stopped():
                 time.sleep(0.2)
-                missing = [r for r in missing if not store.check([f"lightning_recsys/survivor/{r}"])]
-            outcome["missing"] = missing
+                missing = still_missing(missing)
+            outcome["missing"], outcome["own_errors"] = missing, own_errors
         except Exception as error:  # noqa: BLE001 - this is a diagnosis; the original error propagates
             outcome["error"] = error
 
@@ -88,14 +122,35 @@ def report_lost_ranks(
             f"unreachable rank(s) {hosts}: the rendezvous store on their node (with rank 0) did not answer within "
             f"{min(wait_seconds, time.monotonic() - started):.0f}s ({why}); that node, or the network link to it, is lost"
         )
-    missing = outcome["missing"]
-    if not missing:
-        return "every rank is still alive; the failure is not a lost rank (see the other ranks' errors)"
-    within = (
-        f"by the time the launcher stopped this rank, {time.monotonic() - started:.1f}s after the failure"
-        if stopped() else f"within {wait_seconds:.0f}s of the failure"
-    )  # fmt: skip
-    return f"lost rank(s) {missing}: they did not check in {within} (dead, stuck in a collective, or cut off by the network)"
+    missing, own_errors = outcome["missing"], outcome["own_errors"]
+    failed = sorted(r for r in own_errors if r != rank)
+    parts = []
+    if failed:
+        errors = "; ".join(f"rank {r}: {own_errors[r]}" for r in failed)
+        parts.append(f"rank(s) {failed} stopped on their own error ({errors}); see their output for the traceback")
+    if missing:
+        within = (
+            f"by the time the launcher stopped this rank, {time.monotonic() - started:.1f}s after the failure"
+            if stopped() else f"within {wait_seconds:.0f}s of the failure"
+        )  # fmt: skip
+        parts.append(f"lost rank(s) {missing}: they did not check in {within} (dead, stuck in a collective, or cut off by the network)")
+    return "; ".join(parts) or "every rank is still alive; the failure is not a lost rank (see the other ranks' errors)"
+
+
+def diagnose_failure(
+    rank: int, world_size: int, error: BaseException, *, wait_seconds: float, store_host_ranks: Sequence[int] = (0,),
+    stop_early: Callable[[], bool] | None = None,
+) -> Optional[str]:
+    """What this rank's ``error`` says about its peers, from the rendezvous store; None when there is nothing to say.
+
+    A failed collective (``looks_like_lost_peer``): which ranks are lost, and which stopped on their own
+    error (``report_lost_ranks``). Any other error that only this rank raised: left on the store for the
+    peers (``report_own_error``), whose collectives fail once this rank exits."""
+    if looks_like_lost_peer(error):
+        return report_lost_ranks(rank, world_size, wait_seconds=wait_seconds, store_host_ranks=store_host_ranks, stop_early=stop_early)
+    if not was_raised_on_every_rank(error):
+        report_own_error(rank, error)
+    return None
 
 
 def destroy_process_group_at_exit() -> None:
